@@ -1,0 +1,287 @@
+"""Everything architecture-specific about a Hugging Face causal LM; the only module that knows
+model families.
+
+:class:`Backbone` wraps an unmodified ``PreTrainedModel`` and exposes what drafters and the
+decode loop need: input embeddings, output head, final norm, hidden and vocab sizes, the
+top-layer features (the hidden state that feeds the output head, i.e. after the final norm),
+the attention layout (sliding windows, per-layer-type masks) and a fingerprint of the weights.
+It runs the model through its public forward only: ``input_ids``, a 4D ``attention_mask``,
+``position_ids`` and a ``Cache``.
+
+At construction it *probes* the model on a few tokens: the logits it rebuilds from the features
+must equal the model's own, and a 4D mask that hides a token must really hide it. A model that
+fails either is refused with :class:`UnsupportedBackboneError` instead of decoding wrongly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
+
+from tree_attention import cache as cache_ops
+from tree_attention.mask import AttentionMask, MaskLayout, additive_mask, prefill_attention_mask
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox", "phi3", "gemma2")
+"""Families covered by the parity tests. Other decoder-only causal LMs are accepted when they pass
+the construction probe, with a log message that they are untested."""
+
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
+_FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f", "final_norm")
+_PROBE_TOLERANCE = 1e-4
+
+
+class UnsupportedBackboneError(TypeError):
+    """The model cannot serve as a target: wrong kind of model, attention kernel or behaviour."""
+
+
+def _causal_lm_class_names() -> set[str]:
+    names: set[str] = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update(value if isinstance(value, (tuple, list)) else (value,))
+    return names
+
+
+def check_causal_lm(model: object) -> None:
+    """Raise :class:`UnsupportedBackboneError` unless ``model`` is a decoder-only causal LM."""
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    if not isinstance(model, PreTrainedModel):
+        raise UnsupportedBackboneError(
+            f"{type(model).__name__} is not a transformers PreTrainedModel; selfdraft drafts for decoder-only "
+            f"causal LMs loaded with AutoModelForCausalLM (tested: {supported})"
+        )
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedBackboneError(
+            f"{type(model).__name__} is an encoder-decoder (seq2seq) model; selfdraft supports decoder-only "
+            f"causal LMs (tested: {supported})"
+        )
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or type(model).__name__ not in _causal_lm_class_names():
+        raise UnsupportedBackboneError(
+            f"{type(model).__name__} (model_type {config.model_type!r}) is not a decoder-only causal LM; "
+            f"load a model with AutoModelForCausalLM (tested: {supported})"
+        )
+
+
+def _final_norm(base: nn.Module) -> nn.Module | None:
+    for name in _FINAL_NORM_NAMES:
+        module = getattr(base, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    return None
+
+
+def attention_layout(config) -> MaskLayout:
+    """Which masks the model's forward expects (see ``tree_attention.mask.MaskLayout``)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kinds = dict.fromkeys(layer_types)
+        unknown = set(kinds) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise UnsupportedBackboneError(
+                f"{config.model_type}: layer types {sorted(unknown)} are not supported "
+                "(only full_attention and sliding_attention layers can take a tree mask)"
+            )
+        return {kind: (window if kind == "sliding_attention" else None) for kind in kinds}
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return int(window)
+    return None
+
+
+@dataclass
+class Backbone:
+    """A frozen causal LM seen through its public API. Implements ``tree_attention.decode.Target``."""
+
+    model: PreTrainedModel
+    base: nn.Module
+    input_embeddings: nn.Embedding
+    output_head: nn.Linear
+    final_norm: nn.Module | None
+    hidden_size: int
+    vocab_size: int
+    layout: MaskLayout
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.output_head.weight.device
+
+    @property
+    def model_type(self) -> str:
+        return self.model.config.model_type
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Output head on top-layer features ``[..., d]`` → ``[..., V]``, with the family's own
+        post-processing (logit soft-capping, logit scaling) applied as the model does."""
+        config = self.model.config
+        logits = self.output_head(features)
+        softcap = getattr(config, "final_logit_softcapping", None)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        scale = getattr(config, "logit_scale", None)  # Cohere multiplies
+        if scale is not None and config.model_type.startswith("cohere"):
+            logits = logits * scale
+        divisor = getattr(config, "logits_scaling", None)  # Granite divides
+        if divisor is not None:
+            logits = logits / divisor
+        return logits
+
+    def features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: AttentionMask,
+                 cache) -> torch.Tensor:
+        """Top-layer features ``[B, T, d]`` (after the final norm); appends ``T`` positions to ``cache``."""
+        keyword = cache_ops.cache_keyword(self.base)
+        outputs = self.base(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+            use_cache=cache is not None, **{keyword: cache},
+        )
+        return outputs.last_hidden_state
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: AttentionMask,
+                cache, logits_rows: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.features(input_ids, position_ids, attention_mask, cache)
+        rows = features[:, -1:] if logits_rows == "last" else features
+        return features, self.logits(rows).float()
+
+    def fingerprint(self) -> dict:
+        return target_fingerprint(self.model)
+
+
+def inspect_backbone(model: PreTrainedModel, probe: bool = True) -> Backbone:
+    """Find the parts of ``model`` that drafting needs and check that tree verification is exact.
+
+    Raises:
+        UnsupportedBackboneError: not a decoder-only causal LM, an attention implementation other
+            than eager or sdpa, no cache support, or a probe failure.
+    """
+    check_causal_lm(model)
+    config = model.config
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise UnsupportedBackboneError(
+            f"attn_implementation {implementation!r} is not supported: tree verification passes a 4D attention "
+            f"mask, which only {ATTENTION_IMPLEMENTATIONS} honour; load the model with attn_implementation='sdpa'"
+        )
+    base = model.base_model
+    output_head = model.get_output_embeddings()
+    input_embeddings = model.get_input_embeddings()
+    if base is model or not isinstance(output_head, nn.Linear) or input_embeddings is None:
+        raise UnsupportedBackboneError(
+            f"{type(model).__name__}: could not find a base model, a linear output head and input embeddings"
+        )
+    cache_ops.cache_keyword(base)  # raises when the forward takes no Cache
+    backbone = Backbone(
+        model=model, base=base, input_embeddings=input_embeddings, output_head=output_head,
+        final_norm=_final_norm(base), hidden_size=int(output_head.in_features),
+        vocab_size=int(output_head.out_features), layout=attention_layout(config),
+    )
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        logger.info("model_type %r is not among the tested architectures %s; relying on the probe",
+                    config.model_type, SUPPORTED_ARCHITECTURES)
+    if probe:
+        probe_backbone(backbone)
+    return backbone
+
+
+@torch.no_grad()
+def probe_backbone(backbone: Backbone, length: int = 6) -> None:
+    """Check on ``length`` tokens that (1) logits rebuilt from features equal the model's own and
+    (2) a 4D mask is honoured: a sequence whose second token is masked out must give the same
+    last-position logits as the sequence without that token."""
+    model = backbone.model
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, backbone.vocab_size, (1, length), generator=generator).to(backbone.device)
+    positions = torch.arange(length, device=backbone.device).unsqueeze(0)
+    was_training = model.training
+    model.eval()
+    try:
+        reference = model(input_ids=ids, use_cache=False).logits.float()
+        mask = prefill_attention_mask(length, backbone.layout, backbone.dtype, backbone.device)
+        features, logits = backbone.forward(ids, positions, mask, None, "all")
+        error = (logits - reference).abs().max().item()
+        if not error <= _PROBE_TOLERANCE * max(1.0, reference.abs().max().item()):
+            raise UnsupportedBackboneError(
+                f"{type(model).__name__}: logits rebuilt from the top-layer features differ from the model's own "
+                f"by {error:.3g}; this family's output head is not understood (please report it)"
+            )
+        # Hide token 1 from everything after it, keep positions: must equal the sequence without token 1.
+        visible = torch.ones(length, length, dtype=torch.bool, device=backbone.device).tril_()
+        visible[2:, 1] = False
+        hidden_mask = additive_mask(visible.unsqueeze(0), backbone.dtype)
+        if isinstance(backbone.layout, dict):
+            hidden_mask = {kind: hidden_mask for kind in backbone.layout}
+        _, masked = backbone.forward(ids, positions, hidden_mask, None, "last")
+        kept = [0] + list(range(2, length))
+        _, dropped = backbone.forward(ids[:, kept], positions[:, kept],
+                                      prefill_attention_mask(length - 1, None, backbone.dtype, backbone.device),
+                                      None, "last")
+        error = (masked - dropped).abs().max().item()
+        if not error <= _PROBE_TOLERANCE * max(1.0, dropped.abs().max().item()):
+            raise UnsupportedBackboneError(
+                f"{type(model).__name__} with attn_implementation "
+                f"{model.config._attn_implementation!r} does not honour a custom 4D attention mask "
+                f"(difference {error:.3g}); tree verification would be wrong"
+            )
+    finally:
+        model.train(was_training)
+
+
+_IDENTITY_IGNORED_KEYS = {
+    "_name_or_path", "_attn_implementation", "_attn_implementation_autoset", "attn_implementation",
+    "torch_dtype", "dtype", "transformers_version", "use_cache", "output_hidden_states", "output_attentions",
+    "return_dict", "_commit_hash", "architectures",
+}
+
+
+def config_hash(config) -> str:
+    """sha256 of the config's architecture-defining fields (load-time settings such as dtype,
+    attention kernel or path are left out)."""
+    data = {k: v for k, v in config.to_dict().items() if k not in _IDENTITY_IGNORED_KEYS}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def weights_fingerprint(model: nn.Module, samples_per_tensor: int = 1024) -> str:
+    """sha256 over a fixed strided sample of every parameter, rounded to bfloat16.
+
+    Cost is ``O(samples_per_tensor)`` per tensor, so it is cheap on large models; the rounding
+    makes fp32, fp16 and bf16 copies of one checkpoint agree in almost all cases.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // samples_per_tensor)
+        sample = flat[::step][:samples_per_tensor].to("cpu", torch.float32).to(torch.bfloat16)
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def target_fingerprint(model: PreTrainedModel) -> dict:
+    """The identity an adapter records about its target."""
+    config = model.config
+    output_head = model.get_output_embeddings()
+    return {
+        "name_or_path": getattr(config, "_name_or_path", "") or "",
+        "model_type": config.model_type,
+        "config_sha256": config_hash(config),
+        "weights_sha256": weights_fingerprint(model),
+        "vocab_size": int(output_head.out_features),
+        "hidden_size": int(output_head.in_features),
+        "dtype": str(output_head.weight.dtype).replace("torch.", ""),
+    }

@@ -1,0 +1,67 @@
+"""Tiny random models of every supported family, built from configs (no downloads), fp32 on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+    Qwen2Config, Qwen2ForCausalLM,
+)
+
+torch.set_num_threads(1)  # the CI machine has 2 cores; a second thread mostly spins
+
+VOCAB = 96
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _llama(tied: bool = False):
+    return LlamaForCausalLM(LlamaConfig(**_COMMON, tie_word_embeddings=tied))
+
+
+BUILDERS = {
+    "llama": _llama,
+    "llama-tied": lambda: _llama(tied=True),
+    # small sliding windows so that prompts + generations cross them
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=12)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_COMMON)),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256)),
+    "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=256)),
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**_COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(
+        **_COMMON, head_dim=8, sliding_window=10, final_logit_softcapping=30.0, pad_token_id=0)),
+}
+ARCHITECTURES = tuple(BUILDERS)
+
+
+def build_model(name: str, seed: int = 0, attn_implementation: str = "sdpa", eos: int | None = None):
+    """A tiny random model of family ``name`` in eval mode, with ``eos`` as its only eos token."""
+    torch.manual_seed(seed)
+    model = BUILDERS[name]()
+    if name == "gemma2":
+        attn_implementation = "eager"  # transformers offers only eager attention for Gemma-2
+    model.set_attn_implementation(attn_implementation)
+    model.eval()
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def random_prompt(length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, length), generator=generator)
+
+
+def greedy_reference(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=max_new_tokens)
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def architecture(request) -> str:
+    return request.param

@@ -1,0 +1,95 @@
+"""The only module that touches ``transformers`` ``Cache`` internals.
+
+Verification appends all ``N`` tree nodes to the cache; afterwards only the accepted path may
+stay. :func:`keep_path` moves the accepted nodes' keys and values to the front of the tree
+region in place (``k`` entries copied per layer, not the whole cache) and drops the rest.
+
+The decode loop builds its own config-less :class:`~transformers.DynamicCache`, whose layers all
+keep the full history; sliding windows are then applied by the mask (see ``mask.py``). A
+sliding-window cache layer cannot be rolled back once it is full, which is why the loop does
+not use the model's default cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+from transformers import Cache, DynamicCache
+
+try:  # transformers 5.x
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # pragma: no cover - older layouts have no layer classes
+    DynamicLayer = None
+
+
+class UnsupportedCacheError(TypeError):
+    """A cache layout whose entries cannot be rearranged after verification."""
+
+
+def new_cache() -> DynamicCache:
+    """An empty cache in which every layer keeps its full history (rollback-safe)."""
+    return DynamicCache()
+
+
+@lru_cache(maxsize=None)
+def _cache_argument_for(forward_class: type) -> str:
+    parameters = inspect.signature(forward_class.forward).parameters
+    if "cache" in parameters:
+        return "cache"
+    if "past_key_values" in parameters:
+        return "past_key_values"
+    raise UnsupportedCacheError(
+        f"{forward_class.__name__}.forward takes neither `cache` nor `past_key_values`; "
+        "selfdraft needs a model whose forward accepts a transformers Cache"
+    )
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """Name of the keyword under which ``module.forward`` takes its ``Cache``."""
+    return _cache_argument_for(type(module))
+
+
+def cache_length(cache: Cache) -> int:
+    return int(cache.get_seq_length())
+
+
+def _layers(cache: Cache):
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise UnsupportedCacheError(f"{type(cache).__name__} has no `layers`; expected a transformers 5 Cache")
+    for layer in layers:
+        if getattr(layer, "is_sliding", False) or (DynamicLayer is not None and not isinstance(layer, DynamicLayer)):
+            raise UnsupportedCacheError(
+                f"cache layer {type(layer).__name__} cannot be rearranged; use tree_attention.cache.new_cache()"
+            )
+        yield layer
+
+
+def crop(cache: Cache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer (views, no copy)."""
+    for layer in _layers(cache):
+        if not layer.is_initialized or layer.keys.numel() == 0:
+            continue
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
+
+
+def keep_path(cache: Cache, prefix_length: int, node_indices: torch.Tensor) -> None:
+    """Keep ``prefix_length`` entries plus the tree nodes ``node_indices`` (``[k]``, increasing).
+
+    Afterwards the cache holds ``prefix_length + k`` positions and entry ``prefix_length + i``
+    is what node ``node_indices[i]`` wrote, as if those tokens had been fed one by one.
+    """
+    count = int(node_indices.numel())
+    contiguous = bool(torch.equal(node_indices, torch.arange(count, device=node_indices.device)))
+    if not contiguous:
+        source = node_indices + prefix_length
+        for layer in _layers(cache):
+            if not layer.is_initialized or layer.keys.numel() == 0:
+                continue
+            # (B, heads, k, head_dim) gathered, then written over the front of the tree region
+            layer.keys[..., prefix_length:prefix_length + count, :] = layer.keys.index_select(-2, source)
+            layer.values[..., prefix_length:prefix_length + count, :] = layer.values.index_select(-2, source)
+    crop(cache, prefix_length + count)

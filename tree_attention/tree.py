@@ -1,0 +1,255 @@
+"""Token trees verified in one target forward.
+
+A tree has ``N`` nodes in topological order: node 0 is the root (the token the target already
+committed and that is not in the cache yet), and every other node's parent has a smaller index.
+Nodes at depth ``d`` sit at position ``prefix_length + d``.
+
+Two layers of description:
+
+* :class:`TreeTemplate` — the shape only (parents, depths) plus, for static trees built from
+  choice lists, which candidate rank at which depth each node takes. Drafters that propose a
+  fixed set of ranked candidates per depth (Medusa heads) fill it with tokens by gathering.
+* :class:`Tree` — a template's shape together with one token per node, what verification reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+Path = tuple[int, ...]
+
+
+class InvalidTreeError(ValueError):
+    """A tree description that cannot be verified (cycle, bad parent, rank beyond top-k...)."""
+
+
+def _check_parents(parents: Sequence[int]) -> None:
+    if len(parents) == 0:
+        raise InvalidTreeError("a tree needs at least the root node; got parents=[]")
+    if parents[0] != -1:
+        raise InvalidTreeError(f"node 0 must be the root (parent -1); got parent {parents[0]}")
+    for index, parent in enumerate(parents[1:], start=1):
+        if not isinstance(parent, int):
+            raise InvalidTreeError(f"parent of node {index} must be an int; got {type(parent).__name__}")
+        if parent < 0 or parent >= index:
+            raise InvalidTreeError(
+                f"parent of node {index} is {parent}: every non-root node needs a parent with a smaller "
+                "index (topological order), which also rules out cycles"
+            )
+
+
+def _depths_from_parents(parents: Sequence[int]) -> list[int]:
+    depths = [0] * len(parents)
+    for index in range(1, len(parents)):
+        depths[index] = depths[parents[index]] + 1
+    return depths
+
+
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """``[N, N]`` bool: entry ``(i, j)`` is True when node ``j`` is ``i`` or an ancestor of ``i``.
+
+    ``parents`` is ``[N]`` long with ``-1`` at the root; nodes are in topological order.
+    """
+    count = parents.numel()
+    ancestors = torch.eye(count, dtype=torch.bool, device=parents.device)
+    for index in range(1, count):
+        ancestors[index] |= ancestors[int(parents[index])]
+    return ancestors
+
+
+@dataclass(frozen=True)
+class TreeTemplate:
+    """Shape of a tree, independent of its tokens.
+
+    Attributes:
+        parents: ``[N]`` long, ``-1`` for the root.
+        depths: ``[N]`` long, 0 for the root.
+        ranks: ``[N]`` long, the candidate rank each node takes at its depth (root: 0).
+        ancestors: ``[N, N]`` bool, see :func:`ancestor_matrix`.
+        paths: the choice list this template was built from (root excluded), in node order.
+    """
+
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ranks: torch.Tensor
+    ancestors: torch.Tensor
+    paths: tuple[Path, ...] = field(default=())
+
+    @property
+    def size(self) -> int:
+        return int(self.parents.numel())
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    @property
+    def max_rank(self) -> int:
+        """Highest candidate rank used at any depth (top-k needed is ``max_rank + 1``)."""
+        return int(self.ranks.max())
+
+    def to(self, device: torch.device | str) -> "TreeTemplate":
+        return TreeTemplate(
+            self.parents.to(device), self.depths.to(device), self.ranks.to(device),
+            self.ancestors.to(device), self.paths,
+        )
+
+    def with_tokens(self, tokens: torch.Tensor) -> "Tree":
+        """Attach one token per node (``[N]`` long) to this shape."""
+        return Tree(tokens=tokens, parents=self.parents, depths=self.depths, ancestors=self.ancestors)
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A token tree ready for verification. All tensors share one device.
+
+    Attributes:
+        tokens: ``[N]`` long, node 0 is the root token.
+        parents: ``[N]`` long, ``-1`` at the root, parents before children.
+        depths: ``[N]`` long.
+        ancestors: ``[N, N]`` bool (self included).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestors: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+    @classmethod
+    def from_parents(cls, tokens: torch.Tensor, parents: Sequence[int]) -> "Tree":
+        """Build and validate a tree from tokens ``[N]`` and a parent list (``-1`` for the root)."""
+        parents = [int(p) for p in parents]
+        _check_parents(parents)
+        if tokens.dim() != 1 or tokens.numel() != len(parents):
+            raise InvalidTreeError(
+                f"tokens must be 1-D with one entry per node ({len(parents)}); got shape {tuple(tokens.shape)}"
+            )
+        parent_tensor = torch.tensor(parents, dtype=torch.long, device=tokens.device)
+        depths = torch.tensor(_depths_from_parents(parents), dtype=torch.long, device=tokens.device)
+        return cls(tokens.long(), parent_tensor, depths, ancestor_matrix(parent_tensor))
+
+
+def from_choices(choices: Iterable[Sequence[int]], top_k: int | None = None,
+                 max_depth: int | None = None) -> TreeTemplate:
+    """Static tree from a Medusa-style choice list.
+
+    Each choice is a path of candidate ranks, one per depth: ``(0, 1)`` means "the top-1 candidate
+    at depth 1, then the second candidate at depth 2 below it". Every prefix of a path must be in
+    the list too. The root is implicit. Nodes are ordered by depth, then by the path.
+
+    Raises:
+        InvalidTreeError: empty or duplicate paths, negative ranks, a rank ``>= top_k``, a path deeper
+            than ``max_depth``, or a path whose parent path is missing.
+    """
+    paths: list[Path] = []
+    for choice in choices:
+        path = tuple(choice)
+        if len(path) == 0:
+            raise InvalidTreeError("empty path in choices: the root is implicit, list only its descendants")
+        for rank in path:
+            if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+                raise InvalidTreeError(f"path {path}: ranks must be non-negative ints")
+            if top_k is not None and rank >= top_k:
+                raise InvalidTreeError(f"path {path}: rank {rank} is beyond top_k={top_k}")
+        if max_depth is not None and len(path) > max_depth:
+            raise InvalidTreeError(f"path {path} has depth {len(path)} but at most {max_depth} is possible")
+        paths.append(path)
+    if len(set(paths)) != len(paths):
+        raise InvalidTreeError("choices contain duplicate paths")
+    known = set(paths)
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in known:
+            raise InvalidTreeError(f"path {path} has no parent: {path[:-1]} is missing from choices")
+    paths.sort(key=lambda p: (len(p), p))
+    index_of = {path: index + 1 for index, path in enumerate(paths)}
+    parents = [-1] + [index_of.get(path[:-1], 0) for path in paths]
+    ranks = [0] + [path[-1] for path in paths]
+    parent_tensor = torch.tensor(parents, dtype=torch.long)
+    return TreeTemplate(
+        parents=parent_tensor,
+        depths=torch.tensor(_depths_from_parents(parents), dtype=torch.long),
+        ranks=torch.tensor(ranks, dtype=torch.long),
+        ancestors=ancestor_matrix(parent_tensor),
+        paths=tuple(paths),
+    )
+
+
+def chain(length: int) -> TreeTemplate:
+    """A single path of ``length`` drafted nodes below the root (``length=0``: no speculation)."""
+    if not isinstance(length, int) or length < 0:
+        raise InvalidTreeError(f"chain length must be a non-negative int; got {length!r}")
+    return from_choices([(0,) * depth for depth in range(1, length + 1)])
+
+
+def best_first_choices(accuracy: Sequence[Sequence[float]], size: int) -> list[Path]:
+    """The ``size`` paths with the highest expected acceptance, as a choice list.
+
+    ``accuracy[d][r]`` is the probability that the rank-``r`` candidate at depth ``d + 1`` is the
+    target's token (given its parent was). A path's value is the product along it; since extending
+    a path never raises its value, taking the best ``size`` paths best-first always yields a closed
+    tree (every prefix present). This is the tree construction of the Medusa paper; it maximises
+    the expected number of accepted tokens for a node budget under the independence assumption.
+    """
+    import heapq
+
+    if size < 0:
+        raise InvalidTreeError(f"tree size must be >= 0; got {size}")
+    depth_count = len(accuracy)
+    chosen: list[Path] = []
+    frontier: list[tuple[float, Path]] = []
+    if depth_count and len(accuracy[0]):
+        frontier.append((-float(accuracy[0][0]), (0,)))
+    while frontier and len(chosen) < size:
+        negative_value, path = heapq.heappop(frontier)
+        chosen.append(path)
+        value = -negative_value
+        depth = len(path)
+        rank = path[-1]
+        level = accuracy[depth - 1]
+        if rank + 1 < len(level):  # next sibling
+            sibling_value = value / max(float(level[rank]), 1e-12) * float(level[rank + 1])
+            heapq.heappush(frontier, (-sibling_value, path[:-1] + (rank + 1,)))
+        if depth < depth_count and len(accuracy[depth]):  # first child
+            heapq.heappush(frontier, (-value * float(accuracy[depth][0]), path + (0,)))
+    return chosen
+
+
+# Prior per-depth, per-rank top-k accuracies for untrained trees. Shape follows what distilled
+# Medusa heads reach (Medusa paper, Vicuna-7B: top-1 0.56/0.32/0.20/0.15 for heads 0-3) with
+# rank-r accuracy decaying geometrically; a trained adapter replaces this with measured values.
+PRIOR_ACCURACY: tuple[tuple[float, ...], ...] = tuple(
+    tuple(top1 * (0.45 ** rank) for rank in range(10)) for top1 in (0.6, 0.4, 0.3, 0.25, 0.2)
+)
+
+DEFAULT_TREE_SIZES = (1, 4, 8, 16, 32, 64)
+
+
+def default_tree(size: int, num_depths: int,
+                 accuracy: Sequence[Sequence[float]] | None = None) -> TreeTemplate:
+    """Default static tree with ``size`` drafted nodes (root excluded) over ``num_depths`` depths.
+
+    Built best-first from ``accuracy`` (per depth, per rank; defaults to :data:`PRIOR_ACCURACY`).
+    """
+    table = list(accuracy if accuracy is not None else PRIOR_ACCURACY)[:num_depths]
+    if len(table) < num_depths:
+        raise InvalidTreeError(f"accuracy table covers {len(table)} depths, {num_depths} needed")
+    return from_choices(best_first_choices(table, size))
+
+
+def truncate_depth(tree: Tree, max_depth: int) -> Tree:
+    """The subtree of nodes at depth ``<= max_depth`` (node order and root kept)."""
+    if int(tree.depths.max()) <= max_depth:
+        return tree
+    keep = torch.nonzero(tree.depths <= max_depth, as_tuple=False).flatten()
+    new_index = torch.full((tree.size,), -1, dtype=torch.long, device=tree.tokens.device)
+    new_index[keep] = torch.arange(keep.numel(), device=keep.device)
+    parents = tree.parents[keep]
+    parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+    return Tree(tree.tokens[keep], parents, tree.depths[keep], tree.ancestors[keep][:, keep])
