@@ -1,0 +1,33 @@
+# Set-up and entry points. Every target creates .venv from nothing when it is missing.
+# torch is installed on its own first: TORCH_SPEC defaults to the CPU wheel that lies on this
+# kind of machine; GPU users set e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.selfdraft-installed
+# the CI machine has two cores; one intra-op thread per process avoids spinning on a busy core
+THREADS ?= 1
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e ".[test,plot]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest
+
+demo: $(STAMP)
+	$(BIN)/python benchmarks/demo.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,133 @@
+"""Tree mask, position ids and the kept cache against plain sequential forwards (logits compared)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from heads.backbone import inspect_backbone
+from tests.conftest import ARCHITECTURES, VOCAB, build_model, random_prompt
+from tree_attention import cache as cache_ops
+from tree_attention.mask import (
+    additive_mask, prefill_attention_mask, tree_attention_mask, tree_position_ids, tree_visibility,
+)
+from tree_attention.tree import Tree, from_choices
+from tree_attention.verify import Acceptance
+
+CHOICES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0)]
+IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def _prefill(target, prompt):
+    cache = cache_ops.new_cache()
+    length = prompt.shape[1]
+    mask = prefill_attention_mask(length, target.layout, target.dtype, prompt.device)
+    target.forward(prompt, torch.arange(length)[None], mask, cache, "last")
+    return cache
+
+
+def _random_tree(seed: int) -> Tree:
+    template = from_choices(CHOICES)
+    generator = torch.Generator().manual_seed(seed)
+    return template.with_tokens(torch.randint(3, VOCAB, (template.size,), generator=generator))
+
+
+def _path_tokens(tree: Tree, node: int) -> list[int]:
+    nodes = torch.nonzero(tree.ancestors[node]).flatten()
+    return tree.tokens[nodes].tolist()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_tree_logits_equal_per_branch_sequential_logits(name, implementation):
+    """Every node's logits in the tree forward equal a plain causal forward over prefix + its path."""
+    model = build_model(name, attn_implementation=implementation)
+    target = inspect_backbone(model)
+    prompt = random_prompt(15, seed=4)  # longer than the sliding windows of the tiny Mistral/Gemma-2
+    cache = _prefill(target, prompt)
+    tree = _random_tree(seed=5)
+    mask = tree_attention_mask(15, tree.ancestors, tree.depths, target.layout, target.dtype)
+    _, logits = target.forward(tree.tokens[None], tree_position_ids(15, tree.depths), mask, cache, "all")
+    for node in range(tree.size):
+        sequence = torch.cat([prompt[0], torch.tensor(_path_tokens(tree, node))])[None]
+        with torch.no_grad():
+            expected = model(sequence).logits[0, -1]
+        torch.testing.assert_close(logits[0, node], expected, rtol=1e-4, atol=1e-4, msg=f"{name} node {node}")
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_kept_cache_equals_sequential_cache(name):
+    """After keeping a non-contiguous path, the cache equals the cache of feeding that path in order,
+    and the next forward on it gives the logits of a full sequential forward."""
+    model = build_model(name)
+    target = inspect_backbone(model)
+    prompt = random_prompt(13, seed=6)
+    cache = _prefill(target, prompt)
+    tree = _random_tree(seed=7)
+    mask = tree_attention_mask(13, tree.ancestors, tree.depths, target.layout, target.dtype)
+    target.forward(tree.tokens[None], tree_position_ids(13, tree.depths), mask, cache, "all")
+    node = tree.size - 3  # a deep node not at the end of the node order
+    path = torch.nonzero(tree.ancestors[node]).flatten()
+    assert not torch.equal(path, torch.arange(path.numel()))
+    cache_ops.keep_path(cache, 13, path)
+    kept = path.numel()
+    assert cache_ops.cache_length(cache) == 13 + kept
+
+    sequence = torch.cat([prompt[0], tree.tokens[path]])[None]
+    reference_cache = _prefill(target, sequence)
+    for layer, reference_layer in zip(cache.layers, reference_cache.layers):
+        torch.testing.assert_close(layer.keys, reference_layer.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer.values, reference_layer.values, rtol=1e-4, atol=1e-5)
+
+    next_token = torch.tensor([[5]])
+    position = 13 + kept
+    step_mask = tree_attention_mask(position, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+                                    target.layout, target.dtype)
+    _, logits = target.forward(next_token, torch.tensor([[position]]), step_mask, cache, "all")
+    with torch.no_grad():
+        expected = model(torch.cat([sequence, next_token], dim=1)).logits[0, -1]
+    torch.testing.assert_close(logits[0, 0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_cache_does_not_grow_across_steps():
+    model = build_model("llama")
+    target = inspect_backbone(model)
+    cache = _prefill(target, random_prompt(4, seed=1))
+    for step in range(5):
+        tree = _random_tree(seed=step)
+        prefix = cache_ops.cache_length(cache)
+        mask = tree_attention_mask(prefix, tree.ancestors, tree.depths, target.layout, target.dtype)
+        target.forward(tree.tokens[None], tree_position_ids(prefix, tree.depths), mask, cache, "all")
+        cache_ops.keep_path(cache, prefix, torch.tensor([0, 2]))
+        assert all(layer.keys.shape[-2] == prefix + 2 for layer in cache.layers)
+
+
+def test_tree_visibility_and_positions():
+    tree = from_choices([(0,), (1,), (0, 0)])  # nodes: root, (0,), (1,), (0,0)
+    visible = tree_visibility(2, tree.ancestors)[0].int().tolist()
+    assert visible == [
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 0, 1, 0],
+        [1, 1, 1, 1, 0, 1],
+    ]
+    assert tree_position_ids(2, tree.depths).tolist() == [[2, 3, 3, 4]]
+
+
+def test_sliding_window_in_the_mask():
+    mask = tree_attention_mask(4, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+                               3, torch.float32)
+    # query at position 4 sees keys 2, 3, 4 (q - k < 3)
+    assert (mask[0, 0, 0] == 0).tolist() == [False, False, True, True, True]
+    layered = tree_attention_mask(4, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+                                  {"full_attention": None, "sliding_attention": 3}, torch.float32)
+    assert (layered["full_attention"] == 0).all()
+    torch.testing.assert_close(layered["sliding_attention"], mask)
+
+
+def test_additive_mask_values():
+    mask = additive_mask(torch.tensor([[[True, False]]]), torch.float16)
+    assert mask.dtype == torch.float16 and mask.shape == (1, 1, 1, 2)
+    assert mask[0, 0, 0, 0] == 0 and mask[0, 0, 0, 1] == torch.finfo(torch.float16).min

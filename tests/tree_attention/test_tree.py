@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tree_attention.tree import (
+    DEFAULT_TREE_SIZES, PRIOR_ACCURACY, InvalidTreeError, Tree, best_first_choices, chain, default_tree,
+    from_choices, truncate_depth,
+)
+from tree_attention.verify import greedy_accept
+
+
+def test_from_choices_orders_by_depth_and_links_parents():
+    template = from_choices([(1,), (0, 0), (0,), (1, 0)])
+    assert template.paths == ((0,), (1,), (0, 0), (1, 0))
+    assert template.parents.tolist() == [-1, 0, 0, 1, 2]
+    assert template.depths.tolist() == [0, 1, 1, 2, 2]
+    assert template.ranks.tolist() == [0, 0, 1, 0, 0]
+
+
+def test_chain():
+    template = chain(3)
+    assert template.parents.tolist() == [-1, 0, 1, 2]
+    assert chain(0).size == 1
+
+
+@pytest.mark.parametrize("choices, message", [
+    ([(0, 1)], "no parent"),
+    ([(0,), (0,)], "duplicate"),
+    ([()], "empty path"),
+    ([(-1,)], "non-negative"),
+    ([(0,), (0, 5)], "beyond top_k"),
+    ([(0,), (0, 0), (0, 0, 0)], "depth 3"),
+])
+def test_invalid_choices(choices, message):
+    with pytest.raises(InvalidTreeError, match=message):
+        from_choices(choices, top_k=4, max_depth=2)
+
+
+@pytest.mark.parametrize("parents, message", [
+    ([], "at least the root"),
+    ([0, 0], "root"),
+    ([-1, 1], "smaller index"),  # self-loop
+    ([-1, 2, 1], "smaller index"),  # cycle 1 -> 2 -> 1
+    ([-1, -1], "smaller index"),  # second root
+])
+def test_invalid_parents(parents, message):
+    with pytest.raises(InvalidTreeError, match=message):
+        Tree.from_parents(torch.zeros(len(parents), dtype=torch.long), parents)
+
+
+def test_tokens_must_match_parents():
+    with pytest.raises(InvalidTreeError, match="one entry per node"):
+        Tree.from_parents(torch.zeros(3, dtype=torch.long), [-1, 0])
+
+
+@pytest.mark.parametrize("size", DEFAULT_TREE_SIZES)
+def test_default_trees_have_the_requested_size(size):
+    template = default_tree(size, 4)
+    assert template.size == size + 1
+    assert template.max_depth <= 4
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=5), min_size=1, max_size=5),
+       st.integers(0, 60))
+def test_best_first_choices_are_closed_and_best(accuracy, size):
+    accuracy = [sorted(level, reverse=True) for level in accuracy]
+    choices = best_first_choices(accuracy, size)
+    known = set(choices)
+    assert len(known) == len(choices) <= size
+    assert all(len(path) == 1 or path[:-1] in known for path in choices)
+    from_choices(choices)  # valid tree
+
+    def value(path):
+        result = 1.0
+        for depth, rank in enumerate(path):
+            result *= accuracy[depth][rank]
+        return result
+
+    values = [value(p) for p in choices]
+    assert values == sorted(values, reverse=True) or all(abs(a - b) < 1e-9 for a, b in zip(values, sorted(values, reverse=True)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=0, max_size=30), st.integers(0, 4))
+def test_ancestors_and_truncation_on_random_trees(raw_parents, max_depth):
+    parents = [-1] + [value % (index + 1) for index, value in enumerate(raw_parents)]
+    tree = Tree.from_parents(torch.arange(len(parents)), parents)
+    for node in range(tree.size):  # ancestors = walking up the parent chain
+        walk, current = {node}, node
+        while parents[current] >= 0:
+            current = parents[current]
+            walk.add(current)
+        assert set(torch.nonzero(tree.ancestors[node]).flatten().tolist()) == walk
+    small = truncate_depth(tree, max_depth)
+    assert int(small.depths.max()) <= max_depth
+    rebuilt = Tree.from_parents(small.tokens, small.parents.tolist())
+    assert torch.equal(rebuilt.ancestors, small.ancestors)
+    # tokens double as original indices: each kept node keeps its original parent
+    for node in range(1, small.size):
+        assert parents[int(small.tokens[node])] == int(small.tokens[small.parents[node]])
+
+
+def test_greedy_accept_crafted_logits():
+    template = from_choices([(0,), (1,), (0, 0), (1, 0), (1, 0, 0)])
+    # nodes: 0 root, 1 (0,), 2 (1,), 3 (0,0), 4 (1,0), 5 (1,0,0)
+    tokens = torch.tensor([7, 3, 4, 5, 6, 8])
+    tree = template.with_tokens(tokens)
+    logits = torch.full((6, 10), -5.0)
+    argmax = {0: 4, 1: 5, 2: 6, 3: 1, 4: 9, 5: 2}  # root→4 (node 2), node 2→6 (node 4), node 4→9 (≠8)
+    for node, token in argmax.items():
+        logits[node, token] = 5.0
+    acceptance = greedy_accept(tree, logits)
+    assert acceptance.path.tolist() == [0, 2, 4]
+    assert acceptance.next_token == 9
+    assert acceptance.accepted_drafts == 2
+
+
+def test_greedy_accept_nothing():
+    tree = from_choices([(0,), (1,)]).with_tokens(torch.tensor([1, 2, 3]))
+    logits = torch.zeros(3, 5)
+    logits[0, 4] = 1.0
+    acceptance = greedy_accept(tree, logits)
+    assert acceptance.path.tolist() == [0] and acceptance.next_token == 4
+
+
+def test_prior_accuracy_is_decreasing():
+    for level in PRIOR_ACCURACY:
+        assert list(level) == sorted(level, reverse=True)
