@@ -65,3 +65,32 @@ def greedy_reference(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.
 @pytest.fixture(params=ARCHITECTURES)
 def architecture(request) -> str:
     return request.param
+
+
+def progression_batch(count: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """Arithmetic progressions mod VOCAB (stride 1-3, random start): a language a tiny model can learn."""
+    starts = torch.randint(3, VOCAB, (count, 1), generator=generator)
+    strides = torch.randint(1, 4, (count, 1), generator=generator)
+    return 3 + (starts - 3 + strides * torch.arange(length)) % (VOCAB - 3)
+
+
+def train_toy_target(steps: int = 150, seed: int = 0):
+    """A tiny Llama trained for a few seconds on progressions: its greedy continuations are
+    predictable, so draft heads can learn them (random weights give near-unlearnable loops)."""
+    model = build_model("llama", seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        batch = progression_batch(32, 24, generator)
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def toy_target():
+    return train_toy_target()
