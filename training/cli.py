@@ -1,22 +1,216 @@
-"""The ``selfdraft`` command line."""
+"""The ``selfdraft`` command line: ``train`` and ``bench`` (``check`` and ``export`` arrive with the
+adapter-interop capability).
+
+Multi-process training runs the same command under accelerate, e.g.
+``accelerate launch --num_processes 2 -m training.cli train ...`` (add ``--cpu`` on a CPU machine).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+from pathlib import Path
+
+logger = logging.getLogger("selfdraft")
+
+
+def _load_model(directory: str, dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
+    model.eval()
+    return model, tokenizer
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    if path:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_suffix(target.suffix + ".tmp")
+        temporary.write_text(json.dumps(payload, indent=2) + "\n")
+        temporary.replace(target)
+
+
+def add_train_parser(commands) -> None:
+    parser = commands.add_parser(
+        "train", help="distil draft heads against a frozen model",
+        description="Distil Medusa heads against a frozen causal LM on its own continuations of the given prompts "
+                    "(self-distillation), evaluate tau on held-out prompts and save the adapter.",
+    )
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory (or hub id)")
+    parser.add_argument("--kind", choices=("medusa", "eagle"), default="medusa", help="drafter kind")
+    parser.add_argument("--data", required=True,
+                        help="prompts: jsonl ({'prompt'}, {'text'} or ShareGPT {'conversations'}) or plain text")
+    parser.add_argument("--out", required=True, help="adapter directory to write")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step, all processes")
+    parser.add_argument("--gradient-accumulation", type=int, default=1, help="micro-steps per optimizer step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of AdamW (default 1e-3)")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps before cosine decay")
+    parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="fp32 or bf16 autocast")
+    parser.add_argument("--divergence", choices=("fkl", "rkl", "jsd", "tvd", "ce"), default="fkl",
+                        help="divergence between head and target distributions (default forward KL)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="temperature of both distributions in the divergence; match the serving temperature")
+    parser.add_argument("--hard-label-weight", type=float, default=0.0,
+                        help="weight of plain cross-entropy to the target's tokens, added to the divergence")
+    parser.add_argument("--num-heads", type=int, default=4, help="Medusa heads (head k predicts token t+k+2)")
+    parser.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    parser.add_argument("--share-lm-head", action="store_true", help="reuse the frozen output head in every head")
+    parser.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="length of the target's continuation generated per prompt (distillation data)")
+    parser.add_argument("--data-temperature", type=float, default=0.0,
+                        help="temperature of the target's continuations (0: greedy, for greedy serving)")
+    parser.add_argument("--original-text", action="store_true",
+                        help="train on the prompts' original text instead of the target's continuations")
+    parser.add_argument("--max-length", type=int, default=256, help="token length of each training sequence")
+    parser.add_argument("--generation-batch-size", type=int, default=8, help="prompts per generate call")
+    parser.add_argument("--cache-dir", default=".selfdraft-cache", help="where generated data is cached")
+    parser.add_argument("--checkpoint-dir", default=None, help="directory for resumable checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    parser.add_argument("--eval-data", default=None, help="held-out prompts for the final tau evaluation")
+    parser.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts to evaluate (0: skip)")
+    parser.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens per evaluation prompt")
+    parser.add_argument("--seed", type=int, default=0, help="seed of batches and sampled data")
+    parser.add_argument("--json", default=None, help="write the training summary to this JSON file")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(handler=run_train)
+
+
+def run_train(args) -> int:
+    import torch
+    from accelerate import Accelerator
+
+    import heads
+    from .data import generate_distillation_data, load_prompts, text_sequences
+    from .evaluate import encode_prompts, measure
+    from .trainer import MedusaTrainer, TrainConfig
+
+    if args.kind != "medusa":
+        raise SystemExit("selfdraft train: --kind eagle is not available yet (the EAGLE drafter is a separate capability)")
+    config = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, gradient_accumulation=args.gradient_accumulation,
+        learning_rate=args.lr, warmup_steps=args.warmup_steps, mixed_precision=args.mixed_precision,
+        divergence=args.divergence, temperature=args.temperature, hard_label_weight=args.hard_label_weight,
+        seed=args.seed, checkpoint_every=args.checkpoint_every,
+    )
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    model, tokenizer = _load_model(args.model)
+    prompts = load_prompts(args.data, tokenizer)[: args.max_prompts]
+    target_id = heads.backbone.target_fingerprint(model)["weights_sha256"]
+    with accelerator.main_process_first():  # main generates and caches, the others read the cache
+        if args.original_text:
+            sequences = text_sequences(tokenizer, prompts, args.max_length)
+        else:
+            sequences = generate_distillation_data(
+                model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, temperature=args.data_temperature,
+                seed=args.seed, cache_dir=args.cache_dir, target_id=target_id,
+                batch_size=args.generation_batch_size, progress=not args.no_progress and accelerator.is_main_process,
+                max_prompt_tokens=max(1, args.max_length - args.max_new_tokens), truncate=True,
+            )
+    sequences = [sequence[: args.max_length] for sequence in sequences if sequence.numel() > 2]
+    spec = heads.attach_heads(model, kind="medusa", num_heads=args.num_heads, num_layers=args.num_layers,
+                              share_lm_head=args.share_lm_head)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    trainer = MedusaTrainer(spec, sequences, config, pad_id=pad_id, checkpoint_dir=args.checkpoint_dir,
+                            progress=not args.no_progress, accelerator=accelerator)
+    result = trainer.train(resume=args.resume)
+    summary = {"final_loss": result.losses[-1] if result.losses else None, **result.to_dict()}
+    if accelerator.is_main_process:
+        acceptance = {}
+        if args.eval_prompts:
+            eval_path = args.eval_data or args.data
+            eval_prompts = encode_prompts(tokenizer, load_prompts(eval_path, tokenizer), args.eval_prompts)
+            report = measure(spec, eval_prompts, args.eval_max_new_tokens, plain=False)
+            acceptance[Path(eval_path).stem] = {
+                "tau": report.tau, "acceptance_by_position": report.acceptance_by_position,
+                "prompts": report.prompts, "max_new_tokens": args.eval_max_new_tokens,
+                "tokens_per_s_spec": report.tokens_per_s_spec,
+            }
+            summary["eval"] = acceptance
+            logger.info("held-out tau %.3f on %s", report.tau, eval_path)
+        recipe = {
+            "data": str(args.data), "prompts": len(prompts), "divergence": args.divergence,
+            "temperature": args.temperature, "data_temperature": args.data_temperature,
+            "on_policy": False, "original_text": args.original_text, "steps": args.steps,
+            "config": config.__dict__, "processes": accelerator.num_processes,
+        }
+        spec.save_pretrained(args.out, training=recipe, acceptance=acceptance)
+        _write_json(args.json, summary)
+        print(f"saved adapter to {args.out}; final loss {summary['final_loss']:.4f}")
+    accelerator.wait_for_everyone()
+    return 0
+
+
+def add_bench_parser(commands) -> None:
+    parser = commands.add_parser(
+        "bench", help="speculative vs plain generation on your prompts",
+        description="Generate greedily with and without the adapter on the same prompts in one process; print "
+                    "tokens/s each way, speedup, tau (tokens per target forward, bonus included) and acceptance by "
+                    "position, and check the outputs are identical.",
+    )
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory (or hub id)")
+    parser.add_argument("--adapter", required=True, help="adapter directory written by `selfdraft train`")
+    parser.add_argument("--data", required=True, help="prompts (jsonl or plain text)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    parser.add_argument("--prompts", type=int, default=10, help="number of prompts to use")
+    parser.add_argument("--tree", type=int, default=None, help="default tree of this many drafted nodes")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (0: greedy; sampling arrives with lossless speculative sampling)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    parser.set_defaults(handler=run_bench)
+
+
+def run_bench(args) -> int:
+    import torch
+
+    import heads
+    from .data import load_prompts
+    from .evaluate import encode_prompts, measure
+
+    if args.temperature != 0:
+        raise SystemExit("selfdraft bench: --temperature > 0 needs lossless speculative sampling, not available yet")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = _load_model(args.model)
+    spec = heads.load_heads(model, args.adapter)
+    if args.tree is not None:
+        spec.set_tree(args.tree)
+    prompts = encode_prompts(tokenizer, load_prompts(args.data, tokenizer), args.prompts)
+    report = measure(spec, prompts, args.max_new_tokens)
+    rows = [
+        ("tokens/s plain", f"{report.tokens_per_s_plain:.1f}"), ("tokens/s speculative", f"{report.tokens_per_s_spec:.1f}"),
+        ("speedup (median)", f"{report.speedup:.2f}x"), ("tau", f"{report.tau:.2f}"),
+        ("acceptance by position", " ".join(f"{a:.2f}" for a in report.acceptance_by_position)),
+        ("identical to generate", str(report.identical)), ("tree nodes", str(report.tree_size)),
+    ]
+    for name, value in rows:
+        print(f"{name:<24} {value}")
+    _write_json(args.json, report.to_dict())
+    return 0 if report.identical else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="selfdraft",
         description="Make a frozen Hugging Face causal LM draft for itself: train draft heads by self-distillation, "
-                    "benchmark them, check them against a changed target, export them.",
+                    "benchmark them against plain generation.",
     )
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_train_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
