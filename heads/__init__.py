@@ -15,9 +15,8 @@ from tree_attention.tree import InvalidTreeError
 from .adapter import AdapterError, TargetMismatchError, load_heads
 from .backbone import SUPPORTED_ARCHITECTURES, Backbone, UnsupportedBackboneError, inspect_backbone
 from .medusa import MedusaConfig, MedusaHeads
-from .model import SpeculativeModel, build_medusa
+from .model import KINDS as _KINDS, SpeculativeModel, build_spec
 
-KINDS = ("medusa", "eagle")
 
 __all__ = [
     "attach_heads", "load_heads", "SpeculativeModel", "MedusaConfig", "MedusaHeads", "DecodeStats",
@@ -40,11 +39,11 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", num_heads: int = 
 
     The backbone's parameters get ``requires_grad=False``; its outputs are unchanged.
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
-    if kind == "eagle":
+    if kind == "eagle" and kind not in _KINDS:
         raise NotImplementedError("kind='eagle': the EAGLE drafter is a separate capability not available yet")
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {tuple(_KINDS)}; got {kind!r}")
     target = inspect_backbone(model)
     model.requires_grad_(False)
     config = MedusaConfig(num_heads=num_heads, num_layers=num_layers, share_lm_head=share_lm_head, tree=tree)
-    return build_medusa(model, target, config)
+    return build_spec(target, kind, config)

@@ -23,7 +23,6 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from .backbone import inspect_backbone, target_fingerprint
-from .medusa import MedusaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +130,7 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
             with ``strict=False`` a warning is issued instead).
         AdapterError: missing, corrupt or mis-shaped files.
     """
-    from .model import build_medusa
+    from .model import KINDS, build_spec
 
     config = read_config(directory)
     current = target_fingerprint(model)
@@ -143,13 +142,13 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
         if strict:
             raise TargetMismatchError(message)
         warnings.warn(message, stacklevel=2)
-    if config["kind"] != "medusa":
-        raise AdapterError(f"{directory}: kind {config['kind']!r} is not supported by this version")
+    if config["kind"] not in KINDS:
+        raise AdapterError(f"{directory}: kind {config['kind']!r} is not supported (known: {tuple(KINDS)})")
     try:
-        drafter_config = MedusaConfig(**config["drafter"])
-    except TypeError as error:
+        drafter_config = KINDS[config["kind"]].config_class(**config["drafter"])
+    except (TypeError, ValueError) as error:
         raise AdapterError(f"{directory}: bad drafter hyper-parameters: {error}") from error
-    spec = build_medusa(model, inspect_backbone(model), drafter_config, config.get("tree_accuracy"))
+    spec = build_spec(inspect_backbone(model), config["kind"], drafter_config, config.get("tree_accuracy"))
     tensors = read_weights(directory)
     expected = spec.heads.state_dict()
     missing = sorted(set(expected) - set(tensors))

@@ -134,6 +134,9 @@ class MedusaDrafter:
         nodes = self.template.depths[1:]
         self._candidate_index = (nodes - 1) * self.top_k + self.template.ranks[1:]
 
+    def reset(self) -> None:
+        """Medusa heads keep no state between steps."""
+
     @torch.no_grad()
     def propose(self, features: torch.Tensor, tokens: torch.Tensor, root: int) -> Tree:
         template = self.template

@@ -4,7 +4,8 @@ what the backbone's own ``generate`` returns."""
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -15,6 +16,31 @@ from tree_attention.tree import TreeTemplate
 
 from .backbone import Backbone
 from .medusa import MedusaConfig, MedusaDrafter, MedusaHeads, resolve_tree
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """How to build one kind of drafter: its config class, its trainable module and the object
+    that proposes trees during decoding (``tree_attention.decode.Drafter``)."""
+
+    config_class: type
+    build_heads: Callable[[Backbone, object], nn.Module]
+    build_drafter: Callable[["SpeculativeModel", object], object]
+
+
+def _medusa_heads(target: Backbone, config: MedusaConfig) -> nn.Module:
+    return MedusaHeads(config, target.hidden_size, target.vocab_size,
+                       None if config.share_lm_head else target.output_head)
+
+
+def _medusa_drafter(spec: "SpeculativeModel", tree) -> MedusaDrafter:
+    template = resolve_tree(tree if tree is not None else spec.config.tree, spec.config.num_heads, spec.accuracy)
+    return MedusaDrafter(spec.heads, template, spec.shared_logits if spec.config.share_lm_head else None)
+
+
+KINDS: dict[str, DrafterKind] = {
+    "medusa": DrafterKind(MedusaConfig, _medusa_heads, _medusa_drafter),
+}
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +92,7 @@ class SpeculativeModel:
         last_stats: :class:`~tree_attention.decode.DecodeStats` of the last ``generate``.
     """
 
-    def __init__(self, target: Backbone, heads: nn.Module, kind: str, config: MedusaConfig,
+    def __init__(self, target: Backbone, heads: nn.Module, kind: str, config,
                  accuracy: Sequence[Sequence[float]] | None = None) -> None:
         self.target = target
         self.backbone = target.model
@@ -80,19 +106,24 @@ class SpeculativeModel:
 
     @property
     def tree(self) -> TreeTemplate:
+        """The static tree template (Medusa)."""
         return self._drafter.template
+
+    @property
+    def drafter(self):
+        """The object that proposes one tree per step (``tree_attention.decode.Drafter``)."""
+        return self._drafter
 
     def shared_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.logits(hidden)
 
-    def set_tree(self, tree: Sequence[Sequence[int]] | int | None) -> None:
-        """Use a choice list or a default tree of ``tree`` drafted nodes (None: the configured one).
+    def set_tree(self, tree=None) -> None:
+        """Choose the verification tree (None: the configured one).
 
-        Default trees are built from the accuracies measured for these heads when known.
+        Medusa: a choice list or a default tree of ``tree`` drafted nodes, built from the accuracies
+        measured for these heads when known.
         """
-        template = resolve_tree(tree if tree is not None else self.config.tree, self.config.num_heads, self.accuracy)
-        self._drafter = MedusaDrafter(self.heads, template,
-                                      self.shared_logits if self.config.share_lm_head else None)
+        self._drafter = KINDS[self.kind].build_drafter(self, tree)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -129,9 +160,11 @@ class SpeculativeModel:
         save_adapter(self, directory, **metadata)
 
 
-def build_medusa(model: PreTrainedModel, target: Backbone, config: MedusaConfig,
-                 accuracy: Sequence[Sequence[float]] | None = None) -> SpeculativeModel:
-    heads = MedusaHeads(config, target.hidden_size, target.vocab_size,
-                        None if config.share_lm_head else target.output_head)
+def build_spec(target: Backbone, kind: str, config,
+               accuracy: Sequence[Sequence[float]] | None = None) -> SpeculativeModel:
+    """A fresh drafter of ``kind`` on ``target``, on the backbone's device and dtype."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {tuple(KINDS)}; got {kind!r}")
+    heads = KINDS[kind].build_heads(target, config)
     heads.to(device=target.device, dtype=target.dtype)
-    return SpeculativeModel(target, heads, "medusa", config, accuracy)
+    return SpeculativeModel(target, heads, kind, config, accuracy)

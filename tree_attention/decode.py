@@ -35,6 +35,9 @@ class Target(Protocol):
 class Drafter(Protocol):
     """Proposes one tree per step."""
 
+    def reset(self) -> None:
+        """Forget any state from an earlier sequence (called once per ``generate``)."""
+
     def propose(self, features: torch.Tensor, tokens: torch.Tensor, root: int) -> Tree:
         """A tree whose node 0 holds ``root``.
 
@@ -105,6 +108,7 @@ def speculative_generate(target: Target, drafter: Drafter, input_ids: torch.Tens
     if max_new_tokens == 0:
         return input_ids.clone(), stats
     device = input_ids.device
+    drafter.reset()
     cache = cache_ops.new_cache()
     positions = torch.arange(prompt_length, device=device).unsqueeze(0)
     mask = prefill_attention_mask(prompt_length, target.layout, target.dtype, device)

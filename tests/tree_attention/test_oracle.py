@@ -22,6 +22,9 @@ class OracleDrafter:
         self.generator = torch.Generator().manual_seed(seed)
         self.top_k = template.max_rank + 1
 
+    def reset(self):
+        self.seen = 0
+
     def propose(self, features, tokens, root):
         self.seen += tokens.shape[1]
         root_position = self.seen  # index of root in the reference sequence
