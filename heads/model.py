@@ -4,6 +4,7 @@ what the backbone's own ``generate`` returns."""
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -15,6 +16,8 @@ from tree_attention.decode import DecodeStats, speculative_generate
 from tree_attention.tree import TreeTemplate
 
 from .backbone import Backbone
+from .eagle import EagleConfig, EagleDrafter, EagleHeads
+from .generation import acceptance_rule
 from .medusa import MedusaConfig, MedusaDrafter, MedusaHeads, resolve_tree
 
 
@@ -26,6 +29,8 @@ class DrafterKind:
     config_class: type
     build_heads: Callable[[Backbone, object], nn.Module]
     build_drafter: Callable[["SpeculativeModel", object], object]
+    target_view: Callable[[Backbone, object], Backbone] | None = None
+    """The view of the backbone the decode loop runs (e.g. one returning more layers as features)."""
 
 
 def _medusa_heads(target: Backbone, config: MedusaConfig) -> nn.Module:
@@ -38,8 +43,17 @@ def _medusa_drafter(spec: "SpeculativeModel", tree) -> MedusaDrafter:
     return MedusaDrafter(spec.heads, template, spec.shared_logits if spec.config.share_lm_head else None)
 
 
+def _eagle_drafter(spec: "SpeculativeModel", tree) -> EagleDrafter:
+    return EagleDrafter(spec.heads, spec.target, spec.config.with_tree(tree))
+
+
+def _eagle_view(target: Backbone, config: EagleConfig) -> Backbone:
+    return target.with_feature_layers(config.feature_layers)
+
+
 KINDS: dict[str, DrafterKind] = {
     "medusa": DrafterKind(MedusaConfig, _medusa_heads, _medusa_drafter),
+    "eagle": DrafterKind(EagleConfig, EagleHeads, _eagle_drafter, _eagle_view),
 }
 
 logger = logging.getLogger(__name__)
@@ -52,6 +66,19 @@ def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
     if isinstance(eos, torch.Tensor):
         eos = eos.tolist()
     return frozenset([eos] if isinstance(eos, int) else [int(token) for token in eos])
+
+
+@contextmanager
+def _evaluation(module: nn.Module):
+    """Eval mode inside the block, the previous mode after (no recursion when already in eval)."""
+    was_training = module.training
+    if was_training:
+        module.eval()
+    try:
+        yield
+    finally:
+        if was_training:
+            module.train()
 
 
 def check_generate_inputs(input_ids, attention_mask, max_new_tokens) -> None:
@@ -121,35 +148,35 @@ class SpeculativeModel:
         """Choose the verification tree (None: the configured one).
 
         Medusa: a choice list or a default tree of ``tree`` drafted nodes, built from the accuracies
-        measured for these heads when known.
+        measured for these heads when known. EAGLE: a dynamic tree of ``tree`` drafted nodes
+        (``total_tokens``), or a mapping of ``depth``/``top_k``/``total_tokens`` overrides.
         """
         self._drafter = KINDS[self.kind].build_drafter(self, tree)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 128, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+                 top_k: int | None = None, top_p: float | None = None,
+                 generator: torch.Generator | None = None, acceptance: str = "auto",
+                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> torch.Tensor:
         """Speculative generation; ``[1, prompt + new]`` ids, what ``backbone.generate`` returns.
 
+        ``do_sample=False``: token-identical to ``backbone.generate(do_sample=False)``.
+        ``do_sample=True``: lossless speculative sampling; the output follows the distribution of
+        ``backbone.generate(do_sample=True, temperature=..., top_k=..., top_p=...)`` (unset ``top_k``
+        and ``top_p`` resolve as there: the model's generation_config, then 50 and 1.0); draws
+        come from ``generator`` (or torch's global RNG). ``acceptance="typical"`` selects Medusa's
+        typical acceptance with ``posterior_threshold``/``posterior_alpha``: faster, **lossy**.
         Stops at ``max_new_tokens`` and at the eos tokens of ``backbone.generation_config``.
         """
         check_generate_inputs(input_ids, attention_mask, max_new_tokens)
-        if do_sample:
-            raise NotImplementedError(
-                "do_sample=True: lossless speculative sampling is a separate capability that is not available "
-                "yet; use do_sample=False (greedy, token-identical to the backbone)"
-            )
+        rule = acceptance_rule(self.backbone.generation_config, do_sample, temperature, top_k, top_p, generator,
+                               acceptance, posterior_threshold, posterior_alpha)
         input_ids = input_ids.to(self.target.device).long()
-        training = self.backbone.training, self.heads.training
-        self.backbone.eval()
-        self.heads.eval()
-        try:
+        with _evaluation(self.backbone), _evaluation(self.heads):
             output, stats = speculative_generate(
-                self.target, self._drafter, input_ids, max_new_tokens, _eos_ids(self.backbone)
+                self.target, self._drafter, input_ids, max_new_tokens, _eos_ids(self.backbone), rule
             )
-        finally:
-            self.backbone.train(training[0])
-            self.heads.train(training[1])
         self.last_stats = stats
         return output
 
@@ -167,4 +194,6 @@ def build_spec(target: Backbone, kind: str, config,
         raise ValueError(f"kind must be one of {tuple(KINDS)}; got {kind!r}")
     heads = KINDS[kind].build_heads(target, config)
     heads.to(device=target.device, dtype=target.dtype)
+    if KINDS[kind].target_view is not None:
+        target = KINDS[kind].target_view(target, config)
     return SpeculativeModel(target, heads, kind, config, accuracy)

@@ -67,22 +67,34 @@ def architecture(request) -> str:
     return request.param
 
 
-def progression_batch(count: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    """Arithmetic progressions mod VOCAB (stride 1-3, random start): a language a tiny model can learn."""
-    starts = torch.randint(3, VOCAB, (count, 1), generator=generator)
+def progression_batch(count: int, length: int, generator: torch.Generator, vocab: int = VOCAB,
+                      noise: float = 0.0) -> torch.Tensor:
+    """Arithmetic progressions over ids 3..vocab-1 (stride 1-3, random start): a language a tiny
+    model can learn. With ``noise``, that share of tokens is replaced by random ones."""
+    span = vocab - 3
+    starts = torch.randint(0, span, (count, 1), generator=generator)
     strides = torch.randint(1, 4, (count, 1), generator=generator)
-    return 3 + (starts - 3 + strides * torch.arange(length)) % (VOCAB - 3)
+    batch = 3 + (starts + strides * torch.arange(length)) % span
+    if noise:
+        flip = torch.rand(batch.shape, generator=generator) < noise
+        batch = torch.where(flip, torch.randint(3, vocab, batch.shape, generator=generator), batch)
+    return batch
 
 
-def train_toy_target(steps: int = 150, seed: int = 0):
+def train_toy_target(steps: int = 150, seed: int = 0, vocab: int = VOCAB, noise: float = 0.0):
     """A tiny Llama trained for a few seconds on progressions: its greedy continuations are
-    predictable, so draft heads can learn them (random weights give near-unlearnable loops)."""
-    model = build_model("llama", seed=seed)
+    predictable, so draft heads can learn them (random weights give near-unlearnable loops).
+    With ``noise`` its distributions keep real spread (for sampling tests)."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**_COMMON, "vocab_size": vocab}))
+    model.set_attn_implementation("sdpa")
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        batch = progression_batch(32, 24, generator)
+        batch = progression_batch(32, 24, generator, vocab, noise)
         loss = model(batch, labels=batch).loss
         loss.backward()
         optimizer.step()

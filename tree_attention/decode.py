@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Protocol
+from typing import Collection, Protocol
 
 import torch
 
 from . import cache as cache_ops
 from .mask import AttentionMask, MaskLayout, prefill_attention_mask, tree_attention_mask, tree_position_ids
 from .tree import Tree, truncate_depth
-from .verify import Acceptance, greedy_accept
+from .verify import AcceptanceRule, GreedyRule
 
 
 class Target(Protocol):
@@ -95,12 +95,13 @@ def _emit(chunk: list[int], output: list[int], budget: int, eos: Collection[int]
 
 def speculative_generate(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int,
                          eos_token_ids: Collection[int] = (),
-                         accept: Callable[[Tree, torch.Tensor], Acceptance] = greedy_accept,
-                         ) -> tuple[torch.Tensor, DecodeStats]:
+                         rule: AcceptanceRule | None = None) -> tuple[torch.Tensor, DecodeStats]:
     """Generate up to ``max_new_tokens`` after ``input_ids`` (``[1, T]``), stopping at eos.
 
+    ``rule`` picks tokens and accepted paths (default :class:`~tree_attention.verify.GreedyRule`).
     Returns the ids ``[1, T + new]`` and the step statistics.
     """
+    rule = rule or GreedyRule()
     stats = DecodeStats()
     start = time.perf_counter()
     prompt_length = input_ids.shape[1]
@@ -114,7 +115,7 @@ def speculative_generate(target: Target, drafter: Drafter, input_ids: torch.Tens
     mask = prefill_attention_mask(prompt_length, target.layout, target.dtype, device)
     features, logits = target.forward(input_ids, positions, mask, cache, "last")
     stats.target_forwards = 1
-    root = int(logits[0, -1].argmax())
+    root = rule.first_token(logits[0, -1])
     done = _emit([root], output, max_new_tokens, eos_token_ids)
     new_features, new_tokens = features, input_ids
     max_depth = 0
@@ -128,7 +129,7 @@ def speculative_generate(target: Target, drafter: Drafter, input_ids: torch.Tens
         features, logits = target.forward(
             tree.tokens.unsqueeze(0), tree_position_ids(prefix_length, tree.depths), mask, cache, "all"
         )
-        acceptance = accept(tree, logits[0])
+        acceptance = rule.accept(tree, logits[0])
         cache_ops.keep_path(cache, prefix_length, acceptance.path)
         stats.target_forwards += 1
         stats.accepted_lengths.append(acceptance.accepted_drafts)

@@ -15,7 +15,7 @@ Two layers of description:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -111,12 +111,16 @@ class Tree:
         parents: ``[N]`` long, ``-1`` at the root, parents before children.
         depths: ``[N]`` long.
         ancestors: ``[N, N]`` bool (self included).
+        draft_probs: optional ``[N, V]``: row ``c`` is the draft distribution node ``c`` was
+            *sampled* from (lossless sampling needs it); None when children are chosen
+            deterministically (top-k ranks).
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
     ancestors: torch.Tensor
+    draft_probs: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -252,4 +256,129 @@ def truncate_depth(tree: Tree, max_depth: int) -> Tree:
     new_index[keep] = torch.arange(keep.numel(), device=keep.device)
     parents = tree.parents[keep]
     parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
-    return Tree(tree.tokens[keep], parents, tree.depths[keep], tree.ancestors[keep][:, keep])
+    draft_probs = tree.draft_probs[keep] if tree.draft_probs is not None else None
+    return Tree(tree.tokens[keep], parents, tree.depths[keep], tree.ancestors[keep][:, keep], draft_probs)
+
+
+# --- Dynamic trees (EAGLE-2 style) ------------------------------------------------------------
+#
+# A drafter that scores children autoregressively grows the tree level by level: the root's
+# children first, then, for ``depth - 1`` levels, the ``top_k`` most promising nodes of the newest
+# level ask the drafter for their ``top_k`` children. A node's score is the sum of the drafter's
+# log-probabilities along its path (the log of their product). Of all nodes generated, the best
+# ``total_tokens`` become the tree to verify. This module only does the bookkeeping; the drafter
+# answers :class:`Expansion` requests through a callback.
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """Nodes of a growing dynamic tree whose children the drafter is asked for.
+
+    Nodes are numbered in *expansion order*: the ``E`` nodes expanded in earlier requests, then
+    the ``m`` nodes of this one (the root is never expanded; its children come with the call).
+
+    Attributes:
+        tokens: ``[m]`` long, the nodes' tokens.
+        parents: ``[m]`` long, each node's parent in expansion order (``-1``: the root).
+        depth: depth of all ``m`` nodes (>= 1; the root has depth 0).
+        ancestors: ``[m, E + m]`` bool, which expanded nodes are each node itself or its
+            ancestors (the root excluded). Row ``i`` is what node ``i`` may attend to.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: int
+    ancestors: torch.Tensor
+
+
+ExpandChildren = Callable[[Expansion], tuple[torch.Tensor, torch.Tensor]]
+"""Callback of :func:`dynamic_tree`: children ``(tokens [m, top_k] long, log_probs [m, top_k])``
+of each requested node, the drafter's ``top_k`` most likely next tokens and their log-probabilities."""
+
+
+def _check_dynamic_shape(depth: int, top_k: int, total_tokens: int) -> None:
+    for name, value, low in (("depth", depth, 1), ("top_k", top_k, 1), ("total_tokens", total_tokens, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidTreeError(f"dynamic tree {name} must be an int >= {low}; got {value!r}")
+
+
+def best_nodes(scores: torch.Tensor, depths: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices (increasing) of the best ``count`` nodes by score; ties go to the shallower, then
+    the earlier node.
+
+    ``scores`` and ``depths`` are ``[C]``. When every child scores at most its parent and parents
+    come before children, the result is closed under ancestors: a parent ranks ahead of each of
+    its children.
+    """
+    order = torch.arange(scores.numel(), device=scores.device)
+    order = order[torch.sort(depths[order], stable=True).indices]
+    order = order[torch.sort(-scores[order], stable=True).indices]
+    return torch.sort(order[:count]).values
+
+
+def _checked_children(children: tuple[torch.Tensor, torch.Tensor], rows: int, top_k: int):
+    tokens, log_probs = children
+    if tokens.shape != (rows, top_k) or log_probs.shape != (rows, top_k):
+        raise ValueError(
+            f"expand must return tokens and log_probs of shape [{rows}, {top_k}]; got "
+            f"{tuple(tokens.shape)} and {tuple(log_probs.shape)}"
+        )
+    return tokens.long(), log_probs.float()
+
+
+def dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor], expand: ExpandChildren,
+                 depth: int, top_k: int, total_tokens: int) -> Tree:
+    """Grow a tree best-first (EAGLE-2) and keep its best ``total_tokens`` drafted nodes.
+
+    Args:
+        root: the committed token at node 0.
+        root_children: ``(tokens [top_k], log_probs [top_k])``, the root's most likely children.
+        expand: asked once per level below the first for the children of the newest level's
+            ``top_k`` best nodes (see :class:`Expansion`, :data:`ExpandChildren`).
+        depth: deepest level drafted (1: the root's children only, no ``expand`` call).
+        top_k: children per expanded node, and nodes expanded per level.
+        total_tokens: drafted nodes kept (the tree has ``total_tokens + 1`` nodes at most).
+
+    Nodes whose score cannot beat the current ``total_tokens``-th best are not expanded: their
+    children would score no higher and rank after it, so the result equals that of expanding them.
+    Returns the tree in topological order (nodes by level, parents before children).
+    """
+    _check_dynamic_shape(depth, top_k, total_tokens)
+    tokens, log_probs = _checked_children((root_children[0][None], root_children[1][None]), 1, top_k)
+    device = tokens.device
+    scores, parents = log_probs[0], torch.full((top_k,), -1, dtype=torch.long, device=device)
+    depths, node_tokens = torch.ones(top_k, dtype=torch.long, device=device), tokens[0]
+    frontier = torch.arange(top_k, device=device)  # candidate indices of the newest level's best
+    expanded = torch.full((top_k,), -1, dtype=torch.long, device=device)  # candidate -> expansion order
+    ancestors = torch.zeros(0, 0, dtype=torch.bool, device=device)  # over expanded nodes
+    for level in range(1, depth if total_tokens else 1):
+        if scores.numel() >= total_tokens:
+            threshold = torch.topk(scores, total_tokens).values[-1]
+            frontier = frontier[scores[frontier] > threshold]
+        if frontier.numel() == 0:
+            break
+        count, grown = frontier.numel(), ancestors.shape[0]
+        parent_slots = torch.where(parents[frontier] >= 0, expanded[parents[frontier].clamp(min=0)], -1)
+        rows = torch.zeros(count, grown + count, dtype=torch.bool, device=device)
+        has_parent = parent_slots >= 0
+        rows[has_parent, :grown] = ancestors[parent_slots[has_parent]]
+        rows[:, grown:] = torch.eye(count, dtype=torch.bool, device=device)
+        request = Expansion(node_tokens[frontier], parent_slots, level, rows)
+        child_tokens, child_log_probs = _checked_children(expand(request), count, top_k)
+        expanded[frontier] = torch.arange(grown, grown + count, device=device)
+        ancestors = torch.cat([torch.cat([ancestors, ancestors.new_zeros(grown, count)], dim=1), rows])
+        first = scores.numel()
+        scores = torch.cat([scores, (scores[frontier, None] + child_log_probs).flatten()])
+        parents = torch.cat([parents, frontier.repeat_interleave(top_k)])
+        depths = torch.cat([depths, torch.full((count * top_k,), level + 1, dtype=torch.long, device=device)])
+        node_tokens = torch.cat([node_tokens, child_tokens.flatten()])
+        expanded = torch.cat([expanded, torch.full((count * top_k,), -1, dtype=torch.long, device=device)])
+        newest = torch.sort(-scores[first:], stable=True).indices[:top_k]  # ties: earlier node
+        frontier = torch.sort(newest).values + first
+    keep = best_nodes(scores, depths, total_tokens)
+    new_index = torch.full((scores.numel(),), -1, dtype=torch.long, device=device)
+    new_index[keep] = torch.arange(1, keep.numel() + 1, device=device)
+    kept_parents = parents[keep]
+    tree_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], 0)
+    tokens_out = torch.cat([torch.tensor([root], dtype=torch.long, device=device), node_tokens[keep]])
+    return Tree.from_parents(tokens_out, [-1] + tree_parents.tolist())

@@ -1,21 +1,45 @@
-"""Acceptance rules: which path of a verified tree the target keeps.
+"""Acceptance rules: which path of a verified tree the target keeps, and the token after it.
 
-Greedy (lossless for ``do_sample=False``): a node is correct when its token equals the target's
-argmax at its parent; the longest path of correct nodes from the root is accepted and the
-target's argmax at the path's last node is the bonus token. Every token committed is therefore
-the target's own greedy choice given the tokens before it: output is identical to plain greedy
-decoding.
+**Greedy** (``do_sample=False``): a node is correct when its token is the target's argmax at its
+parent; the deepest all-correct path from the root is kept and the target's argmax at its last
+node is the bonus token. Every committed token is the target's own greedy choice.
+
+**Lossless sampling over trees.** Let ``p`` be the target's (warped) distribution at a node and
+``x_1..x_m`` its children's tokens, tried in order with a residual ``r`` that starts as ``p``:
+
+* a child drawn from a draft distribution ``q`` is accepted with probability
+  ``min(1, r(x)/q(x))``; on rejection ``r <- norm(max(0, r - q))``;
+* a child chosen deterministically (top-k ranks, as Medusa and EAGLE-2 trees do) is the case
+  ``q = delta_x``: accepted with probability ``r(x)``; on rejection ``r <- norm(r with x removed)``;
+* if no child is accepted, the bonus token is drawn from ``r`` (at a leaf: from ``p``).
+
+Why the emitted token follows ``p``: for one drawn candidate, P(y) = q(y)·min(1, p(y)/q(y)) +
+(1 - Σ_z min(p, q)(z))·max(0, p(y) - q(y)) / Σ_z max(0, p - q)(z) = min(p, q)(y) + max(0, p - q)(y)
+= p(y), since both sums equal the same rejection mass. For a deterministic candidate, P(x) = p(x)
+and P(y ≠ x) = (1 - p(x))·p(y)/(1 - p(x)) = p(y). Conditioned on a rejection, the rest of the
+procedure faces the residual ``r`` with fresh candidates (drawn independently, or fixed), so by
+induction on the number of children it emits ``r``'s distribution, which is exactly what the
+first case needs. Children drawn from ``q`` *without* replacement must carry the distribution they
+were really drawn from (``q`` with earlier picks removed and renormalised) in ``draft_probs``.
+Accepting a child commits its token and moves to it, where the same argument applies with the
+target's distribution given the longer prefix, so every committed token has the target's
+conditional law: the output sequence is distributed exactly as plain sampling from the target.
+
+**Typical acceptance** (Medusa; lossy, opt-in): a node passes when the target gives its token
+probability above ``min(posterior_threshold, posterior_alpha * exp(-H(p)))``; the deepest passing
+path is kept and the bonus is sampled from the target at its last node.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .tree import Tree
 
-ACCEPTANCE_RULES = ("greedy",)
+ACCEPTANCE_RULES = ("greedy", "sample", "typical")
 
 
 @dataclass(frozen=True)
@@ -49,11 +73,150 @@ def deepest_path(tree: Tree, correct: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(tree.ancestors[best], as_tuple=False).flatten()
 
 
-def greedy_accept(tree: Tree, logits: torch.Tensor) -> Acceptance:
-    """Greedy acceptance. ``logits`` is ``[N, V]``: the target's logits at every tree node."""
+def _check_logits(tree: Tree, logits: torch.Tensor) -> None:
     if logits.dim() != 2 or logits.shape[0] != tree.size:
         raise ValueError(f"logits must be [N={tree.size}, V]; got shape {tuple(logits.shape)}")
+
+
+def greedy_accept(tree: Tree, logits: torch.Tensor) -> Acceptance:
+    """Greedy acceptance. ``logits`` is ``[N, V]``: the target's logits at every tree node."""
+    _check_logits(tree, logits)
     target = logits.argmax(dim=-1)  # (N,)
     parent_choice = target[tree.parents.clamp(min=0)]
     path = deepest_path(tree, tree.tokens == parent_choice)
     return Acceptance(path=path, next_token=int(target[path[-1]]))
+
+
+def _children(parents: torch.Tensor) -> list[list[int]]:
+    children: list[list[int]] = [[] for _ in range(parents.numel())]
+    for node, parent in enumerate(parents.tolist()[1:], start=1):
+        children[parent].append(node)
+    return children
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _uniform(generator: torch.Generator | None, device) -> float:
+    return float(torch.rand((), generator=generator, device=device))
+
+
+def sample_accept(tree: Tree, probs: torch.Tensor, generator: torch.Generator | None = None,
+                  draft_probs: torch.Tensor | None = None, use_residual: bool = True) -> Acceptance:
+    """Lossless multi-candidate speculative sampling over a tree (see the module docstring).
+
+    Args:
+        probs: ``[N, V]`` the target's warped distribution at every node (rows sum to 1).
+        draft_probs: ``[N, V]`` row ``c`` is the distribution child ``c`` was drawn from; None when
+            every child was chosen deterministically (top-k ranks).
+        use_residual: only for tests showing that a wrong rule is caught: False resamples from
+            ``p`` instead of the residual after a rejection (not lossless).
+    """
+    if probs.dim() != 2 or probs.shape[0] != tree.size:
+        raise ValueError(f"probs must be [N={tree.size}, V]; got shape {tuple(probs.shape)}")
+    children = _children(tree.parents)
+    tokens = tree.tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        residual = probs[node].double()
+        accepted = None
+        for child in children[node]:
+            token = tokens[child]
+            if draft_probs is None:
+                chance = float(residual[token])
+            else:
+                q = draft_probs[child].double()
+                chance = min(1.0, float(residual[token]) / max(float(q[token]), 1e-30))
+            if _uniform(generator, probs.device) < chance:
+                accepted = child
+                break
+            if not use_residual:
+                continue
+            if draft_probs is None:
+                residual = residual.clone()
+                residual[token] = 0.0
+            else:
+                residual = (residual - q).clamp_(min=0.0)
+            total = float(residual.sum())
+            if total <= 0.0:  # p was inside q's support everywhere; cannot happen after a rejection
+                residual = probs[node].double()
+            else:
+                residual = residual / total
+        if accepted is None:
+            next_token = _draw(residual.float() if use_residual else probs[node], generator)
+            return Acceptance(torch.tensor(path, device=probs.device), next_token)
+        node = accepted
+        path.append(node)
+
+
+def typical_accept(tree: Tree, probs: torch.Tensor, posterior_threshold: float, posterior_alpha: float,
+                   generator: torch.Generator | None = None) -> Acceptance:
+    """Medusa's typical acceptance (lossy). ``probs`` ``[N, V]`` as in :func:`sample_accept`."""
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)  # (N,)
+    bound = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)  # (N,)
+    parents = tree.parents.clamp(min=0)
+    candidate_prob = probs[parents, tree.tokens]  # (N,) target prob of each node's token at its parent
+    path = deepest_path(tree, candidate_prob > bound[parents])
+    return Acceptance(path=path, next_token=_draw(probs[path[-1]], generator))
+
+
+class AcceptanceRule:
+    """How the loop picks the first token after the prompt and which tree path it keeps."""
+
+    lossless = True
+
+    def first_token(self, logits: torch.Tensor) -> int:  # logits (V,)
+        raise NotImplementedError
+
+    def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:  # logits (N, V)
+        raise NotImplementedError
+
+
+class GreedyRule(AcceptanceRule):
+    def first_token(self, logits: torch.Tensor) -> int:
+        return int(logits.argmax())
+
+    def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
+        return greedy_accept(tree, logits)
+
+
+class SamplingRule(AcceptanceRule):
+    """Lossless speculative sampling. ``warp`` maps logits ``[N, V]`` to warped logits (temperature,
+    top-k, top-p, exactly as ``generate`` applies them); ``generator`` seeds every draw."""
+
+    def __init__(self, warp: Callable[[torch.Tensor], torch.Tensor], generator: torch.Generator | None = None,
+                 use_residual: bool = True) -> None:
+        self.warp = warp
+        self.generator = generator
+        self.use_residual = use_residual
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.warp(logits.float()), dim=-1)
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        return _draw(self.probabilities(logits[None])[0], self.generator)
+
+    def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
+        _check_logits(tree, logits)
+        return sample_accept(tree, self.probabilities(logits), self.generator, tree.draft_probs,
+                             self.use_residual)
+
+
+class TypicalRule(SamplingRule):
+    """Medusa's typical acceptance: faster at high temperature, **not** lossless."""
+
+    lossless = False
+
+    def __init__(self, warp, generator=None, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> None:
+        super().__init__(warp, generator)
+        if not posterior_threshold >= 0 or not posterior_alpha >= 0:
+            raise ValueError("posterior_threshold and posterior_alpha must be >= 0; got "
+                             f"{posterior_threshold!r}, {posterior_alpha!r}")
+        self.posterior_threshold = posterior_threshold
+        self.posterior_alpha = posterior_alpha
+
+    def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
+        _check_logits(tree, logits)
+        return typical_accept(tree, self.probabilities(logits), self.posterior_threshold, self.posterior_alpha,
+                              self.generator)
