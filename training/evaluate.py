@@ -51,19 +51,29 @@ def _acceptance(steps_and_rates: list[tuple[int, list[float]]]) -> list[float]:
 
 @torch.no_grad()
 def measure(spec, prompts: Sequence[torch.Tensor], max_new_tokens: int, plain: bool = True,
-            warmup: bool = True) -> SpeedReport:
-    """Greedy generation of ``max_new_tokens`` per prompt, speculative and (optionally) plain."""
+            warmup: bool = True, temperature: float = 0.0, seed: int = 0) -> SpeedReport:
+    """Generation of ``max_new_tokens`` per prompt, speculative and (optionally) plain.
+
+    ``temperature`` 0 is greedy (and ``identical`` checks the outputs token by token); above 0
+    both sides sample at that temperature with no top-k/top-p (``identical`` is then not checked:
+    lossless sampling is tested statistically, not per sample).
+    """
     model = spec.backbone
     report = SpeedReport(prompts=len(prompts))
+    sampled = temperature > 0
+    settings = dict(do_sample=sampled, temperature=temperature if sampled else 1.0, top_k=0 if sampled else None)
+    plain_settings = dict(do_sample=True, temperature=temperature, top_k=0) if sampled else dict(do_sample=False)
+    generator = torch.Generator(device=spec.target.device).manual_seed(seed)
     if warmup and prompts:
-        spec.generate(prompts[0], max_new_tokens=4)
+        spec.generate(prompts[0], max_new_tokens=4, **settings)
         if plain:
-            model.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), do_sample=False, max_new_tokens=4)
+            model.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), max_new_tokens=4, **plain_settings)
     spec_rates, plain_rates, acceptance = [], [], []
     forwards = 0
     for prompt in prompts:
         start = time.perf_counter()
-        output = spec.generate(prompt, max_new_tokens=max_new_tokens)
+        output = spec.generate(prompt, max_new_tokens=max_new_tokens, generator=generator if sampled else None,
+                               **settings)
         spec_time = time.perf_counter() - start
         stats = spec.last_stats
         new = output.shape[1] - prompt.shape[1]
@@ -77,12 +87,13 @@ def measure(spec, prompts: Sequence[torch.Tensor], max_new_tokens: int, plain: b
         spec_rates.append(new / spec_time)
         if plain:
             start = time.perf_counter()
-            reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                       max_new_tokens=max_new_tokens)
+            reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                                       **plain_settings)
             plain_time = time.perf_counter() - start
             report.plain_seconds += plain_time
             plain_rates.append((reference.shape[1] - prompt.shape[1]) / plain_time)
-            report.identical &= bool(torch.equal(reference, output))
+            if not sampled:
+                report.identical &= bool(torch.equal(reference, output))
             report.speedups.append(plain_time / spec_time * new / max(1, reference.shape[1] - prompt.shape[1]))
     report.tau = report.new_tokens / forwards if forwards else 0.0
     report.acceptance_by_position = _acceptance(acceptance)
