@@ -8,6 +8,12 @@ the attention layout (sliding windows, per-layer-type masks) and a fingerprint o
 It runs the model through its public forward only: ``input_ids``, a 4D ``attention_mask``,
 ``position_ids`` and a ``Cache``.
 
+Drafters that read more than the top layer (EAGLE-3 feature fusion) get a *view* of the backbone
+with ``feature_layers`` set (:meth:`Backbone.with_feature_layers`): its ``forward`` then returns
+the concatenation of those layers' hidden states as the features, so the decode loop hands them
+to the drafter without knowing what they are. :func:`decoder_copy` builds a small trainable
+copy of the family's own decoder stack (the EAGLE drafter's layer).
+
 At construction it *probes* the model on a few tokens: the logits it rebuilds from the features
 must equal the model's own, and a 4D mask that hides a token must really hide it. A model that
 fails either is refused with :class:`UnsupportedBackboneError` instead of decoding wrongly.
@@ -15,10 +21,13 @@ fails either is refused with :class:`UnsupportedBackboneError` instead of decodi
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -112,6 +121,10 @@ class Backbone:
     hidden_size: int
     vocab_size: int
     layout: MaskLayout
+    feature_layers: tuple[int, ...] | None = None
+    """Hidden-state indices whose concatenation ``forward`` returns as features (None: the top
+    layer). Index 0 is the embedding output, ``i`` the output of decoder layer ``i`` and
+    ``num_layers`` the top-layer features (after the final norm)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -125,11 +138,29 @@ class Backbone:
     def model_type(self) -> str:
         return self.model.config.model_type
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    def output_rows(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows of the output head for ``token_ids`` ``[V']``: weight ``[V', d]`` and bias ``[V']``
+        (None when the head has none), for :meth:`logits` over a reduced vocabulary."""
+        bias = self.output_head.bias
+        return (self.output_head.weight.index_select(0, token_ids),
+                None if bias is None else bias.index_select(0, token_ids))
+
+    def logits(self, features: torch.Tensor,
+               rows: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """Output head on top-layer features ``[..., d]`` → ``[..., V]``, with the family's own
-        post-processing (logit soft-capping, logit scaling) applied as the model does."""
+        post-processing (logit soft-capping, logit scaling) applied as the model does.
+
+        With ``rows`` (from :meth:`output_rows`) only those vocabulary rows: ``[..., V']``.
+        """
         config = self.model.config
-        logits = self.output_head(features)
+        if rows is None:
+            logits = self.output_head(features)
+        else:
+            logits = nn.functional.linear(features, rows[0], rows[1])
         softcap = getattr(config, "final_logit_softcapping", None)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
@@ -151,15 +182,82 @@ class Backbone:
         )
         return outputs.last_hidden_state
 
+    def hidden_features(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                        attention_mask: AttentionMask | None, cache,
+                        layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-layer features ``[B, T, d]`` and the concatenated hidden states of ``layers``
+        ``[B, T, len(layers) * d]`` (indices as in :attr:`feature_layers`), from one forward."""
+        keyword = cache_ops.cache_keyword(self.base)
+        outputs = self.base(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+            use_cache=cache is not None, output_hidden_states=True, **{keyword: cache},
+        )
+        states = outputs.hidden_states
+        if states is None or len(states) != self.num_layers + 1:
+            raise UnsupportedBackboneError(
+                f"{type(self.model).__name__}: expected {self.num_layers + 1} hidden states with "
+                f"output_hidden_states=True, got {None if states is None else len(states)}"
+            )
+        top = outputs.last_hidden_state
+        chosen = [top if index == self.num_layers else states[index] for index in layers]
+        return top, torch.cat(chosen, dim=-1)
+
+    def with_feature_layers(self, layers: Sequence[int] | None) -> "Backbone":
+        """A view whose ``forward`` returns the concatenated hidden states of ``layers`` as features
+        (None: the top-layer features). Raises ValueError for an index outside ``0..num_layers``."""
+        if layers is not None:
+            layers = tuple(int(index) for index in layers)
+            bad = [index for index in layers if not 0 <= index <= self.num_layers]
+            if bad or not layers:
+                raise ValueError(
+                    f"feature_layers {list(layers)}: indices must lie in 0..{self.num_layers} for this "
+                    f"{self.num_layers}-layer {self.model_type} (0: embeddings, {self.num_layers}: top layer)"
+                )
+        return dataclasses.replace(self, feature_layers=layers)
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: AttentionMask,
                 cache, logits_rows: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
-        features = self.features(input_ids, position_ids, attention_mask, cache)
-        rows = features[:, -1:] if logits_rows == "last" else features
+        """Features ``[B, T, F]`` (top layer, or :attr:`feature_layers` concatenated) and float
+        logits of all rows or the last one."""
+        if self.feature_layers is None:
+            top = features = self.features(input_ids, position_ids, attention_mask, cache)
+        else:
+            top, features = self.hidden_features(input_ids, position_ids, attention_mask, cache,
+                                                 self.feature_layers)
+        rows = top[:, -1:] if logits_rows == "last" else top
         return features, self.logits(rows).float()
 
     def fingerprint(self) -> dict:
         return target_fingerprint(self.model)
+
+
+def decoder_copy(backbone: Backbone, num_layers: int = 1) -> nn.Module:
+    """A fresh, randomly initialised ``num_layers``-layer copy of the backbone's base model, of its
+    family and width, with its token-embedding table removed (feed it ``inputs_embeds``).
+
+    The config is copied with ``num_hidden_layers`` (and ``layer_types``) cut to ``num_layers`` and
+    every dropout rate set to 0. What stays (position embeddings of absolute-position families, the
+    final norm, rotary tables) belongs to the copy. Runs through the family's public forward with
+    ``inputs_embeds``, ``position_ids``, a 4D mask and a ``Cache``.
+    """
+    config = copy.deepcopy(backbone.model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:num_layers]
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    decoder = type(backbone.base)(config)
+    embeddings = decoder.get_input_embeddings()
+    for name, child in list(decoder.named_children()):
+        if child is embeddings:
+            setattr(decoder, name, None)
+    if any(module is embeddings for module in decoder.modules()):
+        raise UnsupportedBackboneError(
+            f"{type(backbone.base).__name__}: could not remove the token embeddings from the drafter's decoder copy"
+        )
+    return decoder
 
 
 def inspect_backbone(model: PreTrainedModel, probe: bool = True) -> Backbone:

@@ -82,14 +82,15 @@ class MedusaHeads(nn.Module):
                         projection.weight.copy_(output_head.weight)
 
     def forward(self, features: torch.Tensor,
-                shared_logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """Logits ``[K, ..., V]`` from features ``[..., d]``.
+                shared_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                count: int | None = None) -> torch.Tensor:
+        """Logits ``[K, ..., V]`` from features ``[..., d]`` (only the first ``count`` heads if given).
 
         ``shared_logits`` maps a head's hidden state to logits when ``share_lm_head`` is set (the
         backbone's own output head, with its post-processing); it is required then.
         """
         outputs = []
-        for index, block in enumerate(self.blocks):
+        for index, block in enumerate(self.blocks[:count]):
             hidden = block(features)
             if self.projections is not None:
                 outputs.append(self.projections[index](hidden))
@@ -144,7 +145,7 @@ class MedusaDrafter:
         if template.size == 1:
             return template.with_tokens(root_tensor)
         depth = template.max_depth
-        logits = self.heads(features[0, -1], self.shared_logits)[:depth]  # (depth, V)
+        logits = self.heads(features[0, -1], self.shared_logits, count=depth)  # (depth, V)
         candidates = torch.topk(logits, self.top_k, dim=-1).indices  # (depth, top_k)
         drafted = candidates.reshape(-1)[self._candidate_index]
         return template.with_tokens(torch.cat([root_tensor, drafted]))

@@ -43,6 +43,10 @@ def _medusa_drafter(spec: "SpeculativeModel", tree) -> MedusaDrafter:
     return MedusaDrafter(spec.heads, template, spec.shared_logits if spec.config.share_lm_head else None)
 
 
+def _eagle_heads(target: Backbone, config: EagleConfig) -> nn.Module:
+    return EagleHeads(config, target)
+
+
 def _eagle_drafter(spec: "SpeculativeModel", tree) -> EagleDrafter:
     return EagleDrafter(spec.heads, spec.target, spec.config.with_tree(tree))
 
@@ -53,7 +57,7 @@ def _eagle_view(target: Backbone, config: EagleConfig) -> Backbone:
 
 KINDS: dict[str, DrafterKind] = {
     "medusa": DrafterKind(MedusaConfig, _medusa_heads, _medusa_drafter),
-    "eagle": DrafterKind(EagleConfig, EagleHeads, _eagle_drafter, _eagle_view),
+    "eagle": DrafterKind(EagleConfig, _eagle_heads, _eagle_drafter, _eagle_view),
 }
 
 logger = logging.getLogger(__name__)

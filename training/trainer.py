@@ -1,11 +1,17 @@
-"""Self-distillation of Medusa heads against their frozen backbone, on accelerate.
+"""Self-distillation of a drafter against its frozen backbone, on accelerate.
 
-Each optimizer step takes ``batch_size`` sequences (the target's own continuations of prompts,
-or original text), runs **one** backbone forward over them without gradients to get the
-features and the target's distribution at every position, and trains head ``k`` at position
-``t`` towards the target's distribution for token ``t + k + 2`` (the target's logits at
-``t + k + 1``) with the chosen divergence at the chosen temperature, weighted ``decay ** k``.
-Only the heads get gradients and optimizer state (Medusa-1; the backbone is frozen).
+One loop serves every drafter kind (:class:`DistillationTrainer`): each optimizer step takes
+``batch_size`` sequences (the target's own continuations of prompts, or original text), runs
+**one** backbone forward over them without gradients to get the features and the target's
+distribution at every position, and asks the kind's loss hook (``micro_loss``) for the loss.
+Only the drafter gets gradients and optimizer state (the backbone is frozen). Warm-up + cosine
+schedule, gradient accumulation, clipping, checkpoints with exact resume and a progress bar are
+shared; :func:`make_trainer` picks the trainer of ``spec.kind``.
+
+:class:`MedusaTrainer` trains head ``k`` at position ``t`` towards the target's distribution for
+token ``t + k + 2`` (the target's logits at ``t + k + 1``) with the chosen divergence at the
+chosen temperature, weighted ``decay ** k`` (Medusa-1). The EAGLE loss lives in
+:mod:`training.eagle_trainer`.
 
 Runs unchanged under ``accelerate launch`` (DDP): the global batch of a step is split across
 processes and gradients are averaged. Batches are a pure function of ``(seed, step)``, so a run
@@ -23,6 +29,8 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+from torch import nn
 
 import torch
 from accelerate import Accelerator
@@ -58,9 +66,18 @@ class TrainConfig:
     """Temperature of both distributions in the divergence (follow the serving temperature)."""
     jsd_beta: float = 0.5
     head_decay: float = 0.8
-    """Loss weight of head k is head_decay ** k (Medusa)."""
+    """Loss weight of head k (Medusa) or of unrolled drafting step k + 1 (EAGLE) is head_decay ** k."""
     hard_label_weight: float = 0.0
-    """Weight of plain cross-entropy to the target's tokens, added to the divergence."""
+    """Medusa: weight of plain cross-entropy to the target's tokens, added to the divergence."""
+    feature_weight: float = 1.0
+    """EAGLE: weight of the smooth-L1 regression of the next feature (EAGLE-1: 1.0)."""
+    token_weight: float = 0.1
+    """EAGLE: weight of the divergence between drafter and target token distributions (EAGLE-1: 0.1)."""
+    feature_noise: float = 0.1
+    """EAGLE: half-width a of the uniform noise U(-a, a) added to the drafter's input features."""
+    unroll_steps: int = 1
+    """EAGLE: drafting steps unrolled on the drafter's own predicted features (training-time test;
+    1: teacher forcing only, as EAGLE-1)."""
     seed: int = 0
     checkpoint_every: int = 0
     """Save a resumable checkpoint every N steps (0: never)."""
@@ -74,17 +91,23 @@ class TrainConfig:
             raise ValueError(f"temperature must be > 0; got {self.temperature!r}")
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision must be 'no' or 'bf16'; got {self.mixed_precision!r}")
-        for name in ("steps", "batch_size", "gradient_accumulation"):
+        for name in ("steps", "batch_size", "gradient_accumulation", "unroll_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int; got {value!r}")
+        for name in ("feature_weight", "token_weight", "feature_noise", "hard_label_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0; got {value!r}")
+        if self.feature_weight == 0 and self.token_weight == 0:
+            raise ValueError("feature_weight and token_weight are both 0: the EAGLE loss would be empty")
 
 
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)
-    agreement: list[list[float]] = field(default_factory=list)  # per step, per head top-1 agreement
-    accuracy: list[list[float]] = field(default_factory=list)  # per head, per rank (validation)
+    agreement: list[list[float]] = field(default_factory=list)  # per step, per head (draft step) top-1 agreement
+    accuracy: list[list[float]] = field(default_factory=list)  # per head (draft step), per rank (validation)
     tokens_per_second: float = 0.0
     peak_memory_mb: float = 0.0
     seconds: float = 0.0
@@ -147,8 +170,15 @@ def head_losses(head_logits: torch.Tensor, teacher_logits: torch.Tensor, input_i
     return total, agreement
 
 
-class MedusaTrainer:
-    """Distils ``spec.heads`` against ``spec.backbone`` on token sequences ``[L]``."""
+class DistillationTrainer:
+    """The shared loop; subclasses supply the loss (:meth:`micro_loss`) and optional hooks
+    :meth:`prepare` (before the optimizer is built) and :meth:`finish` (after the last step).
+
+    Trains ``spec.heads`` against ``spec.backbone`` on token sequences ``[L]``; the last
+    ``validation_fraction`` of them are held out for :meth:`finish`.
+    """
+
+    description = "distilling drafter"
 
     def __init__(self, spec, sequences: Sequence[torch.Tensor], config: TrainConfig, pad_id: int = 0,
                  checkpoint_dir: str | Path | None = None, progress: bool = True,
@@ -171,24 +201,41 @@ class MedusaTrainer:
                 f"gradient_accumulation ({config.gradient_accumulation})"
             )
 
-    def _features_and_teacher(self, input_ids, attention_mask):
-        target = self.spec.target
-        with torch.no_grad():
-            outputs = target.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            features = outputs.last_hidden_state
-            teacher = target.logits(features).float()
-        return features, teacher
+    def prepare(self) -> None:
+        """Hook: set up the drafter from the training data before the optimizer is built."""
 
-    def _micro_step(self, heads, indices: list[int]) -> tuple[torch.Tensor, list[float], int]:
-        device = self.accelerator.device
-        input_ids, attention_mask = collate([self.train_sequences[i] for i in indices], self.pad_id)
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        features, teacher = self._features_and_teacher(input_ids, attention_mask)
-        shared = self.spec.shared_logits if self.spec.config.share_lm_head else None
-        with self.accelerator.autocast():
-            head_logits = heads(features, shared)
-        loss, agreement = head_losses(head_logits.float(), teacher, input_ids, attention_mask, self.config)
-        return loss, agreement, int(attention_mask.sum())
+    def micro_loss(self, heads: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   indices: list[int], step: int) -> tuple[torch.Tensor, list[float]]:
+        """Hook: loss of one micro-batch ``[B, T]`` (sequences ``indices`` of optimizer step ``step``)
+        and the per-head (per-step) top-1 agreement with the target."""
+        raise NotImplementedError(f"{type(self).__name__} must implement micro_loss")
+
+    def finish(self, result: TrainResult) -> None:
+        """Hook: after training (``spec.heads`` unwrapped and in eval mode)."""
+
+    def _collate(self, sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, attention_mask = collate(list(sequences), self.pad_id)
+        return input_ids.to(self.accelerator.device), attention_mask.to(self.accelerator.device)
+
+    def _step(self, heads, indices: list[int], step: int) -> tuple[float, list[float], int]:
+        """Forward and backward over one optimizer step's sequences (all accumulation micro-steps)."""
+        config, accelerator = self.config, self.accelerator
+        world, rank = accelerator.num_processes, accelerator.process_index
+        micro = config.batch_size // (world * config.gradient_accumulation)
+        step_loss, step_agreement, tokens = 0.0, None, 0
+        for accumulation in range(config.gradient_accumulation):
+            chunk = indices[accumulation * micro * world:(accumulation + 1) * micro * world][rank::world]
+            last = accumulation == config.gradient_accumulation - 1
+            context = accelerator.no_sync(heads) if not last else nullcontext()
+            with context:
+                input_ids, attention_mask = self._collate([self.train_sequences[i] for i in chunk])
+                loss, agreement = self.micro_loss(heads, input_ids, attention_mask, chunk, step)
+                accelerator.backward(loss / config.gradient_accumulation)
+            tokens += int(attention_mask.sum())
+            step_loss += float(loss.detach()) / config.gradient_accumulation
+            step_agreement = agreement if step_agreement is None else [
+                a + b for a, b in zip(step_agreement, agreement)]
+        return step_loss, [a / config.gradient_accumulation for a in step_agreement], tokens
 
     def train(self, resume: bool = False, stop_after: int | None = None) -> TrainResult:
         """Run to ``config.steps`` (or stop after step ``stop_after``, e.g. to test resuming)."""
@@ -196,6 +243,7 @@ class MedusaTrainer:
         torch.manual_seed(config.seed)
         self.spec.backbone.to(accelerator.device)
         self.spec.backbone.eval()
+        self.prepare()
         parameters = [p for p in self.spec.heads.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
@@ -204,31 +252,18 @@ class MedusaTrainer:
         start_step = self._resume() if resume else 0
         heads.train()
         result = TrainResult()
-        world, rank = accelerator.num_processes, accelerator.process_index
-        micro = config.batch_size // (world * config.gradient_accumulation)
         end_step = config.steps if stop_after is None else min(stop_after, config.steps)
         bar = tqdm(range(start_step, end_step), disable=not (self.progress and accelerator.is_main_process),
-                   desc="distilling heads", initial=start_step, total=config.steps)
+                   desc=self.description, initial=start_step, total=config.steps)
         tokens, started = 0, time.perf_counter()
         for step in bar:
             indices = batch_indices(step, config.batch_size, len(self.train_sequences), config.seed)
-            step_loss, step_agreement = 0.0, None
-            for accumulation in range(config.gradient_accumulation):
-                chunk = indices[accumulation * micro * world:(accumulation + 1) * micro * world][rank::world]
-                last = accumulation == config.gradient_accumulation - 1
-                context = accelerator.no_sync(heads) if not last else nullcontext()
-                with context:
-                    loss, agreement, count = self._micro_step(heads, chunk)
-                    accelerator.backward(loss / config.gradient_accumulation)
-                tokens += count
-                step_loss += float(loss.detach()) / config.gradient_accumulation
-                step_agreement = agreement if step_agreement is None else [
-                    a + b for a, b in zip(step_agreement, agreement)]
+            step_loss, step_agreement, count = self._step(heads, indices, step)
+            tokens += count
             accelerator.clip_grad_norm_(parameters, config.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            step_agreement = [a / config.gradient_accumulation for a in step_agreement]
             mean_loss = float(accelerator.reduce(torch.tensor(step_loss, device=accelerator.device), "mean"))
             result.losses.append(mean_loss)
             result.agreement.append(step_agreement)
@@ -237,14 +272,56 @@ class MedusaTrainer:
                 self._save_checkpoint(step + 1)
         bar.close()
         result.seconds = time.perf_counter() - started
-        result.tokens_per_second = tokens * world / result.seconds if result.seconds else 0.0
+        result.tokens_per_second = tokens * accelerator.num_processes / result.seconds if result.seconds else 0.0
         result.peak_memory_mb = _peak_memory_mb()
         self.spec.heads = accelerator.unwrap_model(heads)
         self.spec.heads.eval()
+        self.finish(result)
+        return result
+
+    def _save_checkpoint(self, step: int) -> None:
+        directory = self.checkpoint_dir / f"step-{step:07d}"
+        self.accelerator.save_state(str(directory))
+        if self.accelerator.is_main_process:
+            (directory / _STATE_FILE).write_text(json.dumps({"step": step, "config": asdict(self.config)}))
+            (self.checkpoint_dir / "latest").write_text(directory.name)
+        self.accelerator.wait_for_everyone()
+
+    def _resume(self) -> int:
+        if self.checkpoint_dir is None or not (self.checkpoint_dir / "latest").is_file():
+            raise FileNotFoundError(f"resume: no checkpoint under {self.checkpoint_dir}")
+        directory = self.checkpoint_dir / (self.checkpoint_dir / "latest").read_text().strip()
+        self.accelerator.load_state(str(directory))
+        step = json.loads((directory / _STATE_FILE).read_text())["step"]
+        logger.info("resumed from %s at step %d", directory, step)
+        return step
+
+
+class MedusaTrainer(DistillationTrainer):
+    """Distils Medusa heads; afterwards measures per-head, per-rank accuracy on held-out
+    sequences and rebuilds the default tree from it."""
+
+    description = "distilling heads"
+
+    def _features_and_teacher(self, input_ids, attention_mask):
+        target = self.spec.target
+        with torch.no_grad():
+            outputs = target.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            features = outputs.last_hidden_state
+            teacher = target.logits(features).float()
+        return features, teacher
+
+    def micro_loss(self, heads, input_ids, attention_mask, indices, step):
+        features, teacher = self._features_and_teacher(input_ids, attention_mask)
+        shared = self.spec.shared_logits if self.spec.config.share_lm_head else None
+        with self.accelerator.autocast():
+            head_logits = heads(features, shared)
+        return head_losses(head_logits.float(), teacher, input_ids, attention_mask, self.config)
+
+    def finish(self, result: TrainResult) -> None:
         result.accuracy = self.rank_accuracy()
         self.spec.accuracy = result.accuracy
         self.spec.set_tree(None)
-        return result
 
     @torch.no_grad()
     def rank_accuracy(self, max_rank: int = 10) -> list[list[float]]:
@@ -255,9 +332,7 @@ class MedusaTrainer:
         total = 0
         shared = self.spec.shared_logits if self.spec.config.share_lm_head else None
         for start in range(0, len(self.validation_sequences), 4):
-            batch = self.validation_sequences[start:start + 4]
-            input_ids, attention_mask = collate(batch, self.pad_id)
-            input_ids, attention_mask = input_ids.to(self.accelerator.device), attention_mask.to(self.accelerator.device)
+            input_ids, attention_mask = self._collate(self.validation_sequences[start:start + 4])
             features, teacher = self._features_and_teacher(input_ids, attention_mask)
             logits = heads(features, shared).float()  # (K, B, T, V)
             K, _, T, _ = logits.shape
@@ -278,22 +353,16 @@ class MedusaTrainer:
             return []
         return (counts / total).tolist()
 
-    def _save_checkpoint(self, step: int) -> None:
-        directory = self.checkpoint_dir / f"step-{step:07d}"
-        self.accelerator.save_state(str(directory))
-        if self.accelerator.is_main_process:
-            (directory / _STATE_FILE).write_text(json.dumps({"step": step, "config": asdict(self.config)}))
-            (self.checkpoint_dir / "latest").write_text(directory.name)
-        self.accelerator.wait_for_everyone()
 
-    def _resume(self) -> int:
-        if self.checkpoint_dir is None or not (self.checkpoint_dir / "latest").is_file():
-            raise FileNotFoundError(f"resume: no checkpoint under {self.checkpoint_dir}")
-        directory = self.checkpoint_dir / (self.checkpoint_dir / "latest").read_text().strip()
-        self.accelerator.load_state(str(directory))
-        step = json.loads((directory / _STATE_FILE).read_text())["step"]
-        logger.info("resumed from %s at step %d", directory, step)
-        return step
+def make_trainer(spec, sequences: Sequence[torch.Tensor], config: TrainConfig, **options) -> DistillationTrainer:
+    """The trainer for ``spec.kind`` (``options``: those of :class:`DistillationTrainer`)."""
+    if spec.kind == "medusa":
+        return MedusaTrainer(spec, sequences, config, **options)
+    if spec.kind == "eagle":
+        from .eagle_trainer import EagleTrainer
+
+        return EagleTrainer(spec, sequences, config, **options)
+    raise ValueError(f"no trainer for drafter kind {spec.kind!r}")
 
 
 def _peak_memory_mb() -> float:
