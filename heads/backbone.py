@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -353,29 +354,59 @@ def config_hash(config) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def weights_fingerprint(model: nn.Module, samples_per_tensor: int = 1024) -> str:
-    """sha256 over a fixed strided sample of every parameter, rounded to bfloat16.
+def _strided_sample(tensor: torch.Tensor, count: int) -> torch.Tensor:
+    """Every ``numel // count``-th element of ``tensor`` in row-major order (at most ``count``),
+    as bfloat16 on the CPU. Reads only those elements: a strided view of a contiguous tensor, an
+    index gather of a non-contiguous one (never a flattened copy of the whole tensor)."""
+    tensor = tensor.detach()
+    numel = tensor.numel()
+    step = max(1, numel // count)
+    if tensor.is_contiguous():
+        sample = tensor.view(-1)[::step][:count]
+    else:
+        flat_index = torch.arange(0, numel, step, device=tensor.device)[:count]
+        sample = tensor[torch.unravel_index(flat_index, tensor.shape)]
+    return sample.to("cpu", torch.float32).to(torch.bfloat16)
 
-    Cost is ``O(samples_per_tensor)`` per tensor, so it is cheap on large models; the rounding
-    makes fp32, fp16 and bf16 copies of one checkpoint agree in almost all cases.
+
+def weights_fingerprint(model: nn.Module, samples_per_tensor: int = 1024) -> str:
+    """sha256 over a fixed strided sample of every parameter and buffer, rounded to bfloat16.
+
+    Cost is ``O(samples_per_tensor)`` elements per tensor whatever its size or memory layout
+    (see :func:`_strided_sample`), so it is cheap on large models; the rounding makes fp32, fp16
+    and bf16 copies of one checkpoint agree in almost all cases.
     """
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // samples_per_tensor)
-        sample = flat[::step][:samples_per_tensor].to("cpu", torch.float32).to(torch.bfloat16)
+        sample = _strided_sample(tensor, samples_per_tensor)
         digest.update(name.encode())
         digest.update(str(tuple(tensor.shape)).encode())
         digest.update(sample.view(torch.int16).numpy().tobytes())
     return digest.hexdigest()
 
 
-def target_fingerprint(model: PreTrainedModel) -> dict:
-    """The identity an adapter records about its target."""
+_HUB_SNAPSHOT = re.compile(r"(?:^|[\\/])snapshots[\\/]([0-9a-f]{40})[\\/]?$")
+
+
+def model_revision(model: PreTrainedModel) -> str | None:
+    """The commit of the checkpoint when it is known: the config's ``_commit_hash`` (set by
+    transformers before 5.x) or the commit directory of a Hugging Face cache snapshot path."""
+    config = model.config
+    commit = getattr(config, "_commit_hash", None)
+    if commit:
+        return str(commit)
+    match = _HUB_SNAPSHOT.search(str(getattr(config, "_name_or_path", "") or ""))
+    return match.group(1) if match else None
+
+
+def target_fingerprint(model: PreTrainedModel, revision: str | None = None) -> dict:
+    """The identity an adapter records about its target (``revision``: the checkpoint's commit
+    when the caller knows it, else :func:`model_revision`)."""
     config = model.config
     output_head = model.get_output_embeddings()
     return {
         "name_or_path": getattr(config, "_name_or_path", "") or "",
+        "revision": revision or model_revision(model),
         "model_type": config.model_type,
         "config_sha256": config_hash(config),
         "weights_sha256": weights_fingerprint(model),

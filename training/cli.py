@@ -1,5 +1,5 @@
-"""The ``selfdraft`` command line: ``train`` and ``bench`` (``check`` and ``export`` arrive with the
-adapter-interop capability).
+"""The ``selfdraft`` command line: ``train`` and ``bench`` here; ``check``, ``export`` and ``push``
+in :mod:`training.adapter_commands`.
 
 Multi-process training runs the same command under accelerate, e.g.
 ``accelerate launch --num_processes 2 -m training.cli train ...`` (add ``--cpu`` on a CPU machine).
@@ -16,12 +16,12 @@ from pathlib import Path
 logger = logging.getLogger("selfdraft")
 
 
-def _load_model(directory: str, dtype: str = "float32"):
+def _load_model(directory: str, dtype: str = "float32", revision: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
+    tokenizer = AutoTokenizer.from_pretrained(directory, revision=revision)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), revision=revision)
     model.eval()
     return model, tokenizer
 
@@ -38,8 +38,9 @@ def _write_json(path: str | None, payload: dict) -> None:
 def add_train_parser(commands) -> None:
     parser = commands.add_parser(
         "train", help="distil draft heads against a frozen model",
-        description="Distil Medusa heads against a frozen causal LM on its own continuations of the given prompts "
-                    "(self-distillation), evaluate tau on held-out prompts and save the adapter.",
+        description="Distil a drafter (Medusa heads or an EAGLE drafter) against a frozen causal LM on its own "
+                    "continuations of the given prompts (self-distillation), evaluate tau on held-out prompts and "
+                    "save the adapter.",
     )
     parser.add_argument("--model", required=True, help="local Hugging Face model directory (or hub id)")
     parser.add_argument("--kind", choices=("medusa", "eagle"), default="medusa", help="drafter kind")
@@ -58,9 +59,12 @@ def add_train_parser(commands) -> None:
                         help="temperature of both distributions in the divergence; match the serving temperature")
     parser.add_argument("--hard-label-weight", type=float, default=0.0,
                         help="weight of plain cross-entropy to the target's tokens, added to the divergence")
-    parser.add_argument("--num-heads", type=int, default=4, help="Medusa heads (head k predicts token t+k+2)")
-    parser.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
-    parser.add_argument("--share-lm-head", action="store_true", help="reuse the frozen output head in every head")
+    parser.add_argument("--num-heads", type=int, default=None,
+                        help="Medusa heads (head k predicts token t+k+2; default 4)")
+    parser.add_argument("--num-layers", type=int, default=1,
+                        help="residual blocks per Medusa head; decoder layers of the EAGLE drafter")
+    parser.add_argument("--share-lm-head", action="store_true", help="Medusa: reuse the frozen output head in every head")
+    _add_eagle_arguments(parser)
     parser.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="length of the target's continuation generated per prompt (distillation data)")
@@ -78,9 +82,51 @@ def add_train_parser(commands) -> None:
     parser.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts to evaluate (0: skip)")
     parser.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens per evaluation prompt")
     parser.add_argument("--seed", type=int, default=0, help="seed of batches and sampled data")
+    parser.add_argument("--revision", default=None,
+                        help="commit of the target checkpoint (hub ids: loaded at it); recorded in the adapter's pin")
     parser.add_argument("--json", default=None, help="write the training summary to this JSON file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run_train)
+
+
+def _layer_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices such as 2,6,11; got {text!r}")
+
+
+def _add_eagle_arguments(parser) -> None:
+    group = parser.add_argument_group("EAGLE drafter (--kind eagle)")
+    group.add_argument("--depth", type=int, default=None, help="deepest level of the dynamic draft tree")
+    group.add_argument("--top-k", type=int, default=None, help="children per expanded node of the dynamic tree")
+    group.add_argument("--total-tokens", type=int, default=None, help="drafted nodes verified per step")
+    group.add_argument("--feature-layers", type=_layer_list, default=None,
+                       help="EAGLE-3: comma-separated backbone hidden states to fuse as input (0: embeddings, "
+                            "num_hidden_layers: top layer), e.g. 2,6,11")
+    group.add_argument("--draft-vocab-size", type=int, default=None,
+                       help="EAGLE-3: reduced draft vocabulary of the most frequent target tokens in the data")
+    group.add_argument("--feature-weight", type=float, default=1.0,
+                       help="weight of the smooth-L1 next-feature regression (default 1.0)")
+    group.add_argument("--token-weight", type=float, default=0.1,
+                       help="weight of the token divergence to the target (default 0.1)")
+    group.add_argument("--feature-noise", type=float, default=0.1,
+                       help="half-width of the uniform noise added to input features (default 0.1)")
+    group.add_argument("--unroll-steps", type=int, default=1,
+                       help="drafting steps unrolled on the drafter's own features in training (training-time "
+                            "test; default 1)")
+
+
+def _train_config(args):
+    from .trainer import TrainConfig
+
+    return TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, gradient_accumulation=args.gradient_accumulation,
+        learning_rate=args.lr, warmup_steps=args.warmup_steps, mixed_precision=args.mixed_precision,
+        divergence=args.divergence, temperature=args.temperature, hard_label_weight=args.hard_label_weight,
+        seed=args.seed, checkpoint_every=args.checkpoint_every, feature_weight=args.feature_weight,
+        token_weight=args.token_weight, feature_noise=args.feature_noise, unroll_steps=args.unroll_steps,
+    )
 
 
 def run_train(args) -> int:
@@ -90,18 +136,11 @@ def run_train(args) -> int:
     import heads
     from .data import generate_distillation_data, load_prompts, text_sequences
     from .evaluate import encode_prompts, measure
-    from .trainer import MedusaTrainer, TrainConfig
+    from .trainer import make_trainer
 
-    if args.kind != "medusa":
-        raise SystemExit("selfdraft train: --kind eagle is not available yet (the EAGLE drafter is a separate capability)")
-    config = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, gradient_accumulation=args.gradient_accumulation,
-        learning_rate=args.lr, warmup_steps=args.warmup_steps, mixed_precision=args.mixed_precision,
-        divergence=args.divergence, temperature=args.temperature, hard_label_weight=args.hard_label_weight,
-        seed=args.seed, checkpoint_every=args.checkpoint_every,
-    )
+    config = _train_config(args)
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
-    model, tokenizer = _load_model(args.model)
+    model, tokenizer = _load_model(args.model, revision=args.revision)
     prompts = load_prompts(args.data, tokenizer)[: args.max_prompts]
     target_id = heads.backbone.target_fingerprint(model)["weights_sha256"]
     with accelerator.main_process_first():  # main generates and caches, the others read the cache
@@ -115,11 +154,14 @@ def run_train(args) -> int:
                 max_prompt_tokens=max(1, args.max_length - args.max_new_tokens), truncate=True,
             )
     sequences = [sequence[: args.max_length] for sequence in sequences if sequence.numel() > 2]
-    spec = heads.attach_heads(model, kind="medusa", num_heads=args.num_heads, num_layers=args.num_layers,
-                              share_lm_head=args.share_lm_head)
+    torch.manual_seed(args.seed)  # drafters initialised at random (EAGLE) start alike in every run and process
+    spec = heads.attach_heads(model, kind=args.kind, num_heads=args.num_heads, num_layers=args.num_layers,
+                              share_lm_head=args.share_lm_head or None, depth=args.depth, top_k=args.top_k,
+                              total_tokens=args.total_tokens, feature_layers=args.feature_layers,
+                              draft_vocab_size=args.draft_vocab_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    trainer = MedusaTrainer(spec, sequences, config, pad_id=pad_id, checkpoint_dir=args.checkpoint_dir,
-                            progress=not args.no_progress, accelerator=accelerator)
+    trainer = make_trainer(spec, sequences, config, pad_id=pad_id, checkpoint_dir=args.checkpoint_dir,
+                           progress=not args.no_progress, accelerator=accelerator)
     result = trainer.train(resume=args.resume)
     summary = {"final_loss": result.losses[-1] if result.losses else None, **result.to_dict()}
     if accelerator.is_main_process:
@@ -141,7 +183,7 @@ def run_train(args) -> int:
             "on_policy": False, "original_text": args.original_text, "steps": args.steps,
             "config": config.__dict__, "processes": accelerator.num_processes,
         }
-        spec.save_pretrained(args.out, training=recipe, acceptance=acceptance)
+        spec.save_pretrained(args.out, training=recipe, acceptance=acceptance, revision=args.revision)
         _write_json(args.json, summary)
         print(f"saved adapter to {args.out}; final loss {summary['final_loss']:.4f}")
     accelerator.wait_for_everyone()
@@ -206,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_train_parser(commands)
     add_bench_parser(commands)
+    from .adapter_commands import add_adapter_parsers
+
+    add_adapter_parsers(commands)
     return parser
 
 

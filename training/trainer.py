@@ -25,6 +25,7 @@ import logging
 import math
 import resource
 import time
+from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -170,7 +171,7 @@ def head_losses(head_logits: torch.Tensor, teacher_logits: torch.Tensor, input_i
     return total, agreement
 
 
-class DistillationTrainer:
+class DistillationTrainer(ABC):
     """The shared loop; subclasses supply the loss (:meth:`micro_loss`) and optional hooks
     :meth:`prepare` (before the optimizer is built) and :meth:`finish` (after the last step).
 
@@ -204,11 +205,11 @@ class DistillationTrainer:
     def prepare(self) -> None:
         """Hook: set up the drafter from the training data before the optimizer is built."""
 
+    @abstractmethod
     def micro_loss(self, heads: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    indices: list[int], step: int) -> tuple[torch.Tensor, list[float]]:
         """Hook: loss of one micro-batch ``[B, T]`` (sequences ``indices`` of optimizer step ``step``)
         and the per-head (per-step) top-1 agreement with the target."""
-        raise NotImplementedError(f"{type(self).__name__} must implement micro_loss")
 
     def finish(self, result: TrainResult) -> None:
         """Hook: after training (``spec.heads`` unwrapped and in eval mode)."""

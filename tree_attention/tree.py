@@ -14,6 +14,7 @@ Two layers of description:
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -326,6 +327,30 @@ def _checked_children(children: tuple[torch.Tensor, torch.Tensor], rows: int, to
     return tokens.long(), log_probs.float()
 
 
+def _bool_rows(chains: list[list[int]], width: int, device) -> torch.Tensor:
+    """``[len(chains), width]`` bool with row ``i`` True at the columns listed in ``chains[i]``."""
+    rows = torch.zeros(len(chains), width, dtype=torch.bool)
+    row_index = [row for row, chain in enumerate(chains) for _ in chain]
+    rows[row_index, [column for chain in chains for column in chain]] = True
+    return rows.to(device)
+
+
+def _tree_from_candidates(root: int, tokens: list[int], parents: list[int], depths: list[int],
+                          keep: list[int], device) -> Tree:
+    """The tree of the kept candidates (increasing indices, closed under ancestors) below ``root``."""
+    new_index = {candidate: node for node, candidate in enumerate(keep, start=1)}
+    tree_parents = [-1] + [new_index.get(parents[candidate], 0) for candidate in keep]
+    chains: list[list[int]] = [[0]]
+    for node in range(1, len(tree_parents)):
+        chains.append(chains[tree_parents[node]] + [node])
+    return Tree(
+        tokens=torch.tensor([root] + [tokens[c] for c in keep], dtype=torch.long, device=device),
+        parents=torch.tensor(tree_parents, dtype=torch.long, device=device),
+        depths=torch.tensor([0] + [depths[c] for c in keep], dtype=torch.long, device=device),
+        ancestors=_bool_rows(chains, len(chains), device),
+    )
+
+
 def dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor], expand: ExpandChildren,
                  depth: int, top_k: int, total_tokens: int) -> Tree:
     """Grow a tree best-first (EAGLE-2) and keep its best ``total_tokens`` drafted nodes.
@@ -341,44 +366,38 @@ def dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor], ex
 
     Nodes whose score cannot beat the current ``total_tokens``-th best are not expanded: their
     children would score no higher and rank after it, so the result equals that of expanding them.
-    Returns the tree in topological order (nodes by level, parents before children).
+    Returns the tree in topological order (nodes by level, parents before children). The
+    bookkeeping runs on Python lists (a few dozen candidates): one host transfer per level.
     """
     _check_dynamic_shape(depth, top_k, total_tokens)
-    tokens, log_probs = _checked_children((root_children[0][None], root_children[1][None]), 1, top_k)
-    device = tokens.device
-    scores, parents = log_probs[0], torch.full((top_k,), -1, dtype=torch.long, device=device)
-    depths, node_tokens = torch.ones(top_k, dtype=torch.long, device=device), tokens[0]
-    frontier = torch.arange(top_k, device=device)  # candidate indices of the newest level's best
-    expanded = torch.full((top_k,), -1, dtype=torch.long, device=device)  # candidate -> expansion order
-    ancestors = torch.zeros(0, 0, dtype=torch.bool, device=device)  # over expanded nodes
+    first_tokens, first_scores = _checked_children((root_children[0][None], root_children[1][None]), 1, top_k)
+    device = first_tokens.device
+    tokens, scores = first_tokens[0].tolist(), first_scores[0].tolist()  # per candidate
+    parents, depths = [-1] * top_k, [1] * top_k  # parent candidate (-1: root), depth
+    slot: dict[int, int] = {}  # candidate -> position in expansion order
+    chains: list[list[int]] = []  # per expanded node: expansion positions of its expanded ancestors and itself
+    frontier = list(range(top_k))  # the newest level's best candidates
     for level in range(1, depth if total_tokens else 1):
-        if scores.numel() >= total_tokens:
-            threshold = torch.topk(scores, total_tokens).values[-1]
-            frontier = frontier[scores[frontier] > threshold]
-        if frontier.numel() == 0:
+        if len(scores) >= total_tokens:
+            threshold = heapq.nlargest(total_tokens, scores)[-1]
+            frontier = [candidate for candidate in frontier if scores[candidate] > threshold]
+        if not frontier:
             break
-        count, grown = frontier.numel(), ancestors.shape[0]
-        parent_slots = torch.where(parents[frontier] >= 0, expanded[parents[frontier].clamp(min=0)], -1)
-        rows = torch.zeros(count, grown + count, dtype=torch.bool, device=device)
-        has_parent = parent_slots >= 0
-        rows[has_parent, :grown] = ancestors[parent_slots[has_parent]]
-        rows[:, grown:] = torch.eye(count, dtype=torch.bool, device=device)
-        request = Expansion(node_tokens[frontier], parent_slots, level, rows)
-        child_tokens, child_log_probs = _checked_children(expand(request), count, top_k)
-        expanded[frontier] = torch.arange(grown, grown + count, device=device)
-        ancestors = torch.cat([torch.cat([ancestors, ancestors.new_zeros(grown, count)], dim=1), rows])
-        first = scores.numel()
-        scores = torch.cat([scores, (scores[frontier, None] + child_log_probs).flatten()])
-        parents = torch.cat([parents, frontier.repeat_interleave(top_k)])
-        depths = torch.cat([depths, torch.full((count * top_k,), level + 1, dtype=torch.long, device=device)])
-        node_tokens = torch.cat([node_tokens, child_tokens.flatten()])
-        expanded = torch.cat([expanded, torch.full((count * top_k,), -1, dtype=torch.long, device=device)])
-        newest = torch.sort(-scores[first:], stable=True).indices[:top_k]  # ties: earlier node
-        frontier = torch.sort(newest).values + first
-    keep = best_nodes(scores, depths, total_tokens)
-    new_index = torch.full((scores.numel(),), -1, dtype=torch.long, device=device)
-    new_index[keep] = torch.arange(1, keep.numel() + 1, device=device)
-    kept_parents = parents[keep]
-    tree_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], 0)
-    tokens_out = torch.cat([torch.tensor([root], dtype=torch.long, device=device), node_tokens[keep]])
-    return Tree.from_parents(tokens_out, [-1] + tree_parents.tolist())
+        grown, parent_slots = len(chains), [slot.get(parents[candidate], -1) for candidate in frontier]
+        new_chains = [(chains[p] if p >= 0 else []) + [grown + i] for i, p in enumerate(parent_slots)]
+        request = Expansion(torch.tensor([tokens[c] for c in frontier], dtype=torch.long, device=device),
+                            torch.tensor(parent_slots, dtype=torch.long, device=device), level,
+                            _bool_rows(new_chains, grown + len(frontier), device))
+        child_tokens, child_scores = _checked_children(expand(request), len(frontier), top_k)
+        slot.update({candidate: grown + i for i, candidate in enumerate(frontier)})
+        chains += new_chains
+        first = len(scores)
+        for candidate, row_tokens, row_scores in zip(frontier, child_tokens.tolist(), child_scores.tolist()):
+            tokens += row_tokens
+            scores += [scores[candidate] + value for value in row_scores]
+            parents += [candidate] * top_k
+            depths += [level + 1] * top_k
+        newest = sorted(range(first, len(scores)), key=lambda candidate: -scores[candidate])[:top_k]  # stable
+        frontier = sorted(newest)
+    keep = best_nodes(torch.tensor(scores, dtype=torch.float64), torch.tensor(depths), total_tokens).tolist()
+    return _tree_from_candidates(root, tokens, parents, depths, keep, device)

@@ -107,3 +107,90 @@ def test_interrupted_save_keeps_the_old_adapter(trained_spec, tmp_path, monkeypa
         trained_spec.save_pretrained(tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no staging left behind
+
+
+def _rewrite_config(directory, change) -> None:
+    path = directory / "adapter_config.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(format_version=2), "newer selfdraft.*upgrade selfdraft"),
+    (lambda c: c.update(format_version="1"), "format_version must be an int"),
+    (lambda c: c.update(extra=1), r"unknown field\(s\) \['extra'\]"),
+    (lambda c: c.update(library="medusa"), "library 'medusa'"),
+    (lambda c: c["target"].update(weights_sha256="abc"), "target.weights_sha256 must be a 64-digit"),
+    (lambda c: c["target"].update(vocab_size=0), "target.vocab_size must be a positive int"),
+    (lambda c: c["target"].update(dtype="int3"), "target.dtype 'int3'"),
+    (lambda c: c["target"].update(color="red"), r"unknown target field\(s\) \['color'\]"),
+    (lambda c: c["target"].pop("model_type"), "target.model_type"),
+    (lambda c: c.update(tree_accuracy=[[1.5]]), "tree_accuracy must be"),
+    (lambda c: c.update(acceptance={"chat": {"prompts": 3}}), r"acceptance\['chat'\] has no 'tau'"),
+    (lambda c: c.update(acceptance={"chat": {"tau": -1}}), r"acceptance\['chat'\].tau must be a non-negative"),
+    (lambda c: c.update(acceptance={"chat": [{"tau": 2.0, "acceptance_by_position": [2.0]}]}),
+     "acceptance_by_position must be"),
+    (lambda c: c.update(training=[1]), "field 'training' must be an object"),
+    (lambda c: c.pop("drafter"), "missing field 'drafter'"),
+])
+def test_every_config_field_is_checked(trained_spec, tmp_path, change, message):
+    trained_spec.save_pretrained(tmp_path / "adapter")
+    _rewrite_config(tmp_path / "adapter", change)
+    with pytest.raises(heads.AdapterError, match=message):
+        heads.load_heads(trained_spec.backbone, tmp_path / "adapter")
+
+
+def test_acceptance_per_temperature_and_revision_are_recorded(trained_spec, tmp_path):
+    acceptance = {"chat": [{"tau": 2.5, "temperature": 0.0}, {"tau": 2.1, "temperature": 0.7}]}
+    trained_spec.save_pretrained(tmp_path / "adapter", acceptance=acceptance, revision="0123abc")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target"]["revision"] == "0123abc" and config["acceptance"] == acceptance
+    assert heads.load_heads(trained_spec.backbone, tmp_path / "adapter").metadata["acceptance"] == acceptance
+
+
+def test_revision_from_a_hub_cache_snapshot_path(trained_spec):
+    from heads.backbone import target_fingerprint
+
+    model = trained_spec.backbone
+    commit = "0f" * 20
+    previous = model.config._name_or_path
+    try:
+        model.config._name_or_path = f"/cache/hub/models--org--tiny/snapshots/{commit}"
+        assert target_fingerprint(model)["revision"] == commit
+        model.config._name_or_path = "/some/local/dir"
+        assert target_fingerprint(model)["revision"] is None
+    finally:
+        model.config._name_or_path = previous
+
+
+def test_fingerprint_reads_samples_only_whatever_the_layout():
+    """Non-contiguous tensors give the fingerprint of their contiguous copy, and no whole-tensor
+    copy is made (every new storage the ops allocate is sample-sized)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from heads.backbone import weights_fingerprint
+
+    class Storages(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            output = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            for tensor in torch.utils._pytree.tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in inputs:
+                    Storages.largest = max(Storages.largest, tensor.untyped_storage().nbytes())
+            return output
+
+    model = build_model("llama", seed=5)
+    contiguous = weights_fingerprint(model, samples_per_tensor=64)
+    with torch.no_grad():
+        for module in (model.lm_head, model.model.layers[0].mlp.up_proj):
+            module.weight = torch.nn.Parameter(module.weight.detach().t().contiguous().t())
+    assert not model.lm_head.weight.is_contiguous()
+    with Storages():
+        assert weights_fingerprint(model, samples_per_tensor=64) == contiguous
+    # the largest new storage: int64 indices of 64 samples in 2 dimensions; a flattened copy of
+    # lm_head would be 96 x 32 x 4 bytes
+    assert 0 < Storages.largest <= 64 * 8 * 2 < model.lm_head.weight.numel() * 4, Storages.largest

@@ -50,12 +50,15 @@ def test_model_that_ignores_the_4d_mask_is_refused():
         heads.backbone.probe_backbone(target)
 
 
-def test_unknown_kind_and_eagle_not_yet():
+def test_unknown_kind_and_eagle_works():
     model = build_model("llama")
     with pytest.raises(ValueError, match="kind must be one of"):
         heads.attach_heads(model, kind="lookahead")
-    with pytest.raises(NotImplementedError, match="EAGLE"):
-        heads.attach_heads(model, kind="eagle")
+    spec = heads.attach_heads(model, kind="eagle")
+    assert spec.kind == "eagle" and isinstance(spec.heads, heads.EagleHeads)
+    prompt = random_prompt(5, 0)
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=8)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=8), expected)
 
 
 @pytest.mark.parametrize("field", ["num_heads", "num_layers"])

@@ -1,0 +1,168 @@
+"""The fields of ``adapter_config.json`` and their checks.
+
+Every field a loader relies on is checked here, with an error that names the file and the field.
+A config from a newer ``format_version`` is refused with a message to upgrade selfdraft; unknown
+top-level or target fields are refused (a newer writer bumps the version when it adds one). The
+free-form parts (the training recipe, extra keys inside an acceptance entry) are checked only for
+the keys that have a meaning here.
+"""
+
+from __future__ import annotations
+
+import re
+from numbers import Real
+
+FORMAT_VERSION = 1
+"""Version of the adapter layout this selfdraft writes and the newest it reads."""
+
+TOP_LEVEL_FIELDS = ("format_version", "library", "kind", "drafter", "target", "tree_accuracy", "training",
+                    "acceptance")
+TARGET_FIELDS = ("name_or_path", "revision", "model_type", "config_sha256", "weights_sha256", "vocab_size",
+                 "hidden_size", "dtype")
+PINNED_FIELDS = ("model_type", "config_sha256", "weights_sha256", "vocab_size", "hidden_size")
+"""Target fields that must match the model an adapter is loaded on (``strict=True``)."""
+
+ACCEPTANCE_NUMBERS = ("tau", "tokens_per_s_spec", "tokens_per_s_plain", "speedup", "temperature")
+ACCEPTANCE_COUNTS = ("prompts", "max_new_tokens")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_DTYPES = {"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"}
+
+
+class AdapterError(ValueError):
+    """An adapter directory that cannot be loaded: missing or corrupt files, wrong shapes or fields."""
+
+
+class TargetMismatchError(AdapterError):
+    """The adapter was trained on another target checkpoint."""
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_version(config: dict, where: str) -> None:
+    """Refuse a missing, malformed or newer ``format_version``."""
+    version = config.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise AdapterError(f"{where}: format_version must be an int; got {version!r}")
+    if version > FORMAT_VERSION:
+        raise AdapterError(
+            f"{where}: written by a newer selfdraft (adapter format_version {version}; this selfdraft reads "
+            f"format_version {FORMAT_VERSION} and older): upgrade selfdraft (pip install -U selfdraft)"
+        )
+    if version < 1:
+        raise AdapterError(f"{where}: format_version {version} is not a selfdraft adapter format (expected 1..."
+                           f"{FORMAT_VERSION})")
+
+
+def check_target(target: object, where: str, pinned: bool = True) -> None:
+    """Check the ``target`` block. ``pinned=False`` (checkpoints imported from other formats)
+    lets the two sha256 fields be None: the checkpoint does not say which weights it was trained on."""
+    if not isinstance(target, dict):
+        raise AdapterError(f"{where}: field 'target' must be an object; got {type(target).__name__}")
+    unknown = sorted(set(target) - set(TARGET_FIELDS))
+    if unknown:
+        raise AdapterError(f"{where}: unknown target field(s) {unknown} (known: {list(TARGET_FIELDS)})")
+    for key in ("config_sha256", "weights_sha256"):
+        value = target.get(key)
+        if value is None and not pinned:
+            continue
+        if not isinstance(value, str) or not _SHA256.match(value):
+            raise AdapterError(f"{where}: target.{key} must be a 64-digit lowercase sha256 hex string; got {value!r}")
+    for key in ("vocab_size", "hidden_size"):
+        value = target.get(key)
+        if not _count(value) or value == 0:
+            raise AdapterError(f"{where}: target.{key} must be a positive int; got {value!r}")
+    for key in ("name_or_path", "model_type", "revision"):
+        value = target.get(key)
+        if value is not None and not isinstance(value, str):
+            raise AdapterError(f"{where}: target.{key} must be a string or null; got {value!r}")
+    if "model_type" not in target and pinned:
+        raise AdapterError(f"{where}: missing field 'target.model_type'")
+    dtype = target.get("dtype")
+    if dtype is not None and dtype not in _DTYPES:
+        raise AdapterError(f"{where}: target.dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+
+
+def check_tree_accuracy(accuracy: object, where: str) -> None:
+    """``tree_accuracy``: null or one list per head of top-k accuracies in [0, 1]."""
+    if accuracy is None:
+        return
+    rows_ok = isinstance(accuracy, list) and all(isinstance(row, list) for row in accuracy)
+    if not rows_ok or not all(_number(value) and 0.0 <= value <= 1.0 for row in accuracy for value in row):
+        raise AdapterError(f"{where}: tree_accuracy must be null or a list of lists of numbers in [0, 1]; "
+                           f"got {accuracy!r}")
+
+
+def acceptance_entries(acceptance: dict) -> list[tuple[str, dict]]:
+    """(mix, entry) pairs of an ``acceptance`` block: an entry per mix, or a list per mix (one per
+    temperature)."""
+    pairs = []
+    for mix, value in acceptance.items():
+        for entry in (value if isinstance(value, list) else [value]):
+            pairs.append((mix, entry))
+    return pairs
+
+
+def check_acceptance(acceptance: object, where: str) -> None:
+    """``acceptance``: ``{mix: entry | [entry, ...]}``; an entry holds at least ``tau``."""
+    if not isinstance(acceptance, dict):
+        raise AdapterError(f"{where}: field 'acceptance' must be an object; got {type(acceptance).__name__}")
+    for mix, entry in acceptance_entries(acceptance):
+        name = f"{where}: acceptance[{mix!r}]"
+        if not isinstance(entry, dict):
+            raise AdapterError(f"{name} must be an object (or a list of objects); got {entry!r}")
+        if "tau" not in entry:
+            raise AdapterError(f"{name} has no 'tau'")
+        for key in ACCEPTANCE_NUMBERS:
+            if key in entry and not (_number(entry[key]) and entry[key] >= 0):
+                raise AdapterError(f"{name}.{key} must be a non-negative number; got {entry[key]!r}")
+        for key in ACCEPTANCE_COUNTS:
+            if key in entry and not _count(entry[key]):
+                raise AdapterError(f"{name}.{key} must be a non-negative int; got {entry[key]!r}")
+        rates = entry.get("acceptance_by_position", [])
+        if not isinstance(rates, list) or not all(_number(rate) and 0.0 <= rate <= 1.0 for rate in rates):
+            raise AdapterError(f"{name}.acceptance_by_position must be a list of numbers in [0, 1]; got {rates!r}")
+
+
+def validate_config(config: object, where: str, pinned: bool = True) -> dict:
+    """Check every field of an adapter config; return it. Raises :class:`AdapterError` naming
+    ``where`` (a file) and the field."""
+    if not isinstance(config, dict):
+        raise AdapterError(f"{where}: an adapter config is a JSON object; got {type(config).__name__}")
+    check_version(config, where)
+    unknown = sorted(set(config) - set(TOP_LEVEL_FIELDS))
+    if unknown:
+        raise AdapterError(f"{where}: unknown field(s) {unknown} for format_version {config['format_version']} "
+                           f"(known: {list(TOP_LEVEL_FIELDS)})")
+    for key in ("kind", "drafter", "target"):
+        if key not in config:
+            raise AdapterError(f"{where}: missing field {key!r}")
+    if config.get("library", "selfdraft") != "selfdraft":
+        raise AdapterError(f"{where}: library {config['library']!r} is not 'selfdraft'")
+    if not isinstance(config["kind"], str):
+        raise AdapterError(f"{where}: field 'kind' must be a string; got {config['kind']!r}")
+    if not isinstance(config["drafter"], dict):
+        raise AdapterError(f"{where}: field 'drafter' must be an object; got {config['drafter']!r}")
+    check_target(config["target"], where, pinned)
+    check_tree_accuracy(config.get("tree_accuracy"), where)
+    if not isinstance(config.get("training", {}), dict):
+        raise AdapterError(f"{where}: field 'training' must be an object; got {config['training']!r}")
+    check_acceptance(config.get("acceptance", {}), where)
+    return config
+
+
+def target_differences(recorded: dict, current: dict) -> list[str]:
+    """Human-readable differences between two target fingerprints (pinned fields only; a field
+    the recorded fingerprint leaves unknown (None) is not compared)."""
+    names = {"model_type": "model type", "config_sha256": "config", "weights_sha256": "weights",
+             "vocab_size": "vocab size", "hidden_size": "hidden size"}
+    return [
+        f"{names[key]}: adapter has {recorded.get(key)!r}, model has {current.get(key)!r}"
+        for key in PINNED_FIELDS
+        if key in recorded and recorded[key] is not None and recorded[key] != current.get(key)
+    ]

@@ -1,0 +1,326 @@
+"""EAGLE drafter: greedy parity on every family (random and trained drafters, several dynamic
+tree shapes), the drafter's own cache against a sequential run, the training-time unroll against
+decode-time drafting, EAGLE-3 options, adapter contents and bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import heads
+from heads.eagle import EagleConfig, unrolled_attention_mask
+from tests.conftest import ARCHITECTURES, VOCAB, build_model, greedy_reference, progression_batch, random_prompt
+from training.trainer import TrainConfig, make_trainer
+from tree_attention import cache as cache_ops
+from tree_attention.decode import speculative_generate
+from tree_attention.mask import prefill_attention_mask, tree_attention_mask
+
+SHAPES = [dict(depth=1, top_k=1, total_tokens=1), dict(depth=3, top_k=2, total_tokens=5),
+          dict(depth=5, top_k=4, total_tokens=12), dict(depth=6, top_k=3, total_tokens=16),
+          dict(depth=4, top_k=8, total_tokens=30), dict(depth=8, top_k=1, total_tokens=8)]
+
+
+def _own_continuations(model, count: int, length: int, seed: int) -> list[torch.Tensor]:
+    prompts = torch.cat([random_prompt(4, seed + i) for i in range(count)])
+    with torch.no_grad():
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=length)
+    return list(out)
+
+
+def _train(spec, sequences, steps: int, **config) -> None:
+    torch.manual_seed(0)
+    options = {**dict(steps=steps, batch_size=4, learning_rate=1e-2, warmup_steps=3, token_weight=1.0), **config}
+    make_trainer(spec, sequences, TrainConfig(**options), progress=False).train()
+
+
+def _check_parity(spec, model, prompts, max_new_tokens: int = 24) -> float:
+    tokens = forwards = 0
+    for prompt in prompts:
+        expected = greedy_reference(model, prompt, max_new_tokens)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=max_new_tokens), expected), tuple(prompt.shape)
+        tokens += spec.last_stats.new_tokens
+        forwards += spec.last_stats.target_forwards
+    return tokens / forwards
+
+
+@pytest.mark.parametrize("index, name", list(enumerate(ARCHITECTURES)))
+def test_greedy_parity_every_architecture_random_then_trained(index, name):
+    """A random drafter first; then a briefly trained one. Random tiny models fall into loops that
+    the drafter learns, so deep paths get accepted and its cache is cropped to varied lengths."""
+    model = build_model(name, seed=3)
+    spec = heads.attach_heads(model, kind="eagle", **SHAPES[index % len(SHAPES)])
+    _check_parity(spec, model, [random_prompt(1, index), random_prompt(19, index + 1)], 16)
+    _train(spec, _own_continuations(model, 12, 24, seed=100), steps=20)
+    spec.set_tree(None)
+    prompts = [random_prompt(4, 100), random_prompt(4, 101)]  # among the training prompts: drafts get accepted
+    _check_parity(spec, model, prompts[:1], 24)
+    accepted = sum(spec.last_stats.accepted_lengths)
+    spec.set_tree(SHAPES[(index + 3) % len(SHAPES)])
+    _check_parity(spec, model, prompts[1:], 16)
+    assert accepted + sum(spec.last_stats.accepted_lengths) >= 6
+
+
+@pytest.fixture(scope="module")
+def trained(toy_target):
+    """An EAGLE drafter trained on the toy target's continuations (accepts several tokens per step)."""
+    sequences = list(greedy_reference(toy_target, progression_batch(48, 6, torch.Generator().manual_seed(7)), 24))
+    spec = heads.attach_heads(toy_target, kind="eagle")
+    _train(spec, sequences, steps=60, batch_size=8, unroll_steps=2)
+    return spec
+
+
+def _toy_prompts(count: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [progression_batch(1, 5, generator) for _ in range(count)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_trained_drafter_parity_every_tree_shape(trained, shape):
+    trained.set_tree(shape)
+    tau = _check_parity(trained, trained.backbone, _toy_prompts(1, seed=11), 24)
+    if shape["depth"] > 1:
+        assert tau > 1.4, shape
+    assert trained.last_stats.tree_size <= shape["total_tokens"] + 1
+    trained.set_tree(None)
+
+
+def test_eos_inside_an_accepted_chunk(trained):
+    model = trained.backbone
+    prompt = _toy_prompts(1, seed=12)[0]
+    free_run = greedy_reference(model, prompt, 30)[0, prompt.shape[1]:]
+    inside = 0
+    try:
+        for position in (5, 8):
+            model.generation_config.eos_token_id = int(free_run[position])
+            expected = greedy_reference(model, prompt, 30)
+            actual = trained.generate(prompt, max_new_tokens=30)
+            assert torch.equal(actual, expected) and actual.shape[1] < prompt.shape[1] + 30
+            inside += trained.last_stats.accepted_lengths[-1] > 0
+    finally:
+        model.generation_config.eos_token_id = None
+    assert inside  # eos arrived among accepted drafts at least once
+
+
+def test_max_new_tokens_ends_inside_an_accepted_chunk(trained):
+    prompt = _toy_prompts(1, seed=13)[0]
+    cut_inside = 0
+    for max_new_tokens in (1, 2, 3, 4, 5, 6, 7, 9, 12):
+        actual = trained.generate(prompt, max_new_tokens=max_new_tokens)
+        assert actual.shape[1] == prompt.shape[1] + max_new_tokens
+        assert torch.equal(actual, greedy_reference(trained.backbone, prompt, max_new_tokens))
+        lengths = trained.last_stats.accepted_lengths
+        cut_inside += bool(lengths) and lengths[-1] > 0
+    assert cut_inside >= 2  # the budget ran out right after accepted drafts, not only after a bonus token
+
+
+class RecordingDrafter:
+    """Wraps an EagleDrafter; after each proposal compares its cache with a sequential run of the
+    drafter over every committed (feature, token) pair."""
+
+    def __init__(self, inner, spec) -> None:
+        self.inner, self.spec, self.checks = inner, spec, 0
+
+    def reset(self):
+        self.inner.reset()
+        self.features, self.tokens = [], []
+
+    def propose(self, features, tokens, root):
+        tree = self.inner.propose(features, tokens, root)
+        self.features.append(features)
+        self.tokens.append(tokens[0])
+        self._compare(root, tree)
+        return tree
+
+    def _compare(self, root: int, tree) -> None:
+        heads_module, target = self.spec.heads, self.spec.target
+        features = torch.cat(self.features, dim=1)  # (1, N, F)
+        next_tokens = torch.cat(self.tokens + [torch.tensor([root])])[1:]
+        count = next_tokens.numel()
+        assert self.inner.committed_length == count
+        reference = cache_ops.new_cache()
+        with torch.no_grad():
+            outputs = heads_module.step(heads_module.fuse(features), target.input_embeddings(next_tokens)[None],
+                                        torch.arange(count)[None],
+                                        prefill_attention_mask(count, heads_module.layout, torch.float32, "cpu"),
+                                        reference)
+        kept = copy.deepcopy(self.inner.cache)
+        cache_ops.crop(kept, count)
+        for layer, reference_layer in zip(kept.layers, reference.layers):
+            torch.testing.assert_close(layer.keys, reference_layer.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(layer.values, reference_layer.values, rtol=1e-4, atol=1e-5)
+        probe = [torch.randn(1, 1, heads_module.hidden_size, generator=torch.Generator().manual_seed(count)),
+                 target.input_embeddings(torch.tensor([[7]])), torch.tensor([[count]]),
+                 tree_attention_mask(count, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+                                     heads_module.layout, torch.float32)]
+        with torch.no_grad():
+            probed = [heads_module.step(*probe, cache) for cache in (kept, reference)]
+            best = heads_module.target_ids(target.logits(outputs[0, -1], heads_module.draft_rows(target)).argmax())
+        torch.testing.assert_close(probed[0], probed[1], rtol=1e-4, atol=1e-5)
+        if tree.size > 1:  # the root's best child scores highest of all nodes: always drafted
+            assert int(best) in tree.tokens[tree.depths == 1].tolist()
+        self.checks += 1
+
+
+def _check_drafter_cache(spec, prompt, max_new_tokens: int = 20):
+    recording = RecordingDrafter(spec.drafter, spec)
+    output, stats = speculative_generate(spec.target, recording, prompt, max_new_tokens)
+    assert torch.equal(output, greedy_reference(spec.backbone, prompt, max_new_tokens))
+    assert recording.checks == stats.target_forwards - 1 > 1
+    return stats
+
+
+def test_drafter_cache_follows_the_accepted_path_trained(trained):
+    accepted = [length for prompt in _toy_prompts(2, seed=14)
+                for length in _check_drafter_cache(trained, prompt).accepted_lengths]
+    assert max(accepted) >= 2 and min(accepted) < max(accepted)  # crops after varied acceptances checked
+
+
+@pytest.mark.parametrize("name, options", [
+    ("mistral", {}), ("gemma2", {}), ("gpt2", {}), ("gpt_neox", dict(feature_layers=(0, 1, 2))),
+    ("qwen2", dict(draft_vocab_size=40, top_k=3, num_layers=2)),
+])
+def test_drafter_cache_follows_the_accepted_path_random(name, options):
+    model = build_model(name, seed=5)
+    spec = heads.attach_heads(model, kind="eagle", **options)
+    _check_drafter_cache(spec, random_prompt(15, seed=6))  # longer than the tiny sliding windows
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt2"])
+def test_training_unroll_equals_decode_time_drafting(name):
+    """Step j of the training forward at origin t equals drafting a chain at decode time: commit the
+    pairs up to t, then feed back the drafter's own predictions along one path."""
+    model = build_model(name, seed=8)
+    spec = heads.attach_heads(model, kind="eagle")
+    drafter = spec.heads
+    length, steps = 14, 3
+    ids = random_prompt(length, seed=9)
+    with torch.no_grad():
+        features = spec.target.features(ids, torch.arange(length)[None], None, None)
+        embeddings = spec.target.input_embeddings(ids)
+        unrolled = drafter(features, embeddings, steps)
+        for origin in (0, 6, length - steps - 1):
+            cache = cache_ops.new_cache()
+            mask = prefill_attention_mask(origin + 1, drafter.layout, torch.float32, "cpu")
+            hidden = drafter.step(features[:, :origin + 1], embeddings[:, 1:origin + 2],
+                                  torch.arange(origin + 1)[None], mask, cache)[:, -1:]
+            torch.testing.assert_close(hidden, unrolled[0][:, origin:origin + 1], rtol=1e-4, atol=1e-5)
+            for step in range(2, steps + 1):
+                position = origin + step - 1
+                mask = _chain_mask(origin + 1, step - 1, drafter.layout)
+                hidden = drafter.step(hidden, embeddings[:, position + 1:position + 2], torch.tensor([[position]]),
+                                      mask, cache)
+                torch.testing.assert_close(hidden, unrolled[step - 1][:, origin:origin + 1], rtol=1e-4, atol=1e-5)
+
+
+def _chain_mask(prefix: int, depth: int, layout):
+    """Mask of the depth-``depth`` node of a chain below a root at position ``prefix - 1``, whose
+    ``depth - 1`` chain ancestors sit in the cache after the prefix."""
+    from tree_attention.mask import layout_masks
+
+    visible = torch.ones(1, 1, prefix + depth, dtype=torch.bool)
+    keys = torch.cat([torch.arange(prefix), prefix - 1 + torch.arange(1, depth + 1)])[None]
+    return layout_masks(visible, torch.tensor([[prefix - 1 + depth]]), keys, layout, torch.float32)
+
+
+def test_unrolled_mask_blocks():
+    mask = unrolled_attention_mask(3, 2, None, torch.float32, "cpu")
+    assert (mask[0, 0] == 0).int().tolist() == [[1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma2"])
+def test_feature_layers_parity_and_features(name):
+    model = build_model(name, seed=2)
+    spec = heads.attach_heads(model, kind="eagle", feature_layers=(0, 1, 2))
+    assert spec.heads.fusion.in_features == 3 * model.config.hidden_size
+    ids = random_prompt(6, seed=3)
+    with torch.no_grad():
+        features, logits = spec.target.forward(ids, torch.arange(6)[None], None, None, "all")
+        states = model(ids, output_hidden_states=True)
+    expected = torch.cat([states.hidden_states[0], states.hidden_states[1], spec.target.features(
+        ids, torch.arange(6)[None], None, None)], dim=-1)
+    torch.testing.assert_close(features, expected)
+    torch.testing.assert_close(logits, states.logits, rtol=1e-5, atol=1e-5)
+    _check_parity(spec, model, [random_prompt(9, seed=4)])
+
+
+def test_draft_vocabulary_parity_and_token_map():
+    model = build_model("phi3", seed=2)
+    spec = heads.attach_heads(model, kind="eagle", draft_vocab_size=30, top_k=3)
+    token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:30]
+    spec.heads.set_token_map(token_map)
+    prompt = random_prompt(8, seed=5)
+    proposed = []
+    original = spec.drafter.propose
+
+    def watch(features, tokens, root):
+        tree = original(features, tokens, root)
+        proposed.extend(tree.tokens[1:].tolist())
+        return tree
+
+    spec.drafter.propose = watch
+    _check_parity(spec, model, [prompt])
+    assert proposed and set(proposed) <= set(token_map.tolist())
+    with pytest.raises(ValueError, match="30 distinct ids"):
+        spec.heads.set_token_map(torch.zeros(30, dtype=torch.long))
+
+
+def test_adapter_holds_only_drafter_tensors(tmp_path):
+    from safetensors.torch import load_file
+
+    model = build_model("gpt2")
+    spec = heads.attach_heads(model, kind="eagle", draft_vocab_size=50, feature_layers=(1, 2))
+    spec.save_pretrained(tmp_path / "adapter")
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    trainable = {name for name, parameter in spec.heads.named_parameters() if parameter.requires_grad}
+    assert set(tensors) == trainable | {"token_map"}
+    embedding = model.get_input_embeddings().weight
+    assert all(tensor.shape != embedding.shape for tensor in tensors.values())
+    assert not any(parameter.requires_grad for parameter in model.parameters())
+
+
+def test_set_tree_on_an_eagle_spec():
+    model = build_model("llama")
+    spec = heads.attach_heads(model, kind="eagle", depth=3, top_k=2, total_tokens=4)
+    spec.set_tree(7)
+    assert (spec.drafter.depth, spec.drafter.top_k, spec.drafter.total_tokens) == (3, 2, 7)
+    spec.set_tree(dict(depth=2, top_k=5))
+    assert (spec.drafter.depth, spec.drafter.top_k, spec.drafter.total_tokens) == (2, 5, 4)
+    spec.set_tree(None)
+    assert (spec.drafter.depth, spec.drafter.top_k, spec.drafter.total_tokens) == (3, 2, 4)
+    with pytest.raises(ValueError, match="unknown"):
+        spec.set_tree(dict(width=3))
+    with pytest.raises(ValueError, match="top_k"):
+        spec.set_tree(dict(top_k=0))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("depth", 0, "EagleConfig.depth must be an int >= 1"),
+    ("top_k", 2.5, "EagleConfig.top_k must be an int >= 1"),
+    ("total_tokens", -1, "EagleConfig.total_tokens must be an int >= 0"),
+    ("num_layers", 0, "EagleConfig.num_layers must be an int >= 1"),
+    ("feature_layers", (), "EagleConfig.feature_layers must be non-negative"),
+    ("feature_layers", (1, -1), "EagleConfig.feature_layers must be non-negative"),
+    ("feature_layers", (1, 1), "repeated"),
+    ("feature_layers", "012", "list of layer indices"),
+    ("draft_vocab_size", 0, "EagleConfig.draft_vocab_size must be an int >= 1"),
+    ("draft_vocab_size", 1, r"draft_vocab_size \(1\) must be >= top_k \(2\)"),
+])
+def test_bad_eagle_config(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EagleConfig(**{field: value})
+
+
+def test_bad_eagle_options_for_the_backbone():
+    model = build_model("llama")  # 2 layers, vocab 96
+    with pytest.raises(ValueError, match=r"feature_layers \[0, 3\]: \[3\] out of range 0..2"):
+        heads.attach_heads(model, kind="eagle", feature_layers=(0, 3))
+    with pytest.raises(ValueError, match=r"draft_vocab_size \(200\) exceeds the backbone's vocabulary \(96\)"):
+        heads.attach_heads(model, kind="eagle", draft_vocab_size=200)
+    with pytest.raises(ValueError, match=r"top_k \(100\) exceeds the draft vocabulary \(96\)"):
+        heads.attach_heads(model, kind="eagle", top_k=100)
+    with pytest.raises(ValueError, match="num_heads: option\\(s\\) of kind='medusa'"):
+        heads.attach_heads(model, kind="eagle", num_heads=3)
+    with pytest.raises(ValueError, match="depth, top_k: option\\(s\\) of kind='eagle'"):
+        heads.attach_heads(model, kind="medusa", depth=3, top_k=2)

@@ -1,0 +1,170 @@
+"""Self-distillation of an EAGLE drafter (:mod:`heads.eagle`) in the shared training loop.
+
+Per micro-batch, **one** backbone forward without gradients gives the top-layer features ``f``
+(regression targets), the drafter's input features (``f`` itself, or the fused layers of
+``feature_layers``) and the teacher logits. Features are computed online, per batch; nothing is
+cached on disk. The drafter reads ``(f_t + noise, x_{t+1})`` and predicts ``f_{t+1}``; with
+``unroll_steps = k > 1`` it then drafts ``k - 1`` more steps on its own predictions, each step
+attending to the teacher-forced prefix and its own chain as a draft tree node does at decode time
+(training-time test, EAGLE-3/HASS). Step ``j`` at origin ``t`` is scored against ``f_{t+j}`` and
+the target's distribution at ``t + j``::
+
+    loss = sum_j head_decay**(j-1) * (feature_weight * smooth_l1(pred, f) + token_weight * D(q || p))
+
+with ``D`` the configured divergence (EAGLE-1: cross entropy, i.e. forward KL up to a constant;
+weights 1.0 and 0.1). With a reduced draft vocabulary the teacher distribution is restricted to
+it and positions whose target token lies outside it are skipped (EAGLE-3).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .losses import divergence, feature_regression, masked_mean
+from .trainer import DistillationTrainer, TrainConfig, TrainResult
+
+
+def frequent_tokens(sequences: Sequence[torch.Tensor], vocab_size: int, count: int) -> torch.Tensor:
+    """The ``count`` most frequent token ids among the predicted tokens (positions >= 1) of
+    ``sequences``, most frequent first; ties and unseen ids go by increasing id. ``[count]`` long."""
+    if count > vocab_size:
+        raise ValueError(f"draft vocabulary of {count} tokens exceeds the vocabulary ({vocab_size})")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for sequence in sequences:
+        counts += torch.bincount(sequence[1:].long().cpu(), minlength=vocab_size)[:vocab_size]
+    order = torch.sort(-counts, stable=True).indices
+    return order[:count].clone()
+
+
+def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor, teacher_logits: torch.Tensor,
+                 attention_mask: torch.Tensor, student_logits, config,
+                 token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+    """Weighted EAGLE loss over unrolled steps and each step's top-1 agreement with the target.
+
+    Args:
+        predictions: per step ``j = 1..k``, ``[B, T, d]``; row ``t`` predicts the feature at ``t + j``.
+        top_features: ``[B, T, d]`` the target's top-layer features; ``teacher_logits`` ``[B, T, V]``.
+        attention_mask: ``[B, T]`` 1 at real tokens.
+        student_logits: maps predicted features ``[..., d]`` to the drafter's logits ``[..., V']``.
+        token_map: ``[V']`` target ids of the draft vocabulary (None: the whole vocabulary).
+    """
+    length = top_features.shape[1]
+    in_draft = None
+    if token_map is not None:
+        in_draft = torch.zeros(teacher_logits.shape[-1], dtype=torch.bool, device=teacher_logits.device)
+        in_draft[token_map] = True
+    total = top_features.new_zeros((), dtype=torch.float32)
+    agreement = []
+    for step, predicted in enumerate(predictions, start=1):
+        if length <= step:
+            agreement.append(0.0)
+            continue
+        valid = attention_mask[:, step:].bool()  # (B, T - j)
+        teacher = teacher_logits[:, step:]  # (B, T - j, V)
+        if in_draft is not None:
+            valid = valid & in_draft[teacher.argmax(-1)]
+            teacher = teacher[..., token_map]  # (B, T - j, V')
+        features = predicted[:, :length - step].float()
+        logits = student_logits(features).float()
+        loss = config.feature_weight * feature_regression(features, top_features[:, step:], valid)
+        loss = loss + config.token_weight * divergence(config.divergence, logits, teacher, config.temperature,
+                                                       config.jsd_beta, valid)
+        total = total + config.head_decay ** (step - 1) * loss
+        with torch.no_grad():
+            agreement.append(float(masked_mean((logits.argmax(-1) == teacher.argmax(-1)).float(), valid)))
+    return total, agreement
+
+
+class EagleTrainer(DistillationTrainer):
+    """Distils an EAGLE drafter; afterwards measures per-step, per-rank accuracy on held-out data."""
+
+    description = "distilling EAGLE drafter"
+
+    def __init__(self, spec, sequences: Sequence[torch.Tensor], config: TrainConfig, **options) -> None:
+        if spec.kind != "eagle":
+            raise ValueError(f"EagleTrainer trains kind 'eagle'; got a {spec.kind!r} drafter")
+        if config.hard_label_weight:
+            raise ValueError("hard_label_weight applies to Medusa training only; EAGLE uses feature_weight and "
+                             "token_weight")
+        super().__init__(spec, sequences, config, **options)
+
+    def prepare(self) -> None:
+        """With a reduced draft vocabulary: its most frequent target tokens in the training data."""
+        heads = self.spec.heads
+        if heads.token_map is not None:
+            heads.set_token_map(frequent_tokens(self.train_sequences, self.spec.target.vocab_size,
+                                                heads.draft_vocab_size))
+
+    @torch.no_grad()
+    def _targets(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """One backbone forward: top features ``[B, T, d]``, drafter inputs ``[B, T, F]``, teacher
+        logits ``[B, T, V]`` (float) and token embeddings ``[B, T, d]``."""
+        target = self.spec.target
+        if target.feature_layers is None:
+            top = inputs = target.features(input_ids, None, attention_mask, None)
+        else:
+            top, inputs = target.hidden_features(input_ids, None, attention_mask, None, target.feature_layers)
+        return top, inputs, target.logits(top).float(), target.input_embeddings(input_ids)
+
+    def _noise(self, inputs: torch.Tensor, attention_mask: torch.Tensor, indices: list[int], step: int):
+        """Uniform noise ``U(-a, a)`` ``[B, T, F]``, a pure function of (seed, step, sequence index), so
+        that it does not depend on how a batch is split across processes or micro-steps."""
+        width = self.config.feature_noise
+        noise = torch.zeros(inputs.shape, dtype=torch.float32)
+        for row, (index, length) in enumerate(zip(indices, attention_mask.sum(-1).tolist())):
+            generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step * 10_007 + index)
+            noise[row, :length] = (torch.rand(length, inputs.shape[-1], generator=generator) * 2 - 1) * width
+        return noise.to(device=inputs.device, dtype=inputs.dtype)
+
+    def _loss(self, heads, input_ids: torch.Tensor, attention_mask: torch.Tensor, steps: int,
+              noise_indices: list[int] | None = None, step: int = 0):
+        """Loss and agreement of ``steps`` unrolled steps; also the predictions, the drafter's logits
+        function and the teacher logits (for :meth:`rank_accuracy`). Noise only with ``noise_indices``."""
+        top, inputs, teacher, embeddings = self._targets(input_ids, attention_mask)
+        if noise_indices is not None and self.config.feature_noise:
+            inputs = inputs + self._noise(inputs, attention_mask, noise_indices, step)
+        with self.accelerator.autocast():
+            predictions = heads(inputs, embeddings, steps)
+        drafter = self.accelerator.unwrap_model(heads)
+        rows = drafter.draft_rows(self.spec.target)
+
+        def logits(features: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., V') through the frozen head
+            return self.spec.target.logits(features.to(top.dtype), rows)
+
+        loss, agreement = eagle_losses(predictions, top, teacher, attention_mask, logits, self.config,
+                                       drafter.token_map)
+        return loss, agreement, predictions, logits, teacher
+
+    def micro_loss(self, heads, input_ids, attention_mask, indices, step):
+        loss, agreement, *_ = self._loss(heads, input_ids, attention_mask, self.config.unroll_steps, indices, step)
+        return loss, agreement
+
+    def finish(self, result: TrainResult) -> None:
+        result.accuracy = self.rank_accuracy()
+
+    @torch.no_grad()
+    def rank_accuracy(self, max_rank: int = 10, steps: int | None = None) -> list[list[float]]:
+        """On held-out sequences, drafting a chain on its own predictions (no noise): per step
+        ``j`` (default ``max(unroll_steps, 3)``), the share of positions where the target's token
+        at ``t + j`` is the drafter's rank-r candidate, r < ``max_rank``."""
+        heads = self.spec.heads
+        steps = steps or max(self.config.unroll_steps, 3)
+        counts, total = torch.zeros(steps, max_rank), 0
+        for start in range(0, len(self.validation_sequences), 4):
+            input_ids, attention_mask = self._collate(self.validation_sequences[start:start + 4])
+            _, _, predictions, logits, teacher = self._loss(heads, input_ids, attention_mask, steps)
+            length = input_ids.shape[1]
+            for index, predicted in enumerate(predictions):
+                shift = index + 1
+                if length <= shift:
+                    continue
+                valid = attention_mask[:, shift:].bool()
+                scores = logits(predicted[:, :length - shift])  # (B, T', V')
+                ranked = heads.target_ids(scores.topk(min(max_rank, scores.shape[-1]), dim=-1).indices)
+                hits = ranked == teacher[:, shift:].argmax(-1, keepdim=True)  # (B, T', R)
+                counts[index, :hits.shape[-1]] += hits[valid].float().sum(0).cpu()
+                if index == 0:
+                    total += int(valid.sum())
+        return (counts / total).tolist() if total else []
