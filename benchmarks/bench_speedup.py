@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +34,7 @@ def train_adapter(name: str, data: Path, args) -> Path:
         return adapter
     selfdraft([
         "train", "--model", str(TARGET), "--data", str(data), "--out", str(adapter), "--steps", str(args.steps),
-        "--batch-size", "8", "--lr", "1e-3", "--max-new-tokens", "128", "--max-length", "192",
+        "--batch-size", "8", "--lr", "2e-3", "--max-new-tokens", "64", "--max-length", "128",
         "--max-prompts", str(args.train_prompts * (2 if name == "mixed" else 1)),
         "--cache-dir", str(RESULTS / "cache"), "--eval-prompts", "0", "--json", str(adapter.parent / f"{name}.json"),
         "--no-progress",
@@ -84,13 +85,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=400, help="distillation steps per adapter")
-    parser.add_argument("--train-prompts", type=int, default=400, help="training prompts per mix")
+    parser.add_argument("--steps", type=int, default=150, help="distillation steps per adapter")
+    parser.add_argument("--train-prompts", type=int, default=96, help="training prompts per mix")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per mix")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--trees", type=int, nargs="+", default=[0, 4, 8, 16, 32, 64])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--trees", type=int, nargs="+", default=[0, 8, 16, 32])
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--retrain", action="store_true", help="retrain cached adapters")
+    parser.add_argument("--mixed-adapter", default=None,
+                        help="use this adapter (e.g. make demo's demo-out/adapter) instead of training the mixed one")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -100,9 +103,20 @@ def main() -> None:
     from training.evaluate import encode_prompts, measure
 
     adapters = {mix: train_adapter(mix, PROMPTS / f"train_{mix}.jsonl", args) for mix in MIXES}
-    adapters["mixed"] = train_adapter("mixed", mixed_file(args.train_prompts), args)
+    adapters["mixed"] = (Path(args.mixed_adapter) if args.mixed_adapter
+                         else train_adapter("mixed", mixed_file(args.train_prompts), args))
     model, tokenizer = _load_model(str(TARGET))
     prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / f"{mix}.jsonl"), args.prompts) for mix in MIXES}
+    traffic = []
+    for trained in MIXES:
+        spec = heads.load_heads(model, adapters[trained])
+        for mix in MIXES:
+            traffic.append(row(trained, mix, measure(spec, prompts[mix], args.max_new_tokens), spec.tree.size - 1))
+            print(table([traffic[-1]], list(traffic[-1])), flush=True)
+    for _ in range(1800):  # an adapter another process (make demo) is still writing
+        if (adapters["mixed"] / "adapter_config.json").is_file():
+            break
+        time.sleep(1)
     rows = []
     spec = heads.load_heads(model, adapters["mixed"])
     default_tree = spec.tree.size - 1
@@ -111,13 +125,10 @@ def main() -> None:
         for mix in MIXES:
             rows.append(row("mixed", mix, measure(spec, prompts[mix], args.max_new_tokens), tree))
             print(table([rows[-1]], list(rows[-1])), flush=True)
-    traffic = []
-    for trained in MIXES:
-        spec = heads.load_heads(model, adapters[trained])
-        for mix in MIXES:
-            traffic.append(row(trained, mix, measure(spec, prompts[mix], args.max_new_tokens), spec.tree.size - 1))
     training = {name: json.loads((RESULTS / "adapters" / f"{name}.json").read_text())
                 for name in adapters if (RESULTS / "adapters" / f"{name}.json").is_file()}
+    if args.mixed_adapter and (Path(args.mixed_adapter).parent / "train.json").is_file():
+        training["mixed"] = json.loads((Path(args.mixed_adapter).parent / "train.json").read_text())
     columns = ["adapter", "eval_mix", "tree", "tok/s plain", "tok/s spec", "speedup", "tau", "accept",
                "verify ms/step", "draft ms/step", "plain ms/token", "identical"]
     print("\ntree-size sweep (mixed adapter):\n" + table(rows, columns))

@@ -62,8 +62,8 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "demo-out"), help="output directory")
-    parser.add_argument("--steps", type=int, default=250, help="distillation steps")
-    parser.add_argument("--train-prompts", type=int, default=160, help="training prompts per mix")
+    parser.add_argument("--steps", type=int, default=150, help="distillation steps")
+    parser.add_argument("--train-prompts", type=int, default=96, help="training prompts per mix")
     parser.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per mix")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -86,8 +86,8 @@ def main() -> None:
           f"(continuations cached in {out / 'cache'})", flush=True)
     selfdraft([
         "train", "--model", str(TARGET), "--kind", "medusa", "--data", str(data), "--out", str(adapter),
-        "--steps", str(args.steps), "--batch-size", "8", "--lr", "1e-3", "--max-new-tokens", "128",
-        "--max-length", "192", "--cache-dir", str(out / "cache"), "--eval-prompts", "0",
+        "--steps", str(args.steps), "--batch-size", "8", "--lr", "2e-3", "--max-new-tokens", "64",
+        "--max-length", "128", "--cache-dir", str(out / "cache"), "--eval-prompts", "0",
         "--json", str(out / "train.json"),
     ])
     model, tokenizer = _load_model(str(TARGET))
