@@ -137,7 +137,9 @@ class SpeculativeModel:
 
     @property
     def tree(self) -> TreeTemplate:
-        """The static tree template (Medusa)."""
+        """The static tree template (Medusa; EAGLE grows a dynamic tree per step, see ``config``)."""
+        if self.kind != "medusa":
+            raise AttributeError(f"a {self.kind} drafter has no static tree; its tree shape is in spec.config")
         return self._drafter.template
 
     @property

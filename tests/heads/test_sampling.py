@@ -19,7 +19,7 @@ import torch
 import heads
 from heads.generation import resolve_sampling, warper
 from tests.conftest import greedy_reference, progression_batch, train_toy_target
-from training.trainer import MedusaTrainer, TrainConfig
+from training.trainer import MedusaTrainer, TrainConfig, make_trainer
 from tests.stats import FALSE_ALARM, chi_square_pvalue
 from tree_attention.verify import SamplingRule
 
@@ -157,3 +157,25 @@ def test_unset_top_k_resolves_like_generate(model):
         assert resolve_sampling(model.generation_config, 0.5, None, None) == (0.5, 5, 1.0)
     finally:
         model.generation_config.top_k = None
+
+
+@pytest.fixture(scope="module")
+def eagle_spec(model):
+    torch.manual_seed(3)
+    spec = heads.attach_heads(model, kind="eagle", depth=3, top_k=2, total_tokens=6)
+    generator = torch.Generator().manual_seed(8)
+    sequences = [progression_batch(1, 24, generator, VOCAB, 0.2)[0] for _ in range(64)]
+    make_trainer(spec, sequences, TrainConfig(steps=60, batch_size=8, learning_rate=3e-3, warmup_steps=5),
+                 progress=False).train()
+    return spec
+
+
+def test_eagle_speculative_sampling_matches_the_target(model, eagle_spec):
+    """The EAGLE drafter's dynamic trees go through the same lossless rule."""
+    settings = dict(temperature=0.8, top_k=0)
+    pvalue = chi_square_pvalue(sample_runs(eagle_spec, **settings), exact_joint(model, **settings))
+    assert pvalue > FALSE_ALARM, pvalue
+
+
+def test_eagle_greedy_unchanged(model, eagle_spec):
+    assert torch.equal(eagle_spec.generate(PROMPT, max_new_tokens=20), greedy_reference(model, PROMPT, 20))
