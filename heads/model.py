@@ -63,7 +63,8 @@ KINDS: dict[str, DrafterKind] = {
 logger = logging.getLogger(__name__)
 
 
-def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
+def eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
+    """The eos ids of ``model.generation_config`` (int, list or tensor) as a set."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:
         return frozenset()
@@ -181,7 +182,7 @@ class SpeculativeModel:
         input_ids = input_ids.to(self.target.device).long()
         with _evaluation(self.backbone), _evaluation(self.heads):
             output, stats = speculative_generate(
-                self.target, self._drafter, input_ids, max_new_tokens, _eos_ids(self.backbone), rule
+                self.target, self._drafter, input_ids, max_new_tokens, eos_token_ids(self.backbone), rule
             )
         self.last_stats = stats
         return output

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from heads.model import eos_token_ids
+
 logger = logging.getLogger(__name__)
 
 CHAT_ROLES: dict[str, str] = {
@@ -312,13 +314,6 @@ def _load_sequences(path: Path, expected_count: int) -> list[torch.Tensor]:
     return [ids[start:end].clone() for start, end in zip(bounds[:-1], bounds[1:])]
 
 
-def _eos_ids(model: Any) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return {int(eos)} if isinstance(eos, int) else {int(token) for token in eos}
-
-
 def _cut_after_eos(new_tokens: torch.Tensor, eos_ids: set[int]) -> torch.Tensor:
     """Keep generated tokens up to and including the first eos (generate pads after it)."""
     for position, token in enumerate(new_tokens.tolist()):
@@ -398,7 +393,7 @@ def _generate_all(
     progress: bool,
 ) -> list[torch.Tensor]:
     """Generate batch by batch, each under its own seed inside `torch.random.fork_rng`."""
-    eos_ids = _eos_ids(model)
+    eos_ids = set(eos_token_ids(model))
     # accelerator RNGs to save and restore (the CPU one always is); a sharded model may span several
     rng_devices = sorted({p.device for p in model.parameters() if p.device.type != "cpu"}, key=str)
     rng_device_type = rng_devices[0].type if rng_devices else None
