@@ -40,7 +40,7 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", num_heads: int | 
                  share_lm_head: bool | None = None, tree=None, *, depth: int | None = None,
                  top_k: int | None = None, total_tokens: int | None = None,
                  feature_layers: Sequence[int] | None = None,
-                 draft_vocab_size: int | None = None) -> SpeculativeModel:
+                 draft_vocab_size: int | None = None, layout: str | None = None) -> SpeculativeModel:
     """Freeze ``model`` and attach a fresh (untrained) drafter to it.
 
     Args:
@@ -57,6 +57,8 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", num_heads: int | 
         feature_layers: EAGLE-3: backbone hidden states to fuse as input (0: embeddings,
             ``num_hidden_layers``: top layer); None: the top-layer features.
         draft_vocab_size: EAGLE-3: reduced draft vocabulary (set from data by the trainer).
+        layout: EAGLE drafter architecture: ``"native"`` (default), ``"eagle1"`` or ``"eagle3"``
+            (the EAGLE-1 layer / EAGLE-3 midlayer, exportable to those checkpoint layouts).
 
     The backbone's parameters get ``requires_grad=False``; its outputs are unchanged.
     """
@@ -64,7 +66,7 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", num_heads: int | 
         raise ValueError(f"kind must be one of {tuple(_KINDS)}; got {kind!r}")
     if kind == "medusa":
         _refuse_options(kind, depth=depth, top_k=top_k, total_tokens=total_tokens,
-                        feature_layers=feature_layers, draft_vocab_size=draft_vocab_size)
+                        feature_layers=feature_layers, draft_vocab_size=draft_vocab_size, layout=layout)
         config = MedusaConfig(num_heads=4 if num_heads is None else num_heads, num_layers=num_layers,
                               share_lm_head=bool(share_lm_head), tree=tree)
     else:
@@ -72,7 +74,7 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", num_heads: int | 
         shape = {name: value for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens))
                  if value is not None}
         config = EagleConfig(num_layers=num_layers, feature_layers=feature_layers,
-                             draft_vocab_size=draft_vocab_size, **shape)
+                             draft_vocab_size=draft_vocab_size, layout=layout or "native", **shape)
     target = inspect_backbone(model)
     model.requires_grad_(False)
     return build_spec(target, kind, config)

@@ -12,7 +12,10 @@ Drafters that read more than the top layer (EAGLE-3 feature fusion) get a *view*
 with ``feature_layers`` set (:meth:`Backbone.with_feature_layers`): its ``forward`` then returns
 the concatenation of those layers' hidden states as the features, so the decode loop hands them
 to the drafter without knowing what they are. :func:`decoder_copy` builds a small trainable
-copy of the family's own decoder stack (the EAGLE drafter's layer).
+copy of the family's own decoder stack (the EAGLE drafter's layer), in the layout of selfdraft
+(``native``) or of EAGLE-1 (no first input layernorm, no final norm); :func:`eagle3_parts` gives
+the family's modules that an EAGLE-3 midlayer is assembled from. :data:`EAGLE_LAYOUT_FAMILIES`
+says which families each layout supports.
 
 At construction it *probes* the model on a few tokens: the logits it rebuilds from the features
 must equal the model's own, and a 4D mask that hides a token must really hide it. A model that
@@ -28,7 +31,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -50,6 +53,16 @@ the construction probe, with a log message that they are untested."""
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 _FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f", "final_norm")
 _PROBE_TOLERANCE = 1e-4
+
+
+EAGLE_LAYOUT_FAMILIES: dict[str, tuple[str, ...] | None] = {
+    "native": None,  # any family that passes the probe
+    "eagle1": ("llama", "mistral", "qwen2"),
+    "eagle3": ("llama",),
+}
+"""EAGLE drafter layouts and the model families each supports (None: every family). ``eagle1``
+and ``eagle3`` need a Llama-style decoder layer (``input_layernorm``, ``self_attn`` with separate
+``q/k/v/o_proj``, ``post_attention_layernorm``, ``mlp``) and a base model with ``norm``."""
 
 
 class UnsupportedBackboneError(TypeError):
@@ -110,6 +123,15 @@ def attention_layout(config) -> MaskLayout:
     return None
 
 
+class OutputRows(NamedTuple):
+    """Output-head rows for :meth:`Backbone.logits`: weight ``[V', d]``, bias ``[V']`` or None, and
+    an optional norm applied to the features first (a drafter's own final norm, EAGLE-3)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    norm: nn.Module | None = None
+
+
 @dataclass
 class Backbone:
     """A frozen causal LM seen through its public API. Implements ``tree_attention.decode.Target``."""
@@ -143,25 +165,30 @@ class Backbone:
     def num_layers(self) -> int:
         return int(self.model.config.num_hidden_layers)
 
-    def output_rows(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows of the output head for ``token_ids`` ``[V']``: weight ``[V', d]`` and bias ``[V']``
-        (None when the head has none), for :meth:`logits` over a reduced vocabulary."""
-        bias = self.output_head.bias
-        return (self.output_head.weight.index_select(0, token_ids),
-                None if bias is None else bias.index_select(0, token_ids))
+    def output_rows(self, token_ids: torch.Tensor | None, norm: nn.Module | None = None) -> OutputRows:
+        """Rows of the output head for ``token_ids`` ``[V']`` (None: all rows, no copy): weight
+        ``[V', d]`` and bias ``[V']`` (None when the head has none), for :meth:`logits` over a
+        reduced vocabulary; ``norm`` is applied to the features before the head."""
+        weight, bias = self.output_head.weight, self.output_head.bias
+        if token_ids is not None:
+            weight = weight.index_select(0, token_ids)
+            bias = None if bias is None else bias.index_select(0, token_ids)
+        return OutputRows(weight, bias, norm)
 
-    def logits(self, features: torch.Tensor,
-               rows: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+    def logits(self, features: torch.Tensor, rows: OutputRows | None = None) -> torch.Tensor:
         """Output head on top-layer features ``[..., d]`` → ``[..., V]``, with the family's own
         post-processing (logit soft-capping, logit scaling) applied as the model does.
 
-        With ``rows`` (from :meth:`output_rows`) only those vocabulary rows: ``[..., V']``.
+        With ``rows`` (from :meth:`output_rows`) only those vocabulary rows: ``[..., V']``, after
+        ``rows.norm`` when it has one.
         """
         config = self.model.config
         if rows is None:
             logits = self.output_head(features)
         else:
-            logits = nn.functional.linear(features, rows[0], rows[1])
+            if rows.norm is not None:
+                features = rows.norm(features)
+            logits = nn.functional.linear(features, rows.weight, rows.bias)
         softcap = getattr(config, "final_logit_softcapping", None)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
@@ -233,7 +260,35 @@ class Backbone:
         return target_fingerprint(self.model)
 
 
-def decoder_copy(backbone: Backbone, num_layers: int = 1) -> nn.Module:
+def check_eagle_layout(backbone: Backbone, layout: str) -> None:
+    """Raise ValueError unless ``backbone``'s family supports the EAGLE drafter ``layout``
+    (see :data:`EAGLE_LAYOUT_FAMILIES`), naming the family and the layouts it supports."""
+    if layout not in EAGLE_LAYOUT_FAMILIES:
+        raise ValueError(f"EAGLE layout must be one of {tuple(EAGLE_LAYOUT_FAMILIES)}; got {layout!r}")
+    families = EAGLE_LAYOUT_FAMILIES[layout]
+    if families is None:
+        return
+    family = backbone.model_type
+    layer = _first_layer(backbone.base)
+    llama_style = (layer is not None and isinstance(getattr(backbone.base, "norm", None), nn.Module)
+                   and all(isinstance(getattr(layer, name, None), nn.Module)
+                           for name in ("input_layernorm", "post_attention_layernorm", "mlp"))
+                   and all(isinstance(getattr(getattr(layer, "self_attn", None), name, None), nn.Linear)
+                           for name in ("q_proj", "k_proj", "v_proj", "o_proj")))
+    if family not in families or not llama_style:
+        supported = [name for name, allowed in EAGLE_LAYOUT_FAMILIES.items() if allowed is None or family in allowed]
+        raise ValueError(
+            f"EAGLE layout {layout!r} builds Llama-style decoder layers and supports the families "
+            f"{list(families)}; this backbone is {family!r}, which supports the layouts {supported}"
+        )
+
+
+def _first_layer(base: nn.Module) -> nn.Module | None:
+    layers = getattr(base, "layers", None)
+    return layers[0] if isinstance(layers, nn.ModuleList) and len(layers) else None
+
+
+def decoder_copy(backbone: Backbone, num_layers: int = 1, layout: str = "native") -> nn.Module:
     """A fresh, randomly initialised ``num_layers``-layer copy of the backbone's base model, of its
     family and width, with its token-embedding table removed (feed it ``inputs_embeds``).
 
@@ -241,7 +296,14 @@ def decoder_copy(backbone: Backbone, num_layers: int = 1) -> nn.Module:
     every dropout rate set to 0. What stays (position embeddings of absolute-position families, the
     final norm, rotary tables) belongs to the copy. Runs through the family's public forward with
     ``inputs_embeds``, ``position_ids``, a 4D mask and a ``Cache``.
+
+    ``layout="eagle1"``: the EAGLE-1 decoder, i.e. the first layer's input layernorm and the final
+    norm replaced by identities (the output is the residual stream of the last layer); ValueError
+    for a family :func:`check_eagle_layout` refuses.
     """
+    if layout not in ("native", "eagle1"):
+        raise ValueError(f"decoder_copy builds the 'native' or 'eagle1' layout; got {layout!r}")
+    check_eagle_layout(backbone, layout)
     config = copy.deepcopy(backbone.model.config)
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):
@@ -258,7 +320,28 @@ def decoder_copy(backbone: Backbone, num_layers: int = 1) -> nn.Module:
         raise UnsupportedBackboneError(
             f"{type(backbone.base).__name__}: could not remove the token embeddings from the drafter's decoder copy"
         )
+    if layout == "eagle1":
+        decoder.layers[0].input_layernorm = nn.Identity()
+        decoder.norm = nn.Identity()
     return decoder
+
+
+def eagle3_parts(backbone: Backbone) -> dict[str, object]:
+    """Fresh modules of the backbone's family for an EAGLE-3 midlayer (one decoder layer wide):
+    ``self_attn`` (the family's attention with ``q/k/v_proj`` taking ``2d`` inputs),
+    ``input_layernorm``, ``hidden_norm``, ``post_attention_layernorm``, ``mlp``, ``norm`` and
+    ``rotary_emb``, plus the decoder copy's ``config``. ValueError for a family other than Llama."""
+    check_eagle_layout(backbone, "eagle3")
+    decoder = decoder_copy(backbone, 1)
+    layer = decoder.layers[0]
+    attention = layer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        linear = getattr(attention, name)
+        setattr(attention, name, nn.Linear(2 * linear.in_features, linear.out_features, bias=linear.bias is not None))
+    return {"self_attn": attention, "input_layernorm": layer.input_layernorm,
+            "hidden_norm": copy.deepcopy(layer.input_layernorm),
+            "post_attention_layernorm": layer.post_attention_layernorm, "mlp": layer.mlp,
+            "norm": decoder.norm, "rotary_emb": decoder.rotary_emb, "config": decoder.config}
 
 
 def inspect_backbone(model: PreTrainedModel, probe: bool = True) -> Backbone:

@@ -41,7 +41,7 @@ from tree_attention import cache as cache_ops
 from tree_attention.mask import AttentionMask, layout_masks, tree_attention_mask, tree_position_ids
 from tree_attention.tree import Expansion, Tree, dynamic_tree
 
-from .backbone import Backbone, attention_layout, decoder_copy
+from .backbone import EAGLE_LAYOUT_FAMILIES, Backbone, attention_layout, check_eagle_layout, decoder_copy, eagle3_parts
 
 # Defaults of the dynamic tree, chosen with benchmarks/bench_eagle_tree.py on the demo target, 2-core
 # CPU (results/eagle_tree.json, eagle_tree_narrow.json): narrow trees (top_k 2) of 12 nodes were the
@@ -52,6 +52,7 @@ DEFAULT_DEPTH = 6
 DEFAULT_TOP_K = 2
 DEFAULT_TOTAL_TOKENS = 12
 _TREE_FIELDS = ("depth", "top_k", "total_tokens")
+LAYOUTS = tuple(EAGLE_LAYOUT_FAMILIES)
 
 
 def _positive_int(value: object, name: str, low: int = 1) -> None:
@@ -76,8 +77,14 @@ class EagleConfig:
     i the output of decoder layer i, num_hidden_layers the top-layer features. None: top only."""
     draft_vocab_size: int | None = None
     """Size of a reduced draft vocabulary (EAGLE-3); None: the backbone's whole vocabulary."""
+    layout: str = "native"
+    """Drafter architecture: ``native`` (selfdraft's, any family), ``eagle1`` (the EAGLE-1 layer:
+    no first input layernorm, no final norm) or ``eagle3`` (the EAGLE-3 midlayer; needs three
+    ``feature_layers``). The last two export to the EAGLE/EAGLE-3 checkpoint layouts."""
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"EagleConfig.layout must be one of {LAYOUTS}; got {self.layout!r}")
         _positive_int(self.num_layers, "num_layers")
         _positive_int(self.depth, "depth")
         _positive_int(self.top_k, "top_k")
@@ -97,6 +104,13 @@ class EagleConfig:
             if self.draft_vocab_size < self.top_k:
                 raise ValueError(f"EagleConfig.draft_vocab_size ({self.draft_vocab_size}) must be >= "
                                  f"top_k ({self.top_k})")
+        if self.layout == "eagle3":
+            if self.feature_layers is None or len(self.feature_layers) != 3:
+                raise ValueError("EagleConfig.layout 'eagle3' fuses exactly three backbone layers (fc: 3d -> d); "
+                                 f"give feature_layers of length 3, got {self.feature_layers!r}")
+            if self.num_layers != 1:
+                raise ValueError(f"EagleConfig.layout 'eagle3' has one midlayer; num_layers must be 1, "
+                                 f"got {self.num_layers}")
 
     @property
     def tree(self) -> dict:
@@ -149,9 +163,39 @@ def _expand_batch(mask: AttentionMask, batch: int) -> AttentionMask:
     return mask.expand(batch, -1, -1, -1)
 
 
+class Eagle3Midlayer(nn.Module):
+    """The EAGLE-3 midlayer, assembled from the family's own modules (:func:`heads.backbone.eagle3_parts`).
+
+    ``residual = h``; attention over ``[input_layernorm(e); hidden_norm(h)]`` (``2d``, q/k/v take
+    ``2d`` inputs); ``+ residual``; ``post_attention_layernorm`` and ``mlp`` with a residual. Returns
+    the pre-norm output, which deeper drafting steps feed back; ``norm`` (applied by
+    :meth:`EagleHeads.draft_rows` through ``Backbone.logits``) maps it to the output head.
+    """
+
+    def __init__(self, target: Backbone) -> None:
+        super().__init__()
+        parts = eagle3_parts(target)
+        self.config = parts.pop("config")
+        for name, module in parts.items():
+            setattr(self, name, module)
+        self._cache_keyword = cache_ops.cache_keyword(self.self_attn)
+
+    def forward(self, hidden: torch.Tensor, token_embeddings: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: AttentionMask, cache) -> torch.Tensor:
+        """``hidden`` and ``token_embeddings`` ``[B, T, d]`` at ``position_ids`` ``[B, T]`` → ``[B, T, d]``
+        (pre-norm); appends ``T`` entries to ``cache`` (layer 0)."""
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        inputs = torch.cat([self.input_layernorm(token_embeddings), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2d)
+        attended, _ = self.self_attn(hidden_states=inputs, position_embeddings=position_embeddings,
+                                     attention_mask=attention_mask, **{self._cache_keyword: cache})
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
 class EagleHeads(nn.Module):
-    """The trainable drafter: fusion (option), projection and decoder copy; the only tensors in
-    the adapter (plus ``token_map`` with a reduced vocabulary)."""
+    """The trainable drafter: fusion (option), projection and decoder copy (``native``/``eagle1``
+    layouts) or fusion and :class:`Eagle3Midlayer` (``eagle3``); the only tensors in the adapter
+    (plus ``token_map`` with a reduced vocabulary)."""
 
     def __init__(self, config: EagleConfig, target: Backbone) -> None:
         super().__init__()
@@ -162,14 +206,23 @@ class EagleHeads(nn.Module):
         layers = config.feature_layers
         self.feature_size = hidden * (len(layers) if layers else 1)
         self.fusion = nn.Linear(self.feature_size, hidden, bias=False) if layers else None
-        self.projection = nn.Linear(2 * hidden, hidden)
-        self.decoder = decoder_copy(target, config.num_layers)
+        if config.layout == "eagle3":
+            self.projection = None
+            self.decoder = Eagle3Midlayer(target)
+        else:
+            self.projection = nn.Linear(2 * hidden, hidden)
+            self.decoder = decoder_copy(target, config.num_layers, config.layout)
+            self._cache_keyword = cache_ops.cache_keyword(self.decoder)
         self.layout = attention_layout(self.decoder.config)
-        self._cache_keyword = cache_ops.cache_keyword(self.decoder)
         if config.draft_vocab_size is not None:
             self.register_buffer("token_map", torch.arange(config.draft_vocab_size))
         else:
             self.token_map = None
+
+    @property
+    def output_norm(self) -> nn.Module | None:
+        """The drafter's final norm between its output and the output head (``eagle3`` only)."""
+        return self.decoder.norm if self.projection is None else None
 
     @property
     def draft_vocab_size(self) -> int | None:
@@ -186,8 +239,17 @@ class EagleHeads(nn.Module):
         self.token_map.copy_(token_ids)
 
     def draft_rows(self, target: Backbone):
-        """Output-head rows of the draft vocabulary for ``target.logits`` (None: whole vocabulary)."""
-        return None if self.token_map is None else target.output_rows(self.token_map)
+        """What ``target.logits`` turns predicted features into logits with: the output-head rows
+        of the draft vocabulary, after the drafter's own final norm (``eagle3``); None for the
+        plain output head (whole vocabulary, no norm)."""
+        if self.token_map is None and self.output_norm is None:
+            return None
+        return target.output_rows(self.token_map, self.output_norm)
+
+    def head_features(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Predicted features ``[..., d]`` as the output head reads them (after ``eagle3``'s final
+        norm; the features themselves otherwise), comparable with the backbone's top features."""
+        return predicted if self.output_norm is None else self.output_norm(predicted)
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids of draft-vocabulary ids (the identity without a reduced vocabulary)."""
@@ -202,7 +264,10 @@ class EagleHeads(nn.Module):
     def step(self, features: torch.Tensor, token_embeddings: torch.Tensor, position_ids: torch.Tensor,
              attention_mask: AttentionMask, cache) -> torch.Tensor:
         """One drafter application: features ``[B, T, d]`` and next-token embeddings ``[B, T, d]`` at
-        positions ``[B, T]`` → predicted next features ``[B, T, d]``; appends ``T`` entries to ``cache``."""
+        positions ``[B, T]`` → predicted next features ``[B, T, d]``; appends ``T`` entries to ``cache``.
+        (``eagle3``: the midlayer's pre-norm output; see :meth:`draft_rows`.)"""
+        if self.projection is None:
+            return self.decoder(features, token_embeddings, position_ids, attention_mask, cache)
         inputs = self.projection(torch.cat([token_embeddings, features], dim=-1))  # (B, T, d)
         outputs = self.decoder(inputs_embeds=inputs, position_ids=position_ids, attention_mask=attention_mask,
                                use_cache=cache is not None, **{self._cache_keyword: cache})
@@ -233,6 +298,7 @@ class EagleHeads(nn.Module):
 
 
 def _check_against_target(config: EagleConfig, target: Backbone) -> None:
+    check_eagle_layout(target, config.layout)
     if config.feature_layers is not None:
         bad = [index for index in config.feature_layers if index > target.num_layers]
         if bad:

@@ -106,6 +106,10 @@ def _add_eagle_arguments(parser) -> None:
                             "num_hidden_layers: top layer), e.g. 2,6,11")
     group.add_argument("--draft-vocab-size", type=int, default=None,
                        help="EAGLE-3: reduced draft vocabulary of the most frequent target tokens in the data")
+    group.add_argument("--eagle-layout", choices=("native", "eagle1", "eagle3"), default=None,
+                       help="drafter architecture: native (default; selfdraft's, any family), eagle1 (the EAGLE-1 layer, "
+                            "exportable with --format eagle) or eagle3 (the EAGLE-3 midlayer, needs three "
+                            "--feature-layers, exportable with --format eagle3); Llama-family targets only")
     group.add_argument("--feature-weight", type=float, default=1.0,
                        help="weight of the smooth-L1 next-feature regression (default 1.0)")
     group.add_argument("--token-weight", type=float, default=0.1,
@@ -158,7 +162,8 @@ def run_train(args) -> int:
     spec = heads.attach_heads(model, kind=args.kind, num_heads=args.num_heads, num_layers=args.num_layers,
                               share_lm_head=args.share_lm_head or None, depth=args.depth, top_k=args.top_k,
                               total_tokens=args.total_tokens, feature_layers=args.feature_layers,
-                              draft_vocab_size=args.draft_vocab_size)
+                              draft_vocab_size=args.draft_vocab_size,
+                              layout=args.eagle_layout)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = make_trainer(spec, sequences, config, pad_id=pad_id, checkpoint_dir=args.checkpoint_dir,
                            progress=not args.no_progress, accelerator=accelerator)

@@ -40,7 +40,7 @@ def frequent_tokens(sequences: Sequence[torch.Tensor], vocab_size: int, count: i
 
 def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor, teacher_logits: torch.Tensor,
                  attention_mask: torch.Tensor, student_logits, config,
-                 token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+                 token_map: torch.Tensor | None = None, head_features=None) -> tuple[torch.Tensor, list[float]]:
     """Weighted EAGLE loss over unrolled steps and each step's top-1 agreement with the target.
 
     Args:
@@ -49,6 +49,8 @@ def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor
         attention_mask: ``[B, T]`` 1 at real tokens.
         student_logits: maps predicted features ``[..., d]`` to the drafter's logits ``[..., V']``.
         token_map: ``[V']`` target ids of the draft vocabulary (None: the whole vocabulary).
+        head_features: maps predictions to what the output head reads (the ``eagle3`` layout's final
+            norm), the space of ``top_features`` that the regression compares in (None: identity).
     """
     length = top_features.shape[1]
     in_draft = None
@@ -68,7 +70,8 @@ def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor
             teacher = teacher[..., token_map]  # (B, T - j, V')
         features = predicted[:, :length - step].float()
         logits = student_logits(features).float()
-        loss = config.feature_weight * feature_regression(features, top_features[:, step:], valid)
+        regressed = features if head_features is None else head_features(features)
+        loss = config.feature_weight * feature_regression(regressed, top_features[:, step:], valid)
         loss = loss + config.token_weight * divergence(config.divergence, logits, teacher, config.temperature,
                                                        config.jsd_beta, valid)
         total = total + config.head_decay ** (step - 1) * loss
@@ -134,7 +137,7 @@ class EagleTrainer(DistillationTrainer):
             return self.spec.target.logits(features.to(top.dtype), rows)
 
         loss, agreement = eagle_losses(predictions, top, teacher, attention_mask, logits, self.config,
-                                       drafter.token_map)
+                                       drafter.token_map, drafter.head_features)
         return loss, agreement, predictions, logits, teacher
 
     def micro_loss(self, heads, input_ids, attention_mask, indices, step):
