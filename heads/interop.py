@@ -21,23 +21,14 @@ Formats (``FORMATS``) and the loader versions they were matched against (read at
   ``blocks.{h}.layers.{l}.weight|bias``, ``lm_heads.{h}.weight`` (``lm_heads.0`` only with
   ``original_lm_head``), optional ``token_map`` with a truncated vocabulary, optional
   ``medusa_heads.`` prefix.
-* ``eagle`` (EAGLE-1): SafeAILab/EAGLE at cb7e084 ``eagle/model/cnets1.py``; vLLM
-  ``llama_eagle.py`` at 00da923 (``EagleLlamaForCausalLM``); SGLang ``llama_eagle.py``
-  (``LlamaForCausalLMEagle``): a one-layer Llama config, tensors ``fc.weight|bias``,
-  ``layers.0.{self_attn,mlp,post_attention_layernorm}.*`` and no input layernorm in layer 0, no
-  final norm; embeddings and output head are the target's.
-* ``eagle3``: SGLang ``python/sglang/srt/models/llama_eagle3.py`` at 03d5a77 and vLLM
-  ``llama_eagle3.py`` at 00bd149 (``LlamaForCausalLMEagle3``/``Eagle3LlamaForCausalLM``):
-  ``draft_vocab_size``, ``target_hidden_size``, ``eagle_config``; tensors ``midlayer.*`` (q/k/v take
-  ``2h`` inputs: ``[input_layernorm(embedding); hidden_norm(features)]``), ``fc.weight`` (``h x 3h``),
-  ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``.
+* ``eagle`` (EAGLE-1) and ``eagle3``: SafeAILab/EAGLE, vLLM, SGLang and SpecForge loaders; file
+  names, config keys, tensor names and the commits matched are in :mod:`heads.interop_eagle`.
 
 Medusa heads map one to one onto both Medusa layouts (the features they read, the top layer
-after the final norm, are the same in all three implementations). selfdraft's EAGLE drafter
-(``heads/eagle.py``) is a projection of ``[embedding; feature]`` followed by an unmodified decoder
-layer of the family with its input layernorm and a final norm: neither EAGLE layout can express
-that, so both directions refuse with the reasons instead of writing or loading something that
-predicts differently (:func:`eagle_refusals`).
+after the final norm, are the same in all three implementations). EAGLE drafters export when
+trained in the matching layout (``EagleConfig.layout``: ``eagle1`` for ``eagle``, ``eagle3`` for
+``eagle3``, on a Llama target); selfdraft's ``native`` layout (input layernorm in the first layer,
+a trained final norm) has no exact mapping, and export refuses naming the option to train with.
 
 An export also writes ``selfdraft.json`` (the adapter's own config: target pin, recipe,
 acceptance, tree), which the external loaders ignore and :func:`read_external` uses to restore
@@ -62,6 +53,7 @@ from .adapter import (
 )
 from .adapter_schema import target_differences, validate_config
 from .backbone import target_fingerprint
+from . import interop_eagle
 
 logger = logging.getLogger(__name__)
 
@@ -224,55 +216,13 @@ def _export_medusa(config: dict, tensors: dict, fmt: str, model, adapter_dir) ->
     return files
 
 
-# ----------------------------------------------------------------------------- EAGLE
-
-def eagle_refusals(config: dict, tensor_names: list[str], fmt: str) -> list[str]:
-    """Why an EAGLE adapter (``config``, its tensor names) cannot be written as ``fmt``."""
-    drafter, family = config["drafter"], config["target"].get("model_type")
-    label = "EAGLE-1" if fmt == "eagle" else "EAGLE-3"
-    reasons = []
-    if family != "llama":
-        reasons.append(f"{label} loaders build Llama decoder layers; the target is {family!r} "
-                       "(train on a Llama target)")
-    layers = drafter.get("feature_layers")
-    if fmt == "eagle" and layers is not None:
-        reasons.append(f"EAGLE-1 reads the top-layer features only; this drafter fuses layers {list(layers)} "
-                       "(train without feature_layers, or export --format eagle3)")
-    if fmt == "eagle" and drafter.get("draft_vocab_size") is not None:
-        reasons.append("EAGLE-1 drafts over the full vocabulary; this drafter has draft_vocab_size "
-                       f"{drafter['draft_vocab_size']} (train without draft_vocab_size)")
-    if fmt == "eagle3" and (layers is None or len(layers) != 3):
-        reasons.append("EAGLE-3's fc fuses exactly three target layers (h x 3h); this drafter has feature_layers "
-                       f"{layers} (train with three feature_layers below the top layer)")
-    if fmt == "eagle" and any(".input_layernorm." in name for name in tensor_names):
-        reasons.append("EAGLE-1 has no input layernorm in its first decoder layer (cnets1.py index 0, vLLM "
-                       "disable_input_layernorm) while selfdraft's drafter normalises the projected input there")
-    if fmt == "eagle" and "decoder.norm.weight" in tensor_names:
-        reasons.append("EAGLE-1 sends the layer's residual output to the target's head with no final norm, "
-                       "while selfdraft's drafter ends with a trained norm (decoder.norm)")
-    if fmt == "eagle3" and "projection.weight" in tensor_names:
-        reasons.append("EAGLE-3's midlayer feeds [input_layernorm(embedding); hidden_norm(features)] (2h) straight "
-                       "into q/k/v and keeps the features as the residual, while selfdraft's drafter first projects "
-                       "[embedding; features] to h (projection.weight) and runs an unmodified decoder layer; the "
-                       "two have no exact mapping")
-    return reasons
-
-
-def _refuse_eagle(config: dict, tensors: dict, fmt: str, adapter_dir) -> None:
-    reasons = eagle_refusals(config, sorted(tensors), fmt)
-    raise AdapterError(
-        f"{adapter_dir}: cannot export this EAGLE drafter as {fmt!r} without changing what it predicts: "
-        + "; ".join(reasons) + ". No option of this selfdraft version trains the external layout itself, so "
-        "serve this adapter with selfdraft (heads.load_heads)."
-    )
-
-
 # ----------------------------------------------------------------------------- export
 
 def export_adapter(adapter_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, model=None) -> Path:
     """Write the selfdraft adapter in ``adapter_dir`` to ``out`` in layout ``fmt`` (atomically).
 
-    ``model`` (the target) is needed only for adapters that share its output head. Raises
+    ``model`` (the target) is needed for adapters that share its output head and for the EAGLE
+    formats (its config and output-head rows go into the checkpoint). Raises
     :class:`AdapterError` when the layout cannot represent the drafter exactly, saying what to
     train with instead.
     """
@@ -286,9 +236,12 @@ def export_adapter(adapter_dir: str | os.PathLike, fmt: str, out: str | os.PathL
         raise AdapterError(f"{adapter_dir}: format {fmt!r} holds {expected_kind} drafters; this adapter is kind "
                            f"{config['kind']!r} (use --format {other})")
     if expected_kind == "eagle":
-        _refuse_eagle(config, tensors, fmt, adapter_dir)
-    files = _export_medusa(config, tensors, fmt, model, adapter_dir)
-    write_directory(Path(out), files, replaceable=(MEDUSA_TENSORS, MEDUSA_PICKLE, VLLM_TENSORS, "config.json"))
+        files = interop_eagle.export_files(config, tensors, fmt, model, adapter_dir,
+                                           json_writer(_sidecar(config, fmt)))
+    else:
+        files = _export_medusa(config, tensors, fmt, model, adapter_dir)
+    write_directory(Path(out), files, replaceable=(MEDUSA_TENSORS, MEDUSA_PICKLE, VLLM_TENSORS, "config.json",
+                                                   SIDECAR_NAME))
     logger.info("exported %s as %s to %s", adapter_dir, fmt, out)
     return Path(out)
 
@@ -397,7 +350,8 @@ def _apply_sidecar(directory: Path, config: dict, tensors: dict, model) -> tuple
     if not isinstance(sidecar, dict) or "selfdraft_adapter" not in sidecar:
         raise AdapterError(f"{path}: expected an object with 'selfdraft_adapter'")
     own = validate_config(sidecar["selfdraft_adapter"], str(path))
-    for block, key in (("drafter", "num_heads"), ("drafter", "num_layers"), ("target", "vocab_size"),
+    for block, key in (("drafter", "num_heads"), ("drafter", "num_layers"), ("drafter", "layout"),
+                       ("drafter", "feature_layers"), ("drafter", "draft_vocab_size"), ("target", "vocab_size"),
                        ("target", "hidden_size")):
         if own[block].get(key) != config[block].get(key):
             raise AdapterError(f"{path} does not describe the checkpoint beside it: {block}.{key} is "
@@ -424,14 +378,9 @@ def read_external(directory: str | os.PathLike, fmt: str, model) -> tuple[dict, 
     directory = Path(directory)
     config = read_json(directory / "config.json")
     if fmt in ("eagle", "eagle3"):
-        label = "EAGLE-1" if fmt == "eagle" else "EAGLE-3"
-        layout = ("fc + layers.0 with no input layernorm and no final norm" if fmt == "eagle"
-                  else "midlayer with 2h-input q/k/v, hidden_norm, fc over three layers, own lm_head")
-        raise AdapterError(
-            f"{directory} is an {label} checkpoint ({layout}). selfdraft's EAGLE drafter projects "
-            "[embedding; feature] and runs an unmodified decoder layer with its input layernorm and a final norm, "
-            f"which cannot hold {label} weights without changing what they predict; train a selfdraft EAGLE "
-            "drafter on this target instead (selfdraft train --kind eagle)")
+        imported, tensors = interop_eagle.read_eagle(directory, config, fmt, model)
+        imported, tensors = _apply_sidecar(directory, imported, tensors, model)
+        return validate_config(imported, f"{directory} ({fmt})", pinned=False), tensors
     reader = {"medusa": _read_medusa, "medusa-vllm": _read_medusa_vllm}.get(fmt)
     if reader is None:
         raise AdapterError(f"{directory}: unknown format {fmt!r} (known: {FORMATS})")

@@ -1,0 +1,305 @@
+"""EAGLE-1 and EAGLE-3 checkpoint layouts: export of ``eagle1``/``eagle3``-layout drafters, import.
+
+Matched against these loaders (source read at these commits):
+
+* ``eagle`` (EAGLE-1): SafeAILab/EAGLE ``eagle/model/cnets1.py`` at cb7e084 (``fc = Linear(2h, h,
+  bias=True)`` over ``cat(inputs_embeds, hidden_states)``; layer 0 without ``input_layernorm``; no
+  final norm: the base model's head reads the layer output); vLLM
+  ``vllm/model_executor/models/llama_eagle.py`` at 00da923 (``EagleLlamaForCausalLM``; layer 0 with
+  ``disable_input_layernorm``; skips ``embed_tokens`` and shares the target's with PP=1); SGLang
+  ``python/sglang/srt/models/llama_eagle.py`` at 034b3be (``LlamaForCausalLMEagle``; ``fc`` with bias;
+  embeddings and head set from the target). Files: ``config.json`` (a Llama config with
+  ``num_hidden_layers`` = drafter layers) and ``model.safetensors`` with ``fc.weight`` ``[h, 2h]``,
+  ``fc.bias`` ``[h]``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.mlp.{gate,up,
+  down}_proj.weight``, ``layers.{i}.post_attention_layernorm.weight`` (and ``input_layernorm`` for
+  ``i > 0``); no embedding, no head. ``architectures`` is ``["LlamaForCausalLMEagle",
+  "LlamaForCausalLM"]``: SGLang resolves the first, vLLM's ``EAGLEConfig`` prefixes ``Eagle`` to each
+  and resolves ``EagleLlamaForCausalLM`` (both registries take the first architecture they know;
+  not checked on a running engine). Caveat: vLLM 00da923 builds ``fc`` *without* bias and skips
+  ``fc.bias`` silently, so a drafter served there loses its projection bias (SafeAILab and SGLang
+  keep it); export logs this.
+* ``eagle3``: SGLang ``python/sglang/srt/models/llama_eagle3.py`` at 03d5a77
+  (``LlamaForCausalLMEagle3``: ``midlayer`` concatenates ``[input_layernorm(embeds);
+  hidden_norm(hidden)]`` into q/k/v of ``2h`` inputs, residual = hidden; ``fc`` only when the hidden
+  width is ``3h``, so deeper steps feed back the pre-norm output; ``norm`` then ``lm_head`` of
+  ``draft_vocab_size`` rows; ``d2t`` read as ``hot_token_id = d2t + arange``; ``tie_word_embeddings``
+  true would make ``lm_head`` the embedding, so it is written false); vLLM ``llama_eagle3.py`` at
+  00bd149 (``Eagle3LlamaForCausalLM``: ``midlayer.`` renamed ``layers.0.``, ``d2t`` →
+  ``draft_id_to_target_id``, ``t2d`` skipped, ``norm_before_residual`` false by default); SpecForge
+  ``specforge/modeling/draft/llama3_eagle.py`` and ``specforge/export/to_sglang.py`` at a6b6b02
+  (required keys ``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``t2d``, ``d2t``; embeddings
+  dropped; ``d2t[i] = used[i] - i`` over the draft ids sorted ascending, ``t2d`` a bool mask over the
+  target vocabulary). ``config.json``: Llama fields, ``architectures: ["LlamaForCausalLMEagle3"]``,
+  ``num_hidden_layers: 1``, ``draft_vocab_size``, ``target_hidden_size``, ``eagle_config:
+  {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true}``. Layer ids follow SGLang's
+  ``set_eagle3_layers_to_capture`` (``layers_to_capture = [id + 1]``: id ``l`` is the output of decoder
+  layer ``l``, before the final norm), i.e. selfdraft's ``feature_layers`` index ``k`` is id ``k - 1``;
+  vLLM captures the stream *entering* layer ``id`` (one layer earlier for the same ids), a known
+  disagreement between the engines. ``lm_head.weight`` holds the target's output-head rows of the
+  draft vocabulary (the drafter reads through the frozen head), so a checkpoint with its own trained
+  ``lm_head`` (other rows) is refused on import.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from .adapter import FORMAT_VERSION, AdapterError, TargetMismatchError, json_writer, read_safetensors
+from .adapter_schema import target_differences
+from .backbone import target_fingerprint
+from .eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
+
+logger = logging.getLogger(__name__)
+
+EAGLE_TENSORS = "model.safetensors"
+EAGLE_PICKLE = "pytorch_model.bin"  # SafeAILab's EAGLE-1 releases; read with torch.load(weights_only=True)
+EAGLE1_ARCHITECTURES = ["LlamaForCausalLMEagle", "LlamaForCausalLM"]
+EAGLE3_ARCHITECTURES = ["LlamaForCausalLMEagle3"]
+_LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "hidden_act", "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias", "vocab_size",
+               "bos_token_id", "eos_token_id", "pad_token_id")
+_CHECKED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "hidden_act", "rms_norm_eps", "vocab_size", "attention_bias", "mlp_bias", "rope_theta")
+_LABEL = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
+_LAYOUT = {"eagle": "eagle1", "eagle3": "eagle3"}
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def eagle_refusals(config: dict, fmt: str, target_layers: int | None = None) -> list[str]:
+    """Why the EAGLE adapter ``config`` cannot be written as ``fmt`` (``eagle`` or ``eagle3``);
+    ``target_layers``: the target's decoder layers, to check ``feature_layers`` (eagle3)."""
+    drafter, family = config["drafter"], config["target"].get("model_type")
+    label, layout = _LABEL[fmt], drafter.get("layout", "native")
+    reasons = []
+    if family != "llama":
+        reasons.append(f"{label} loaders build Llama decoder layers; the target is {family!r} (train on a Llama target)")
+    layers = drafter.get("feature_layers")
+    if fmt == "eagle":
+        if layout != "eagle1":
+            reasons.append(f"this drafter has layout {layout!r}, not the EAGLE-1 layer (no input layernorm in the "
+                           "first layer, no final norm): train with --eagle-layout eagle1")
+        if layers is not None:
+            reasons.append(f"EAGLE-1 reads the top-layer features only; this drafter fuses layers {list(layers)} "
+                           "(train without --feature-layers, or export --format eagle3)")
+        if drafter.get("draft_vocab_size") is not None:
+            reasons.append("EAGLE-1 drafts over the full vocabulary; this drafter has draft_vocab_size "
+                           f"{drafter['draft_vocab_size']} (train without --draft-vocab-size)")
+        return reasons
+    if layout != "eagle3":
+        reasons.append(f"this drafter has layout {layout!r}, not the EAGLE-3 midlayer: train with --eagle-layout "
+                       "eagle3 --feature-layers LOW,MID,HIGH")
+    if layers is None or len(layers) != 3:
+        reasons.append("EAGLE-3's fc fuses exactly three target layers (h x 3h); this drafter has feature_layers "
+                       f"{layers} (train with three --feature-layers below the top layer)")
+    elif target_layers is not None and not all(1 <= index < target_layers for index in layers):
+        reasons.append(f"EAGLE-3 loaders capture decoder-layer outputs before the final norm (eagle_aux_hidden_state_"
+                       f"layer_ids = feature_layers - 1); feature_layers {list(layers)} must lie in 1..{target_layers - 1} "
+                       "(0, the embeddings, and the post-norm top layer have no id)")
+    return reasons
+
+
+def _pinned_model(model, config: dict, adapter_dir, fmt: str):
+    """``model`` after checking it is the adapter's target (its config and head go into the export)."""
+    if model is None:
+        raise AdapterError(f"{adapter_dir}: an {_LABEL[fmt]} checkpoint holds the target's Llama config"
+                           + (" and output-head rows (lm_head)" if fmt == "eagle3" else "")
+                           + ", which the adapter does not: pass --model TARGET_DIR (the adapter's target)")
+    differences = target_differences(config["target"], target_fingerprint(model))
+    if differences:
+        raise TargetMismatchError(f"{adapter_dir}: --model is not this adapter's target: " + "; ".join(differences))
+    return model
+
+
+# ----------------------------------------------------------------------------- export
+
+def _rope_theta(config) -> float | None:
+    parameters = getattr(config, "rope_parameters", None) or {}
+    return parameters.get("rope_theta", getattr(config, "rope_theta", None))
+
+
+def _llama_config(model, num_layers: int, architectures: list[str], dtype: str) -> dict:
+    """The Llama ``config.json`` of a drafter of ``num_layers`` layers on ``model``'s width."""
+    source = model.config
+    data = {key: getattr(source, key) for key in _LLAMA_KEYS if getattr(source, key, None) is not None}
+    parameters = dict(getattr(source, "rope_parameters", None) or {})
+    data.update(architectures=architectures, model_type="llama", num_hidden_layers=num_layers,
+                tie_word_embeddings=False, torch_dtype=dtype, rope_theta=_rope_theta(source))
+    if parameters.get("rope_type", "default") != "default":  # older loaders read rope_scaling
+        data["rope_scaling"] = {key: value for key, value in parameters.items() if key != "rope_theta"}
+    if parameters:
+        data["rope_parameters"] = parameters
+    return data
+
+
+def eagle_name_map(tensor_names, fmt: str) -> dict[str, str]:
+    """``{selfdraft name: external name}`` of an ``eagle1``/``eagle3`` drafter's tensors."""
+    names = {}
+    for name in tensor_names:
+        if name == "token_map":
+            continue
+        if fmt == "eagle":
+            names[name] = ("fc." + name.removeprefix("projection.") if name.startswith("projection.")
+                           else name.removeprefix("decoder."))
+        elif name == "fusion.weight":
+            names[name] = "fc.weight"
+        elif name.startswith("decoder.norm."):
+            names[name] = name.removeprefix("decoder.")
+        else:
+            names[name] = "midlayer." + name.removeprefix("decoder.")
+    return names
+
+
+def vocabulary_maps(token_map: torch.Tensor | None, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft ids sorted ascending ``[V']`` (the order SpecForge's ``d2t`` requires), ``d2t``
+    (int64 offsets, ``ids - arange``) and ``t2d`` (bool ``[V]``)."""
+    ids = torch.arange(vocab_size) if token_map is None else torch.sort(token_map.long()).values
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return ids, ids - torch.arange(ids.numel()), t2d
+
+
+def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model, adapter_dir,
+                 sidecar: Callable[[Path], None]) -> dict[str, Callable[[Path], None]]:
+    """The files of the ``fmt`` checkpoint of an EAGLE adapter; :class:`AdapterError` listing every
+    reason when the layout cannot hold the drafter exactly."""
+    target_layers = None if model is None else int(model.config.num_hidden_layers)
+    reasons = eagle_refusals(config, fmt, target_layers)
+    if reasons:
+        raise AdapterError(f"{adapter_dir}: cannot export this EAGLE drafter as {fmt!r} without changing what it "
+                           "predicts: " + "; ".join(reasons))
+    model = _pinned_model(model, config, adapter_dir, fmt)
+    drafter, dtype = config["drafter"], config["target"].get("dtype") or "float32"
+    external = {theirs: tensors[ours].contiguous() for ours, theirs in eagle_name_map(tensors, fmt).items()}
+    if fmt == "eagle":
+        logger.warning("vLLM's EagleLlamaForCausalLM (00da923) builds fc without bias and drops fc.bias; "
+                       "SafeAILab EAGLE and SGLang use it")
+        payload = _llama_config(model, drafter["num_layers"], EAGLE1_ARCHITECTURES, dtype)
+    else:
+        head = model.get_output_embeddings()
+        if head.bias is not None:
+            raise AdapterError(f"{adapter_dir}: the target's output head has a bias, which EAGLE-3's lm_head lacks")
+        ids, d2t, t2d = vocabulary_maps(tensors.get("token_map"), head.out_features)
+        external.update({"lm_head.weight": head.weight.detach().to("cpu")[ids].contiguous(), "d2t": d2t, "t2d": t2d})
+        payload = _llama_config(model, 1, EAGLE3_ARCHITECTURES, dtype)
+        payload.update(draft_vocab_size=int(ids.numel()), target_hidden_size=int(head.in_features), eagle_config={
+            "eagle_aux_hidden_state_layer_ids": [index - 1 for index in drafter["feature_layers"]],
+            "use_aux_hidden_state": True})
+    return {"config.json": json_writer(payload), EAGLE_TENSORS: lambda path: save_file(
+        external, str(path), metadata={"format": "pt"}), "selfdraft.json": sidecar}
+
+
+# ----------------------------------------------------------------------------- import
+
+def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    paths = sorted(directory.glob("*.safetensors"))
+    if paths:
+        tensors: dict[str, torch.Tensor] = {}
+        for path in paths:
+            tensors.update(read_safetensors(path))
+        return tensors
+    path = directory / EAGLE_PICKLE
+    if not path.is_file():
+        raise AdapterError(f"{directory}: an EAGLE checkpoint holds *.safetensors or {EAGLE_PICKLE}")
+    try:
+        tensors = torch.load(str(path), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
+        raise AdapterError(f"{path} could not be read as plain tensors (torch.load weights_only=True): {error}") \
+            from error
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise AdapterError(f"{path} does not hold a state dict of tensors")
+    return tensors
+
+
+def _check_llama_config(config: dict, model, where: Path) -> None:
+    """The checkpoint's layer sizes must be the target's: the drafter is built from the target's config."""
+    ours = {key: getattr(model.config, key, None) for key in _CHECKED_KEYS}
+    ours["rope_theta"] = _rope_theta(model.config)
+    theirs = dict(config)
+    theirs.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
+    differences = [f"{key} {theirs[key]!r} (target {ours[key]!r})" for key in _CHECKED_KEYS
+                   if theirs.get(key) is not None and ours[key] is not None and theirs[key] != ours[key]]
+    if model.config.model_type != "llama" or differences:
+        raise AdapterError(f"{where}: selfdraft builds the drafter's layer from the target's config, which must match "
+                           f"the checkpoint's: target {model.config.model_type!r}; differences: {differences}")
+    if config.get("bias") or config.get("norm_before_residual") or config.get("fc_norm"):
+        raise AdapterError(f"{where}: bias / norm_before_residual / fc_norm variants are not supported")
+
+
+def _imported_config(drafter: dict, config: dict, vocab: int, hidden: int) -> dict:
+    drafter = {"depth": DEFAULT_DEPTH, "top_k": DEFAULT_TOP_K, "total_tokens": DEFAULT_TOTAL_TOKENS,
+               "feature_layers": None, "draft_vocab_size": None, **drafter}
+    return {"format_version": FORMAT_VERSION, "library": "selfdraft", "kind": "eagle", "drafter": drafter,
+            "target": {"name_or_path": str(config.get("base_model_name_or_path") or ""), "config_sha256": None,
+                       "weights_sha256": None, "vocab_size": vocab, "hidden_size": hidden},
+            "tree_accuracy": None, "training": {}, "acceptance": {}}
+
+
+def _rename(tensors: dict[str, torch.Tensor], rename: Callable[[str], str | None]) -> dict[str, torch.Tensor]:
+    return {new: tensor for name, tensor in tensors.items() if (new := rename(name)) is not None}
+
+
+def _draft_vocabulary(tensors: dict, model, where: Path) -> torch.Tensor | None:
+    """Check ``lm_head``/``d2t``/``t2d`` against the target's head; the draft ids (None: all, in order)."""
+    missing = [name for name in ("lm_head.weight", "d2t") if name not in tensors]
+    if missing:
+        raise AdapterError(f"{where}: an EAGLE-3 checkpoint must hold {missing} (SpecForge's required keys)")
+    lm_head, d2t = tensors.pop("lm_head.weight"), tensors.pop("d2t").long()
+    ids = d2t + torch.arange(d2t.numel())
+    head = model.get_output_embeddings().weight.detach().to("cpu")
+    if ids.min() < 0 or ids.max() >= head.shape[0] or ids.unique().numel() != ids.numel():
+        raise AdapterError(f"{where}: d2t + arange gives ids outside 0..{head.shape[0] - 1} or repeated ids")
+    t2d = tensors.pop("t2d", None)
+    if t2d is not None and not torch.equal(torch.nonzero(t2d.bool()).flatten(), torch.sort(ids).values):
+        raise AdapterError(f"{where}: t2d and d2t disagree (nonzero(t2d) must equal d2t + arange, sorted)")
+    if tuple(lm_head.shape) != (ids.numel(), head.shape[1]) or not torch.equal(lm_head.to(head.dtype), head[ids]):
+        raise AdapterError(f"{where}: lm_head.weight is not the target's output-head rows of the draft vocabulary; "
+                           "selfdraft's eagle3 layout drafts through the frozen target head, so a separately trained "
+                           "lm_head cannot be loaded without changing its predictions")
+    return None if torch.equal(ids, torch.arange(head.shape[0])) else ids
+
+
+def read_eagle(directory: Path, config: dict, fmt: str, model) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An EAGLE-1/EAGLE-3 checkpoint as (selfdraft adapter config, ``{selfdraft name: tensor}``)."""
+    where = directory / "config.json"
+    _check_llama_config(config, model, where)
+    tensors = _read_tensors(directory)
+    dropped = sorted(name for name in tensors if "embed_tokens" in name)
+    if dropped:
+        logger.info("%s: ignoring %s (the loaders share the target's embeddings)", directory, dropped)
+    tensors = {name: tensor for name, tensor in tensors.items() if name not in dropped}
+    vocab, hidden = int(model.config.vocab_size), int(model.config.hidden_size)
+    if fmt == "eagle":
+        layers = config.get("num_hidden_layers")
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise AdapterError(f"{where}: num_hidden_layers must be a positive int; got {layers!r}")
+        ours = _rename(tensors, lambda n: "projection." + n.removeprefix("fc.") if n.startswith("fc.")
+                       else "decoder." + n)
+        if "projection.weight" in ours and "projection.bias" not in ours:  # a bias-free fc (vLLM): exact as zeros
+            ours["projection.bias"] = ours["projection.weight"].new_zeros(ours["projection.weight"].shape[0])
+        return _imported_config({"num_layers": layers, "layout": "eagle1"}, config, vocab, hidden), ours
+    eagle = config.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if config.get("num_hidden_layers", 1) != 1 or not eagle.get("use_aux_hidden_state", True):
+        raise AdapterError(f"{where}: only one midlayer with aux hidden states is supported (num_hidden_layers 1, "
+                           "use_aux_hidden_state true)")
+    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise AdapterError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must list three layer ids; "
+                           f"got {ids!r}")
+    if not all(i + 1 < model.config.num_hidden_layers for i in ids):
+        raise AdapterError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} must lie in 0..{model.config.num_hidden_layers - 2} "
+                           f"for this {model.config.num_hidden_layers}-layer target (ids are decoder-layer outputs before "
+                           "the final norm, SGLang's convention)")
+    token_ids = _draft_vocabulary(tensors, model, directory)
+    ours = _rename(tensors, lambda n: "fusion.weight" if n == "fc.weight" else "decoder." + n.removeprefix("midlayer."))
+    if token_ids is not None:
+        ours["token_map"] = token_ids
+    drafter = {"num_layers": 1, "layout": "eagle3", "feature_layers": [i + 1 for i in ids],
+               "draft_vocab_size": None if token_ids is None else int(token_ids.numel())}
+    return _imported_config(drafter, config, vocab, hidden), ours
