@@ -187,23 +187,26 @@ def test_drafter_cache_follows_the_accepted_path_random(name, options):
     _check_drafter_cache(spec, random_prompt(15, seed=6))  # longer than the tiny sliding windows
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt2"])
-def test_training_unroll_equals_decode_time_drafting(name):
+@pytest.mark.parametrize("name, options", [
+    ("mistral", {}), ("gemma2", {}), ("gpt2", {}), ("qwen2", dict(layout="eagle1")),
+    ("llama", dict(layout="eagle3", feature_layers=(0, 1, 2))),
+])
+def test_training_unroll_equals_decode_time_drafting(name, options):
     """Step j of the training forward at origin t equals drafting a chain at decode time: commit the
     pairs up to t, then feed back the drafter's own predictions along one path."""
     model = build_model(name, seed=8)
-    spec = heads.attach_heads(model, kind="eagle")
+    spec = heads.attach_heads(model, kind="eagle", **options)
     drafter = spec.heads
     length, steps = 14, 3
     ids = random_prompt(length, seed=9)
     with torch.no_grad():
-        features = spec.target.features(ids, torch.arange(length)[None], None, None)
+        features, _ = spec.target.forward(ids, torch.arange(length)[None], None, None, "last")
         embeddings = spec.target.input_embeddings(ids)
         unrolled = drafter(features, embeddings, steps)
         for origin in (0, 6, length - steps - 1):
             cache = cache_ops.new_cache()
             mask = prefill_attention_mask(origin + 1, drafter.layout, torch.float32, "cpu")
-            hidden = drafter.step(features[:, :origin + 1], embeddings[:, 1:origin + 2],
+            hidden = drafter.step(drafter.fuse(features[:, :origin + 1]), embeddings[:, 1:origin + 2],
                                   torch.arange(origin + 1)[None], mask, cache)[:, -1:]
             torch.testing.assert_close(hidden, unrolled[0][:, origin:origin + 1], rtol=1e-4, atol=1e-5)
             for step in range(2, steps + 1):
@@ -306,6 +309,8 @@ def test_set_tree_on_an_eagle_spec():
     ("feature_layers", "012", "list of layer indices"),
     ("draft_vocab_size", 0, "EagleConfig.draft_vocab_size must be an int >= 1"),
     ("draft_vocab_size", 1, r"draft_vocab_size \(1\) must be >= top_k \(2\)"),
+    ("layout", "eagle2", "EagleConfig.layout must be one of"),
+    ("layout", "eagle3", "'eagle3' fuses exactly three backbone layers"),
 ])
 def test_bad_eagle_config(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -324,3 +329,52 @@ def test_bad_eagle_options_for_the_backbone():
         heads.attach_heads(model, kind="eagle", num_heads=3)
     with pytest.raises(ValueError, match="depth, top_k: option\\(s\\) of kind='eagle'"):
         heads.attach_heads(model, kind="medusa", depth=3, top_k=2)
+
+
+LAYOUT_CASES = [("llama", dict(layout="eagle1")), ("mistral", dict(layout="eagle1")),
+                ("qwen2", dict(layout="eagle1", num_layers=2)), ("llama-tied", dict(layout="eagle1")),
+                ("llama", dict(layout="eagle3", feature_layers=(0, 1, 2))),
+                ("llama", dict(layout="eagle3", feature_layers=(1, 2, 0), draft_vocab_size=40, top_k=3))]
+
+
+@pytest.mark.parametrize("name, options", LAYOUT_CASES)
+def test_layout_greedy_parity_random_then_trained(name, options):
+    model = build_model(name, seed=3)
+    spec = heads.attach_heads(model, kind="eagle", **{"depth": 4, "top_k": 2, "total_tokens": 8, **options})
+    _check_parity(spec, model, [random_prompt(1, 1), random_prompt(17, 2)], 16)
+    _train(spec, _own_continuations(model, 12, 24, seed=100), steps=15, unroll_steps=2)
+    _check_parity(spec, model, [random_prompt(4, 100)], 24)
+    assert sum(spec.last_stats.accepted_lengths) >= 2
+
+
+def test_layout_modules():
+    """eagle1: the first layer's input layernorm and the final norm are identities, the projection
+    has a bias; eagle3: no projection, q/k/v take 2d inputs, the final norm sits before the head."""
+    model = build_model("llama")
+    eagle1 = heads.attach_heads(model, kind="eagle", layout="eagle1", num_layers=2).heads
+    assert isinstance(eagle1.decoder.layers[0].input_layernorm, torch.nn.Identity)
+    assert not isinstance(eagle1.decoder.layers[1].input_layernorm, torch.nn.Identity)  # as cnets1 index != 0
+    assert isinstance(eagle1.decoder.norm, torch.nn.Identity) and eagle1.projection.bias is not None
+    assert eagle1.draft_rows(heads.inspect_backbone(model)) is None
+    eagle3 = heads.attach_heads(model, kind="eagle", layout="eagle3", feature_layers=(0, 1, 2)).heads
+    assert eagle3.projection is None and eagle3.fusion.bias is None
+    assert eagle3.decoder.self_attn.q_proj.in_features == 2 * 32 == eagle3.decoder.self_attn.v_proj.in_features
+    target = heads.inspect_backbone(model)
+    hidden = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(target.logits(hidden, eagle3.draft_rows(target)),
+                                   model.lm_head(eagle3.decoder.norm(hidden)))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "phi3", "gemma2"])
+def test_layouts_refuse_other_families(name):
+    model = build_model(name)
+    with pytest.raises(ValueError, match=rf"layout 'eagle1' .*\['llama', 'mistral', 'qwen2'\]; this backbone is "
+                                         rf"'{name}', which supports the layouts \['native'\]"):
+        heads.attach_heads(model, kind="eagle", layout="eagle1")
+    with pytest.raises(ValueError, match=rf"layout 'eagle3' .*\['llama'\]; this backbone is '{name}'"):
+        heads.attach_heads(model, kind="eagle", layout="eagle3", feature_layers=(0, 1, 2))
+    with pytest.raises(ValueError, match="layout: option\\(s\\) of kind='eagle'"):
+        heads.attach_heads(build_model("llama"), kind="medusa", layout="eagle1")
+    with pytest.raises(ValueError, match="'eagle3'.*supports the layouts \\['native', 'eagle1'\\]"):
+        heads.attach_heads(build_model("qwen2"), kind="eagle", layout="eagle3", feature_layers=(0, 1, 2))
