@@ -4,6 +4,7 @@ reference loaders' layouts, and refusals."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from transformers import LlamaConfig, LlamaForCausalLM
+
 import heads
 from heads import interop
-from tests.conftest import build_model, random_prompt
+from tests.conftest import _COMMON, build_model, greedy_reference, random_prompt
+from tree_attention.mask import prefill_attention_mask
 
 HIDDEN, VOCAB = 32, 96  # sizes of tests.conftest models
 
@@ -176,67 +180,277 @@ def test_load_vllm_original_lm_head_written_by_hand(model, tmp_path):
         torch.testing.assert_close(spec.heads(features), _hand_reference(blocks, [shared, shared], features))
 
 
-def _eagle1_checkpoint(directory: Path) -> Path:
+# ----------------------------------------------------------------------------- EAGLE-1 / EAGLE-3
+
+@pytest.fixture(scope="module")
+def deep_model():
+    """A 4-layer tiny Llama: EAGLE-3 exports need three distinct layers below the top one."""
+    torch.manual_seed(11)
+    model = LlamaForCausalLM(LlamaConfig(**{**_COMMON, "num_hidden_layers": 4}))
+    model.set_attn_implementation("sdpa")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _rms(x, weight, eps=1e-6):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate(x, theta=10000.0):  # rotary embedding at positions 0..T-1 of x (B, H, T, D)
+    dim = x.shape[-1]
+    angles = torch.arange(x.shape[2]).float()[:, None] / theta ** (torch.arange(0, dim, 2).float() / dim)[None]
+    angles = torch.cat([angles, angles], dim=-1)
+    return x * angles.cos() + torch.cat([-x[..., dim // 2:], x[..., :dim // 2]], dim=-1) * angles.sin()
+
+
+def _attention(x, t, prefix, heads_count=4, kv_heads=2):
+    """Causal grouped-query self-attention of a Llama layer from its named weights; x (1, T, in)."""
+    length = x.shape[1]
+    q, k, v = ((x @ t[f"{prefix}{name}_proj.weight"].T).view(1, length, -1, 8).transpose(1, 2) for name in "qkv")
+    q, k = _rotate(q), _rotate(k).repeat_interleave(heads_count // kv_heads, 1)
+    v = v.repeat_interleave(heads_count // kv_heads, 1)
+    scores = q @ k.transpose(-1, -2) / 8 ** 0.5 + torch.full((length, length), float("-inf")).triu(1)
+    return (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, length, -1) @ t[f"{prefix}o_proj.weight"].T
+
+
+def _mlp(x, t, prefix):
+    gate, up = x @ t[f"{prefix}gate_proj.weight"].T, x @ t[f"{prefix}up_proj.weight"].T
+    return (nn.functional.silu(gate) * up) @ t[f"{prefix}down_proj.weight"].T
+
+
+def _eagle1_reference(t, features, embeddings):
+    """SafeAILab cnets1 / SGLang LlamaForCausalLMEagle: fc over [emb; feature], layer 0 without
+    input layernorm, no final norm."""
+    hidden = torch.cat([embeddings, features], dim=-1) @ t["fc.weight"].T + t["fc.bias"]
+    hidden = hidden + _attention(hidden, t, "layers.0.self_attn.")
+    return hidden + _mlp(_rms(hidden, t["layers.0.post_attention_layernorm.weight"]), t, "layers.0.mlp.")
+
+
+def _eagle3_reference(t, aux, embeddings):
+    """SGLang LlamaForCausalLMEagle3: fc over the aux states, midlayer over [input_layernorm(emb);
+    hidden_norm(hidden)]; returns (pre-norm output, draft-vocabulary logits)."""
+    hidden = aux @ t["fc.weight"].T
+    inputs = torch.cat([_rms(embeddings, t["midlayer.input_layernorm.weight"]),
+                        _rms(hidden, t["midlayer.hidden_norm.weight"])], dim=-1)
+    hidden = hidden + _attention(inputs, t, "midlayer.self_attn.")
+    hidden = hidden + _mlp(_rms(hidden, t["midlayer.post_attention_layernorm.weight"]), t, "midlayer.mlp.")
+    return hidden, _rms(hidden, t["norm.weight"]) @ t["lm_head.weight"].T
+
+
+def _llama_layer_tensors(prefix: str, inputs: int, generator, input_norm: bool) -> dict[str, torch.Tensor]:
+    def random(*shape):
+        return 0.2 * torch.randn(*shape, generator=generator)
+
+    tensors = {f"{prefix}self_attn.q_proj.weight": random(HIDDEN, inputs),
+               f"{prefix}self_attn.k_proj.weight": random(16, inputs), f"{prefix}self_attn.v_proj.weight": random(16, inputs),
+               f"{prefix}self_attn.o_proj.weight": random(HIDDEN, HIDDEN), f"{prefix}mlp.gate_proj.weight": random(64, HIDDEN),
+               f"{prefix}mlp.up_proj.weight": random(64, HIDDEN), f"{prefix}mlp.down_proj.weight": random(HIDDEN, 64),
+               f"{prefix}post_attention_layernorm.weight": 1 + random(HIDDEN)}
+    if input_norm:
+        tensors[f"{prefix}input_layernorm.weight"] = 1 + random(HIDDEN)
+    return tensors
+
+
+def _llama_config(model, **extra) -> dict:
+    config = model.config
+    return {"model_type": "llama", "hidden_size": HIDDEN, "vocab_size": VOCAB, "intermediate_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": config.rms_norm_eps,
+            "rope_theta": 10000.0, "hidden_act": "silu", "num_hidden_layers": 1, "tie_word_embeddings": False, **extra}
+
+
+def _eagle1_checkpoint(directory: Path, model, **config) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    tensors = _llama_layer_tensors("layers.0.", HIDDEN, generator, input_norm=False)
+    tensors |= {"fc.weight": 0.2 * torch.randn(HIDDEN, 2 * HIDDEN, generator=generator),
+                "fc.bias": 0.1 * torch.randn(HIDDEN, generator=generator),
+                "embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=generator)}  # ignored, as by the loaders
     directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN, "vocab_size": VOCAB,
-        "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1}))
-    tensors = {"fc.weight": torch.zeros(HIDDEN, 2 * HIDDEN), "fc.bias": torch.zeros(HIDDEN),
-               "layers.0.post_attention_layernorm.weight": torch.ones(HIDDEN)}
-    for name, shape in (("q_proj", (HIDDEN, HIDDEN)), ("k_proj", (16, HIDDEN)), ("v_proj", (16, HIDDEN)),
-                        ("o_proj", (HIDDEN, HIDDEN))):
-        tensors[f"layers.0.self_attn.{name}.weight"] = torch.zeros(shape)
-    for name, shape in (("gate_proj", (64, HIDDEN)), ("up_proj", (64, HIDDEN)), ("down_proj", (HIDDEN, 64))):
-        tensors[f"layers.0.mlp.{name}.weight"] = torch.zeros(shape)
+    (directory / "config.json").write_text(json.dumps(_llama_config(model, architectures=["LlamaForCausalLM"],
+                                                                    **config)))
     save_file(tensors, str(directory / "model.safetensors"))
-    return directory
+    return tensors
 
 
-def _eagle3_checkpoint(directory: Path, draft_vocab: int = 32) -> Path:
+def _eagle3_checkpoint(directory: Path, model, draft_ids: torch.Tensor, lm_head=None) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(6)
+    tensors = _llama_layer_tensors("midlayer.", 2 * HIDDEN, generator, input_norm=True)
+    ids = torch.sort(draft_ids).values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    tensors |= {"fc.weight": 0.2 * torch.randn(HIDDEN, 3 * HIDDEN, generator=generator),
+                "midlayer.hidden_norm.weight": 1 + 0.2 * torch.randn(HIDDEN, generator=generator),
+                "norm.weight": 1 + 0.2 * torch.randn(HIDDEN, generator=generator),
+                "lm_head.weight": model.lm_head.weight.detach()[ids].clone() if lm_head is None else lm_head,
+                "d2t": ids - torch.arange(ids.numel()), "t2d": t2d}
     directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
-        "vocab_size": VOCAB, "draft_vocab_size": draft_vocab, "target_hidden_size": HIDDEN, "num_hidden_layers": 1,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1], "use_aux_hidden_state": True}}))
-    tensors = {"fc.weight": torch.zeros(HIDDEN, 3 * HIDDEN), "norm.weight": torch.ones(HIDDEN),
-               "lm_head.weight": torch.zeros(draft_vocab, HIDDEN), "d2t": torch.zeros(draft_vocab, dtype=torch.long),
-               "t2d": torch.zeros(VOCAB, dtype=torch.bool),
-               "midlayer.self_attn.q_proj.weight": torch.zeros(HIDDEN, 2 * HIDDEN)}
-    for name in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
-        tensors[f"midlayer.{name}.weight"] = torch.ones(HIDDEN)
+    (directory / "config.json").write_text(json.dumps(_llama_config(
+        model, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=int(ids.numel()), target_hidden_size=HIDDEN,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True})))
     save_file(tensors, str(directory / "model.safetensors"))
-    return directory
+    return tensors
 
 
-def test_eagle_checkpoints_are_recognised_and_refused(model, tmp_path):
-    eagle1 = _eagle1_checkpoint(tmp_path / "eagle1")
-    eagle3 = _eagle3_checkpoint(tmp_path / "eagle3")
-    assert interop.detect_format(eagle1) == "eagle" and interop.detect_format(eagle3) == "eagle3"
-    with pytest.raises(heads.AdapterError, match="EAGLE-1 checkpoint.*input layernorm"):
-        heads.load_heads(model, eagle1)
-    with pytest.raises(heads.AdapterError, match="EAGLE-3 checkpoint"):
-        heads.load_heads(model, eagle3)
+def _draft_inputs(model, length: int = 9):
+    ids = random_prompt(length + 1, seed=21)
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True)
+    return ids, states, model.get_input_embeddings()(ids[:, 1:])
+
+
+def test_hand_written_eagle1_checkpoint_computes_as_the_loader_and_drafts(deep_model, tmp_path):
+    tensors = _eagle1_checkpoint(tmp_path / "eagle1", deep_model)
+    assert interop.detect_format(tmp_path / "eagle1") == "eagle"
+    with pytest.warns(UserWarning, match="records no target fingerprint"):
+        spec = heads.load_heads(deep_model, tmp_path / "eagle1")
+    assert spec.config.layout == "eagle1" and spec.metadata["source_format"] == "eagle"
+    ids, states, embeddings = _draft_inputs(deep_model)
+    features = spec.target.features(ids[:, :-1], torch.arange(9)[None], None, None)  # post-norm top layer
+    with torch.no_grad():
+        predicted = spec.heads.step(features, embeddings, torch.arange(9)[None],
+                                    prefill_attention_mask(9, None, torch.float32, "cpu"), None)
+        expected = _eagle1_reference(tensors, features, embeddings)
+        torch.testing.assert_close(predicted, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(spec.target.logits(predicted, spec.heads.draft_rows(spec.target)),
+                                   expected @ deep_model.lm_head.weight.T, rtol=1e-4, atol=1e-5)
+    for seed in range(2):
+        prompt = random_prompt(5 + seed, seed)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=12), greedy_reference(deep_model, prompt, 12))
+
+
+def test_hand_written_eagle3_checkpoint_computes_as_the_loader_and_drafts(deep_model, tmp_path):
+    draft_ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:40]
+    tensors = _eagle3_checkpoint(tmp_path / "eagle3", deep_model, draft_ids)
+    assert interop.detect_format(tmp_path / "eagle3") == "eagle3"
+    with pytest.warns(UserWarning, match="records no target fingerprint"):
+        spec = heads.load_heads(deep_model, tmp_path / "eagle3")
+    config = spec.config
+    assert (config.layout, tuple(config.feature_layers), config.draft_vocab_size) == ("eagle3", (1, 2, 3), 40)
+    ids, states, embeddings = _draft_inputs(deep_model)
+    aux = torch.cat(states.hidden_states[1:4], dim=-1)[:, :-1]  # outputs of decoder layers 0, 1, 2 (SGLang's ids)
+    with torch.no_grad():
+        features, _ = spec.target.forward(ids[:, :-1], torch.arange(9)[None], None, None, "last")
+        torch.testing.assert_close(features, aux, rtol=1e-5, atol=1e-5)
+        predicted = spec.heads.step(spec.heads.fuse(features), embeddings, torch.arange(9)[None],
+                                    prefill_attention_mask(9, None, torch.float32, "cpu"), None)
+        expected, draft_logits = _eagle3_reference(tensors, aux, embeddings)
+        torch.testing.assert_close(predicted, expected, rtol=1e-4, atol=1e-5)  # pre-norm, what is fed back
+        logits = spec.target.logits(predicted, spec.heads.draft_rows(spec.target))
+        torch.testing.assert_close(logits, draft_logits, rtol=1e-4, atol=1e-5)
+        sorted_ids = tensors["d2t"] + torch.arange(40)
+        assert torch.equal(spec.heads.target_ids(logits.argmax(-1)), sorted_ids[draft_logits.argmax(-1)])
+    for seed in range(2):
+        prompt = random_prompt(5 + seed, seed)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=12), greedy_reference(deep_model, prompt, 12))
+
+
+def _eagle_adapter(model, tmp_path: Path, **options) -> tuple[heads.SpeculativeModel, Path]:
+    spec = _perturbed(heads.attach_heads(model, kind="eagle", depth=4, top_k=2, total_tokens=8, **options))
+    if spec.heads.token_map is not None:  # frequency order, not sorted: the export sorts it for d2t
+        spec.heads.set_token_map(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:32])
+    directory = tmp_path / "adapter"
+    spec.save_pretrained(directory, acceptance={"chat": {"tau": 2.0}})
+    return spec, directory
+
+
+def _same_drafts(original, loaded) -> None:
+    for seed in range(3):
+        prompt = random_prompt(6 + seed, seed)
+        expected = original.generate(prompt, max_new_tokens=16)
+        assert torch.equal(loaded.generate(prompt, max_new_tokens=16), expected)
+        assert torch.equal(expected, greedy_reference(original.backbone, prompt, 16))
+        assert loaded.last_stats.accepted_lengths == original.last_stats.accepted_lengths
+
+
+@pytest.mark.parametrize("fmt, options", [
+    ("eagle", dict(layout="eagle1")),
+    ("eagle", dict(layout="eagle1", num_layers=2)),
+    ("eagle3", dict(layout="eagle3", feature_layers=(1, 2, 3))),
+    ("eagle3", dict(layout="eagle3", feature_layers=(3, 1, 2), draft_vocab_size=32)),
+])
+def test_eagle_round_trip(deep_model, tmp_path, fmt, options):
+    spec, adapter = _eagle_adapter(deep_model, tmp_path, **options)
+    out = interop.export_adapter(adapter, fmt, tmp_path / fmt, model=deep_model)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", interop.SIDECAR_NAME]
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"] is False
+    assert config["num_hidden_layers"] == options.get("num_layers", 1)
+    assert not any("embed" in name or "token_map" in name for name in tensors)
+    if fmt == "eagle":
+        assert config["architectures"] == ["LlamaForCausalLMEagle", "LlamaForCausalLM"]
+        assert tensors["fc.weight"].shape == (HIDDEN, 2 * HIDDEN) and tensors["fc.bias"].shape == (HIDDEN,)
+        assert "layers.0.input_layernorm.weight" not in tensors and "norm.weight" not in tensors
+        assert ("layers.1.input_layernorm.weight" in tensors) == (options.get("num_layers") == 2)
+    else:
+        vocab = options.get("draft_vocab_size", VOCAB)
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == vocab
+        assert config["target_hidden_size"] == HIDDEN
+        assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in options["feature_layers"]],
+                                          "use_aux_hidden_state": True}
+        assert tensors["fc.weight"].shape == (HIDDEN, 3 * HIDDEN) and "fc.bias" not in tensors
+        assert tensors["midlayer.self_attn.q_proj.weight"].shape == (HIDDEN, 2 * HIDDEN)
+        assert tensors["lm_head.weight"].shape == (vocab, HIDDEN) and tensors["norm.weight"].shape == (HIDDEN,)
+        assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+        ids = tensors["d2t"] + torch.arange(vocab)
+        assert torch.equal(ids, torch.sort(ids).values) and torch.equal(torch.nonzero(tensors["t2d"])[:, 0], ids)
+        expected_ids = torch.arange(VOCAB) if spec.heads.token_map is None else torch.sort(spec.heads.token_map).values
+        assert torch.equal(ids, expected_ids)
+        assert torch.equal(tensors["lm_head.weight"], deep_model.lm_head.weight.detach()[ids])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = heads.load_heads(deep_model, out)  # selfdraft.json restores the pin: strict, no warning
+    assert loaded.metadata["source_format"] == fmt and loaded.metadata["acceptance"] == {"chat": {"tau": 2.0}}
+    _same_drafts(spec, loaded)
+    (out / interop.SIDECAR_NAME).unlink()  # as another loader would leave it
+    with pytest.warns(UserWarning, match="records no target fingerprint"):
+        bare = heads.load_heads(deep_model, out)
+    _same_drafts(spec, bare)
 
 
 @pytest.mark.parametrize("fmt, options, message", [
-    ("eagle", {}, "no input layernorm.*no final norm"),
-    ("eagle", {"feature_layers": [0, 1, 2]}, "top-layer features only"),
-    ("eagle3", {"feature_layers": [0, 1, 2], "draft_vocab_size": 32}, "no exact mapping"),
-    ("eagle3", {}, "exactly three target layers"),
+    ("eagle", {}, "layout 'native'.*train with --eagle-layout eagle1"),
+    ("eagle3", dict(feature_layers=(1, 2, 3)), "layout 'native'.*train with --eagle-layout eagle3"),
+    ("eagle", dict(layout="eagle1", feature_layers=(1, 2)), "top-layer features only"),
+    ("eagle", dict(layout="eagle1", draft_vocab_size=32), "full vocabulary"),
+    ("eagle3", dict(layout="eagle3", feature_layers=(0, 1, 2)), r"must lie in 1..3"),
+    ("eagle3", dict(layout="eagle3", feature_layers=(2, 3, 4)), r"must lie in 1..3"),
 ])
-def test_eagle_export_refuses_with_the_reason(model, tmp_path, fmt, options, message):
-    spec = heads.attach_heads(model, kind="eagle", **options)
+def test_eagle_export_refuses_with_the_reason(deep_model, tmp_path, fmt, options, message):
+    spec = heads.attach_heads(deep_model, kind="eagle", **options)
     spec.save_pretrained(tmp_path / "eagle")
     with pytest.raises(heads.AdapterError, match=message):
-        interop.export_adapter(tmp_path / "eagle", fmt, tmp_path / "out")
+        interop.export_adapter(tmp_path / "eagle", fmt, tmp_path / "out", model=deep_model)
     assert not (tmp_path / "out").exists()
 
 
-def test_eagle_export_refuses_non_llama(tmp_path):
-    spec = heads.attach_heads(build_model("qwen2"), kind="eagle")
-    spec.save_pretrained(tmp_path / "eagle")
+def test_eagle_export_needs_the_target(deep_model, tmp_path):
+    heads.attach_heads(deep_model, kind="eagle", layout="eagle1").save_pretrained(tmp_path / "eagle")
+    with pytest.raises(heads.AdapterError, match="pass --model TARGET_DIR"):
+        interop.export_adapter(tmp_path / "eagle", "eagle", tmp_path / "a")
+    with pytest.raises(heads.TargetMismatchError, match="--model is not this adapter's target"):
+        interop.export_adapter(tmp_path / "eagle", "eagle", tmp_path / "b", model=build_model("llama", seed=4))
+    qwen = build_model("qwen2")
+    heads.attach_heads(qwen, kind="eagle", layout="eagle1").save_pretrained(tmp_path / "qwen")
     with pytest.raises(heads.AdapterError, match="Llama decoder layers; the target is 'qwen2'"):
-        interop.export_adapter(tmp_path / "eagle", "eagle", tmp_path / "out")
+        interop.export_adapter(tmp_path / "qwen", "eagle", tmp_path / "c", model=qwen)
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_eagle_import_refusals(deep_model, tmp_path):
+    draft_ids = torch.arange(10, 42)
+    _eagle3_checkpoint(tmp_path / "own-head", deep_model, draft_ids, lm_head=torch.zeros(32, HIDDEN))
+    with pytest.raises(heads.AdapterError, match="separately trained lm_head"):
+        heads.load_heads(deep_model, tmp_path / "own-head")
+    tensors = _eagle3_checkpoint(tmp_path / "t2d", deep_model, draft_ids)
+    save_file({**tensors, "t2d": torch.ones(VOCAB, dtype=torch.bool)}, str(tmp_path / "t2d" / "model.safetensors"))
+    with pytest.raises(heads.AdapterError, match="t2d and d2t disagree"):
+        heads.load_heads(deep_model, tmp_path / "t2d")
+    _eagle1_checkpoint(tmp_path / "wide-mlp", deep_model, intermediate_size=128)
+    with pytest.raises(heads.AdapterError, match=r"must match the checkpoint's.*intermediate_size 128 \(target 64\)"):
+        heads.load_heads(deep_model, tmp_path / "wide-mlp")
+    with pytest.raises(heads.AdapterError, match="target 'qwen2'"):
+        heads.load_heads(build_model("qwen2"), tmp_path / "t2d")
 
 
 def test_medusa_export_refusals(model, tmp_path):
