@@ -77,6 +77,14 @@ def test_unrolled_training_runs_and_stays_exact(model, sequences, prompts):
     assert _tau(spec, prompts[:2]) > tau_before + 0.5
 
 
+def test_eagle3_layout_trains_and_stays_exact(model, sequences, prompts):
+    spec = heads.attach_heads(model, kind="eagle", layout="eagle3", feature_layers=(0, 1, 2), draft_vocab_size=64)
+    tau_before = _tau(spec, prompts[:2])
+    result = make_trainer(spec, sequences, TrainConfig(steps=40, unroll_steps=2, **FAST), progress=False).train()
+    assert result.losses[-1] < result.losses[0]
+    assert _tau(spec, prompts[:2]) > tau_before
+
+
 def test_eagle3_feature_layers_and_draft_vocabulary(model, sequences, prompts, tmp_path):
     spec = heads.attach_heads(model, kind="eagle", feature_layers=(0, 1, 2), draft_vocab_size=80)
     tau_before = _tau(spec, prompts[:2])
@@ -139,6 +147,12 @@ def test_eagle_losses_on_crafted_values():
     loss, _ = eagle_losses(shifted, top, teacher, mask, lambda f: top.new_zeros(*f.shape[:-1], 6),
                            TrainConfig(feature_weight=1.0, token_weight=0.0, head_decay=0.5))
     assert float(loss) == pytest.approx(0.125 * (1 + 0.5), rel=1e-5)  # padded rows (99) are masked out
+    # head_features (eagle3: the drafter's final norm) maps predictions before the regression only
+    loss, _ = eagle_losses([prediction - 0.25 for prediction in exact], top, teacher, mask,
+                           lambda f: top.new_zeros(*f.shape[:-1], 6), TrainConfig(feature_weight=1.0, token_weight=0.0,
+                                                                                   head_decay=0.5),
+                           head_features=lambda f: f + 0.75)
+    assert float(loss) == pytest.approx(0.125 * (1 + 0.5), rel=1e-5)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -188,5 +202,41 @@ def test_cli_train_eagle_then_bench(model, tmp_path):
     assert code == 0 and report["identical"] is True and report["tau"] > 1.0
     with pytest.raises(ValueError, match="num_heads: option"):
         main(["train", "--model", str(model_dir), "--kind", "eagle", "--num-heads", "3", "--data", str(data),
+              "--out", str(tmp_path / "other"), "--steps", "1", "--max-new-tokens", "4", "--max-length", "12",
+              "--cache-dir", str(tmp_path / "cache"), "--eval-prompts", "0", "--no-progress"])
+
+
+def test_cli_train_eagle1_layout_then_export(model, tmp_path):
+    """`selfdraft train --eagle-layout eagle1` trains the EAGLE-1 layer; `selfdraft export --format
+    eagle` writes it, and the export loads back drafting the same tokens."""
+    from tests.training.test_cli import _tokenizer, _write_prompts
+
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    _tokenizer().save_pretrained(model_dir)
+    data = _write_prompts(tmp_path / "prompts.jsonl", 16, seed=2)
+    adapter = tmp_path / "adapter"
+    code = main(["train", "--model", str(model_dir), "--kind", "eagle", "--eagle-layout", "eagle1", "--data", str(data),
+                 "--out", str(adapter), "--steps", "12", "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2",
+                 "--max-new-tokens", "12", "--max-length", "20", "--cache-dir", str(tmp_path / "cache"),
+                 "--eval-prompts", "0", "--no-progress", "--token-weight", "1.0"])
+    assert code == 0
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["drafter"]["layout"] == "eagle1"
+    with pytest.raises(SystemExit, match="pass --model TARGET_DIR"):
+        main(["export", "--adapter", str(adapter), "--format", "eagle", "--out", str(tmp_path / "no-model")])
+    with pytest.raises(SystemExit, match="train with --eagle-layout eagle3"):
+        main(["export", "--adapter", str(adapter), "--format", "eagle3", "--out", str(tmp_path / "e3"),
+              "--model", str(model_dir)])
+    out = tmp_path / "eagle1"
+    assert main(["export", "--adapter", str(adapter), "--format", "eagle", "--out", str(out),
+                 "--model", str(model_dir)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"][0] == "LlamaForCausalLMEagle"
+    original, exported = heads.load_heads(model, adapter), heads.load_heads(model, out)
+    prompt = progression_batch(1, 5, torch.Generator().manual_seed(3))
+    assert torch.equal(exported.generate(prompt, max_new_tokens=16), original.generate(prompt, max_new_tokens=16))
+    assert exported.last_stats.accepted_lengths == original.last_stats.accepted_lengths
+    with pytest.raises(ValueError, match="layout: option"):
+        main(["train", "--model", str(model_dir), "--kind", "medusa", "--eagle-layout", "eagle1", "--data", str(data),
               "--out", str(tmp_path / "other"), "--steps", "1", "--max-new-tokens", "4", "--max-length", "12",
               "--cache-dir", str(tmp_path / "cache"), "--eval-prompts", "0", "--no-progress"])
