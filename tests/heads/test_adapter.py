@@ -194,3 +194,27 @@ def test_fingerprint_reads_samples_only_whatever_the_layout():
     # the largest new storage: int64 indices of 64 samples in 2 dimensions; a flattened copy of
     # lm_head would be 96 x 32 x 4 bytes
     assert 0 < Storages.largest <= 64 * 8 * 2 < model.lm_head.weight.numel() * 4, Storages.largest
+
+
+@pytest.mark.parametrize("name, options", [("qwen2", dict(layout="eagle1")),
+                                           ("llama", dict(layout="eagle3", feature_layers=(0, 1, 2)))])
+def test_eagle_layout_round_trip_and_checks(name, options, tmp_path):
+    model = build_model(name, seed=3)
+    spec = heads.attach_heads(model, kind="eagle", **options)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in spec.heads.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    spec.save_pretrained(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["drafter"]["layout"] == options["layout"]
+    loaded = heads.load_heads(model, tmp_path / "adapter")
+    assert loaded.config.layout == options["layout"]
+    prompt = random_prompt(7, seed=2)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=12), spec.generate(prompt, max_new_tokens=12))
+    assert loaded.last_stats.accepted_lengths == spec.last_stats.accepted_lengths
+    _rewrite_config(tmp_path / "adapter", lambda c: c["drafter"].update(layout="eagle7"))
+    with pytest.raises(heads.AdapterError, match="drafter.layout 'eagle7' is not one of"):
+        heads.load_heads(model, tmp_path / "adapter")
+    _rewrite_config(tmp_path / "adapter", lambda c: c["drafter"].pop("layout"))  # older adapters: native
+    with pytest.raises(heads.AdapterError, match="tensors do not match the drafter: missing"):
+        heads.load_heads(model, tmp_path / "adapter")
