@@ -23,10 +23,28 @@ Options (EAGLE-3 style):
   back to target ids and travels in the adapter. Until training sets it, the map is the first
   ``draft_vocab_size`` ids.
 
-Deviations from EAGLE-1, all for a family-agnostic build: the family's input layernorm of the
-first decoder layer is kept (EAGLE-1 drops it); the copy's final norm is kept and trained, so the
-prediction lives in the post-norm space of ``f``; the projection has a bias (EAGLE-3's has none);
-absolute-position families (GPT-2) keep the copy's own trainable position table.
+Layouts (``EagleConfig.layout``):
+
+* ``native`` (default, any family that passes the probe). Deviations from EAGLE-1, all for a
+  family-agnostic build: the family's input layernorm of the first decoder layer is kept (EAGLE-1
+  drops it); the copy's final norm is kept and trained, so the prediction lives in the post-norm
+  space of ``f``; absolute-position families (GPT-2) keep the copy's own trainable position table.
+  The projection has a bias, as in EAGLE-1 (EAGLE-3's fc has none).
+* ``eagle1`` (llama, mistral, qwen2): exactly the EAGLE-1 layer (SafeAILab ``cnets1.py``, vLLM
+  ``EagleLlamaForCausalLM``, SGLang ``LlamaForCausalLMEagle``): ``fc`` (the projection, with bias)
+  over ``[e_{t+1}; f_t]``, the copy's first input layernorm and final norm replaced by identities,
+  so the layer's residual output goes straight into the output head and is regressed onto the
+  post-norm ``f``, as EAGLE-1 does.
+* ``eagle3`` (llama; three ``feature_layers``): the EAGLE-3 midlayer (SpecForge
+  ``llama3_eagle.py``, SGLang/vLLM ``llama_eagle3.py``), :class:`Eagle3Midlayer`: ``fusion`` is
+  ``fc``; no projection; attention over ``[input_layernorm(e); hidden_norm(h)]`` with ``2d``-input
+  q/k/v and residual ``h``; the pre-norm output is fed back at deeper steps and the drafter's
+  ``norm`` is applied before the output head (through :meth:`EagleHeads.draft_rows`). The output
+  head stays the target's frozen one (its draft-vocabulary rows), where an EAGLE-3 checkpoint holds
+  its own ``lm_head`` (exported as those rows); training keeps the feature regression, on
+  ``norm(output)`` (EAGLE-3 has none: set ``feature_weight=0`` for its recipe).
+
+The two external layouts export to those checkpoint formats (:mod:`heads.interop_eagle`).
 """
 
 from __future__ import annotations

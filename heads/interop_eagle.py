@@ -79,7 +79,8 @@ def eagle_refusals(config: dict, fmt: str, target_layers: int | None = None) -> 
     label, layout = _LABEL[fmt], drafter.get("layout", "native")
     reasons = []
     if family != "llama":
-        reasons.append(f"{label} loaders build Llama decoder layers; the target is {family!r} (train on a Llama target)")
+        reasons.append(f"{label} loaders build Llama decoder layers; the target is {family!r} "
+                       "(train on a Llama target)")
     layers = drafter.get("feature_layers")
     if fmt == "eagle":
         if layout != "eagle1":
@@ -99,9 +100,10 @@ def eagle_refusals(config: dict, fmt: str, target_layers: int | None = None) -> 
         reasons.append("EAGLE-3's fc fuses exactly three target layers (h x 3h); this drafter has feature_layers "
                        f"{layers} (train with three --feature-layers below the top layer)")
     elif target_layers is not None and not all(1 <= index < target_layers for index in layers):
-        reasons.append(f"EAGLE-3 loaders capture decoder-layer outputs before the final norm (eagle_aux_hidden_state_"
-                       f"layer_ids = feature_layers - 1); feature_layers {list(layers)} must lie in 1..{target_layers - 1} "
-                       "(0, the embeddings, and the post-norm top layer have no id)")
+        reasons.append("EAGLE-3 loaders capture decoder-layer outputs before the final norm "
+                       f"(eagle_aux_hidden_state_layer_ids = feature_layers - 1); feature_layers {list(layers)} "
+                       f"must lie in 1..{target_layers - 1} (0, the embeddings, and the post-norm top layer have "
+                       "no id)")
     return reasons
 
 
@@ -292,10 +294,11 @@ def read_eagle(directory: Path, config: dict, fmt: str, model) -> tuple[dict, di
     if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and i >= 0 for i in ids):
         raise AdapterError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must list three layer ids; "
                            f"got {ids!r}")
-    if not all(i + 1 < model.config.num_hidden_layers for i in ids):
-        raise AdapterError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} must lie in 0..{model.config.num_hidden_layers - 2} "
-                           f"for this {model.config.num_hidden_layers}-layer target (ids are decoder-layer outputs before "
-                           "the final norm, SGLang's convention)")
+    target_layers = int(model.config.num_hidden_layers)
+    if not all(i + 1 < target_layers for i in ids):
+        raise AdapterError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} must lie in 0..{target_layers - 2} for "
+                           f"this {target_layers}-layer target (ids are decoder-layer outputs before the final norm, "
+                           "SGLang's convention)")
     token_ids = _draft_vocabulary(tensors, model, directory)
     ours = _rename(tensors, lambda n: "fusion.weight" if n == "fc.weight" else "decoder." + n.removeprefix("midlayer."))
     if token_ids is not None:

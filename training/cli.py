@@ -107,8 +107,8 @@ def _add_eagle_arguments(parser) -> None:
     group.add_argument("--draft-vocab-size", type=int, default=None,
                        help="EAGLE-3: reduced draft vocabulary of the most frequent target tokens in the data")
     group.add_argument("--eagle-layout", choices=("native", "eagle1", "eagle3"), default=None,
-                       help="drafter architecture: native (default; selfdraft's, any family), eagle1 (the EAGLE-1 layer, "
-                            "exportable with --format eagle) or eagle3 (the EAGLE-3 midlayer, needs three "
+                       help="drafter architecture: native (default; selfdraft's, any family), eagle1 (the EAGLE-1 "
+                            "layer, exportable with --format eagle) or eagle3 (the EAGLE-3 midlayer, needs three "
                             "--feature-layers, exportable with --format eagle3); Llama-family targets only")
     group.add_argument("--feature-weight", type=float, default=1.0,
                        help="weight of the smooth-L1 next-feature regression (default 1.0)")

@@ -206,7 +206,8 @@ def test_eagle_layout_round_trip_and_checks(name, options, tmp_path):
         for parameter in spec.heads.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
     spec.save_pretrained(tmp_path / "adapter")
-    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["drafter"]["layout"] == options["layout"]
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["drafter"]["layout"] == options["layout"]
     loaded = heads.load_heads(model, tmp_path / "adapter")
     assert loaded.config.layout == options["layout"]
     prompt = random_prompt(7, seed=2)

@@ -242,11 +242,11 @@ def _llama_layer_tensors(prefix: str, inputs: int, generator, input_norm: bool) 
     def random(*shape):
         return 0.2 * torch.randn(*shape, generator=generator)
 
-    tensors = {f"{prefix}self_attn.q_proj.weight": random(HIDDEN, inputs),
-               f"{prefix}self_attn.k_proj.weight": random(16, inputs), f"{prefix}self_attn.v_proj.weight": random(16, inputs),
-               f"{prefix}self_attn.o_proj.weight": random(HIDDEN, HIDDEN), f"{prefix}mlp.gate_proj.weight": random(64, HIDDEN),
-               f"{prefix}mlp.up_proj.weight": random(64, HIDDEN), f"{prefix}mlp.down_proj.weight": random(HIDDEN, 64),
-               f"{prefix}post_attention_layernorm.weight": 1 + random(HIDDEN)}
+    shapes = {"self_attn.q_proj": (HIDDEN, inputs), "self_attn.k_proj": (16, inputs), "self_attn.v_proj": (16, inputs),
+              "self_attn.o_proj": (HIDDEN, HIDDEN), "mlp.gate_proj": (64, HIDDEN), "mlp.up_proj": (64, HIDDEN),
+              "mlp.down_proj": (HIDDEN, 64)}
+    tensors = {f"{prefix}{name}.weight": random(*shape) for name, shape in shapes.items()}
+    tensors[f"{prefix}post_attention_layernorm.weight"] = 1 + random(HIDDEN)
     if input_norm:
         tensors[f"{prefix}input_layernorm.weight"] = 1 + random(HIDDEN)
     return tensors
@@ -386,8 +386,8 @@ def test_eagle_round_trip(deep_model, tmp_path, fmt, options):
         vocab = options.get("draft_vocab_size", VOCAB)
         assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == vocab
         assert config["target_hidden_size"] == HIDDEN
-        assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in options["feature_layers"]],
-                                          "use_aux_hidden_state": True}
+        layer_ids = [index - 1 for index in options["feature_layers"]]
+        assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": layer_ids, "use_aux_hidden_state": True}
         assert tensors["fc.weight"].shape == (HIDDEN, 3 * HIDDEN) and "fc.bias" not in tensors
         assert tensors["midlayer.self_attn.q_proj.weight"].shape == (HIDDEN, 2 * HIDDEN)
         assert tensors["lm_head.weight"].shape == (vocab, HIDDEN) and tensors["norm.weight"].shape == (HIDDEN,)
