@@ -43,7 +43,6 @@ Matched against these loaders (source read at these commits):
 from __future__ import annotations
 
 import logging
-import pickle
 from pathlib import Path
 from typing import Callable
 
@@ -58,7 +57,6 @@ from .eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
 logger = logging.getLogger(__name__)
 
 EAGLE_TENSORS = "model.safetensors"
-EAGLE_PICKLE = "pytorch_model.bin"  # SafeAILab's EAGLE-1 releases; read with torch.load(weights_only=True)
 EAGLE1_ARCHITECTURES = ["LlamaForCausalLMEagle", "LlamaForCausalLM"]
 EAGLE3_ARCHITECTURES = ["LlamaForCausalLMEagle3"]
 _LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -201,21 +199,12 @@ def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model
 
 def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     paths = sorted(directory.glob("*.safetensors"))
-    if paths:
-        tensors: dict[str, torch.Tensor] = {}
-        for path in paths:
-            tensors.update(read_safetensors(path))
-        return tensors
-    path = directory / EAGLE_PICKLE
-    if not path.is_file():
-        raise AdapterError(f"{directory}: an EAGLE checkpoint holds *.safetensors or {EAGLE_PICKLE}")
-    try:
-        tensors = torch.load(str(path), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
-        raise AdapterError(f"{path} could not be read as plain tensors (torch.load weights_only=True): {error}") \
-            from error
-    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        raise AdapterError(f"{path} does not hold a state dict of tensors")
+    if not paths:
+        raise AdapterError(f"{directory}: no *.safetensors file (a pytorch_model.bin checkpoint, as SafeAILab "
+                           "publishes, must be converted to safetensors first)")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in paths:
+        tensors.update(read_safetensors(path))
     return tensors
 
 

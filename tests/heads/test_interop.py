@@ -451,6 +451,12 @@ def test_eagle_import_refusals(deep_model, tmp_path):
         heads.load_heads(deep_model, tmp_path / "wide-mlp")
     with pytest.raises(heads.AdapterError, match="target 'qwen2'"):
         heads.load_heads(build_model("qwen2"), tmp_path / "t2d")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps(_llama_config(deep_model, architectures=["EagleLlamaForCausalLM"])))
+    torch.save({"fc.weight": torch.zeros(HIDDEN, 2 * HIDDEN)}, str(pickled / "pytorch_model.bin"))
+    with pytest.raises(heads.AdapterError, match="must be converted to safetensors"):
+        heads.load_heads(deep_model, pickled)
 
 
 def test_medusa_export_refusals(model, tmp_path):
