@@ -236,8 +236,8 @@ def export_adapter(adapter_dir: str | os.PathLike, fmt: str, out: str | os.PathL
         raise AdapterError(f"{adapter_dir}: format {fmt!r} holds {expected_kind} drafters; this adapter is kind "
                            f"{config['kind']!r} (use --format {other})")
     if expected_kind == "eagle":
-        files = interop_eagle.export_files(config, tensors, fmt, model, adapter_dir,
-                                           json_writer(_sidecar(config, fmt)))
+        files = interop_eagle.export_files(config, tensors, fmt, model, adapter_dir)
+        files[SIDECAR_NAME] = json_writer(_sidecar(config, fmt))
     else:
         files = _export_medusa(config, tensors, fmt, model, adapter_dir)
     write_directory(Path(out), files, replaceable=(MEDUSA_TENSORS, MEDUSA_PICKLE, VLLM_TENSORS, "config.json",

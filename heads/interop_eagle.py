@@ -165,8 +165,8 @@ def vocabulary_maps(token_map: torch.Tensor | None, vocab_size: int) -> tuple[to
     return ids, ids - torch.arange(ids.numel()), t2d
 
 
-def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model, adapter_dir,
-                 sidecar: Callable[[Path], None]) -> dict[str, Callable[[Path], None]]:
+def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model,
+                 adapter_dir) -> dict[str, Callable[[Path], None]]:
     """The files of the ``fmt`` checkpoint of an EAGLE adapter; :class:`AdapterError` listing every
     reason when the layout cannot hold the drafter exactly."""
     target_layers = None if model is None else int(model.config.num_hidden_layers)
@@ -191,8 +191,8 @@ def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model
         payload.update(draft_vocab_size=int(ids.numel()), target_hidden_size=int(head.in_features), eagle_config={
             "eagle_aux_hidden_state_layer_ids": [index - 1 for index in drafter["feature_layers"]],
             "use_aux_hidden_state": True})
-    return {"config.json": json_writer(payload), EAGLE_TENSORS: lambda path: save_file(
-        external, str(path), metadata={"format": "pt"}), "selfdraft.json": sidecar}
+    return {"config.json": json_writer(payload),
+            EAGLE_TENSORS: lambda path: save_file(external, str(path), metadata={"format": "pt"})}
 
 
 # ----------------------------------------------------------------------------- import
