@@ -2,7 +2,8 @@
 
 Verification appends all ``N`` tree nodes to the cache; afterwards only the accepted path may
 stay. :func:`keep_path` moves the accepted nodes' keys and values to the front of the tree
-region in place (``k`` entries copied per layer, not the whole cache) and drops the rest.
+region in place (``k`` entries copied per layer, not the whole cache) and drops the rest; in a
+batch each row keeps its own path (:func:`gather`) and :func:`select_rows` drops finished rows.
 
 The decode loop builds its own config-less :class:`~transformers.DynamicCache`, whose layers all
 keep the full history; sliding windows are then applied by the mask (see ``mask.py``). A
@@ -76,20 +77,43 @@ def crop(cache: Cache, length: int) -> None:
         layer.values = layer.values[..., :length, :]
 
 
+def gather(cache: Cache, start: int, index: torch.Tensor) -> None:
+    """Rewrite every row's entries from ``start`` on: afterwards row ``b`` holds, at
+    ``start + i``, what it held at ``start + index[b, i]``, and the cache ends at ``start + L``.
+
+    ``index`` is ``[B, L]`` long (or ``[L]`` for every row alike); only ``L`` entries per row are
+    copied, not the cache.
+    """
+    if index.dim() == 1:
+        index = index.unsqueeze(0)
+    count = int(index.shape[1])
+    identity = torch.arange(count, device=index.device)
+    if not bool((index == identity).all()):
+        for layer in _layers(cache):
+            if not layer.is_initialized or layer.keys.numel() == 0:
+                continue
+            # (B, heads, L, head_dim): each row gathers its own entries
+            rows, heads, _, width = layer.keys.shape
+            source = (index + start).view(index.shape[0], 1, count, 1).expand(rows, heads, count, width)
+            layer.keys[..., start:start + count, :] = layer.keys.gather(-2, source)
+            layer.values[..., start:start + count, :] = layer.values.gather(-2, source)
+    crop(cache, start + count)
+
+
 def keep_path(cache: Cache, prefix_length: int, node_indices: torch.Tensor) -> None:
-    """Keep ``prefix_length`` entries plus the tree nodes ``node_indices`` (``[k]``, increasing).
+    """Keep ``prefix_length`` entries plus the tree nodes ``node_indices`` (``[k]`` increasing,
+    or ``[B, k]``: one path per row, padded by repeating an index the row keeps).
 
     Afterwards the cache holds ``prefix_length + k`` positions and entry ``prefix_length + i``
     is what node ``node_indices[i]`` wrote, as if those tokens had been fed one by one.
     """
-    count = int(node_indices.numel())
-    contiguous = bool(torch.equal(node_indices, torch.arange(count, device=node_indices.device)))
-    if not contiguous:
-        source = node_indices + prefix_length
-        for layer in _layers(cache):
-            if not layer.is_initialized or layer.keys.numel() == 0:
-                continue
-            # (B, heads, k, head_dim) gathered, then written over the front of the tree region
-            layer.keys[..., prefix_length:prefix_length + count, :] = layer.keys.index_select(-2, source)
-            layer.values[..., prefix_length:prefix_length + count, :] = layer.values.index_select(-2, source)
-    crop(cache, prefix_length + count)
+    gather(cache, prefix_length, node_indices)
+
+
+def select_rows(cache: Cache, rows: torch.Tensor) -> None:
+    """Keep the batch rows ``rows`` (``[R]`` long) of every layer, in that order."""
+    for layer in _layers(cache):
+        if not layer.is_initialized or layer.keys.numel() == 0:
+            continue
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)

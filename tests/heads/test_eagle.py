@@ -14,7 +14,7 @@ from heads.eagle import EagleConfig, unrolled_attention_mask
 from tests.conftest import ARCHITECTURES, VOCAB, build_model, greedy_reference, progression_batch, random_prompt
 from training.trainer import TrainConfig, make_trainer
 from tree_attention import cache as cache_ops
-from tree_attention.decode import speculative_generate
+from tree_attention.decode import PerRowDrafter, speculative_generate
 from tree_attention.mask import prefill_attention_mask, tree_attention_mask
 
 SHAPES = [dict(depth=1, top_k=1, total_tokens=1), dict(depth=3, top_k=2, total_tokens=5),
@@ -164,8 +164,8 @@ class RecordingDrafter:
 
 
 def _check_drafter_cache(spec, prompt, max_new_tokens: int = 20):
-    recording = RecordingDrafter(spec.drafter, spec)
-    output, stats = speculative_generate(spec.target, recording, prompt, max_new_tokens)
+    recording = RecordingDrafter(spec.drafter.make(), spec)
+    output, stats = speculative_generate(spec.target, PerRowDrafter(drafters=[recording]), prompt, max_new_tokens)
     assert torch.equal(output, greedy_reference(spec.backbone, prompt, max_new_tokens))
     assert recording.checks == stats.target_forwards - 1 > 1
     return stats
@@ -252,14 +252,21 @@ def test_draft_vocabulary_parity_and_token_map():
     spec.heads.set_token_map(token_map)
     prompt = random_prompt(8, seed=5)
     proposed = []
-    original = spec.drafter.propose
+    make = spec.drafter.make
 
-    def watch(features, tokens, root):
-        tree = original(features, tokens, root)
-        proposed.extend(tree.tokens[1:].tolist())
-        return tree
+    def watched():
+        drafter = make()
+        original = drafter.propose
 
-    spec.drafter.propose = watch
+        def watch(features, tokens, root):
+            tree = original(features, tokens, root)
+            proposed.extend(tree.tokens[1:].tolist())
+            return tree
+
+        drafter.propose = watch
+        return drafter
+
+    spec.drafter.make = watched
     _check_parity(spec, model, [prompt])
     assert proposed and set(proposed) <= set(token_map.tolist())
     with pytest.raises(ValueError, match="30 distinct ids"):
@@ -280,15 +287,20 @@ def test_adapter_holds_only_drafter_tensors(tmp_path):
     assert not any(parameter.requires_grad for parameter in model.parameters())
 
 
+def _shape(spec):
+    drafter = spec.drafter.make()
+    return drafter.depth, drafter.top_k, drafter.total_tokens
+
+
 def test_set_tree_on_an_eagle_spec():
     model = build_model("llama")
     spec = heads.attach_heads(model, kind="eagle", depth=3, top_k=2, total_tokens=4)
     spec.set_tree(7)
-    assert (spec.drafter.depth, spec.drafter.top_k, spec.drafter.total_tokens) == (3, 2, 7)
+    assert _shape(spec) == (3, 2, 7)
     spec.set_tree(dict(depth=2, top_k=5))
-    assert (spec.drafter.depth, spec.drafter.top_k, spec.drafter.total_tokens) == (2, 5, 4)
+    assert _shape(spec) == (2, 5, 4)
     spec.set_tree(None)
-    assert (spec.drafter.depth, spec.drafter.top_k, spec.drafter.total_tokens) == (3, 2, 4)
+    assert _shape(spec) == (3, 2, 4)
     with pytest.raises(ValueError, match="unknown"):
         spec.set_tree(dict(width=3))
     with pytest.raises(ValueError, match="top_k"):
