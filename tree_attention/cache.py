@@ -117,3 +117,75 @@ def select_rows(cache: Cache, rows: torch.Tensor) -> None:
             continue
         layer.keys = layer.keys.index_select(0, rows)
         layer.values = layer.values.index_select(0, rows)
+
+
+class RaggedCache:
+    """A batch's cache whose rows hold different numbers of live entries.
+
+    Every forward appends the same number of slots to all rows; a row's slots that it does not
+    keep (padding, rejected tree nodes) stay as holes. ``visible`` ``[R, S]`` says which slots
+    each row attends to and ``positions`` ``[R, S]`` their position ids, so masks can be built
+    with per-row positions and sliding windows (:meth:`mask`). :meth:`compact` squeezes the holes
+    out once they fill half the cache; :meth:`select_rows` drops rows that finished.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device | str) -> None:
+        self.cache = new_cache()
+        self.visible = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+
+    @property
+    def width(self) -> int:
+        """Slots per row that the bookkeeping covers (the cache may hold more, see :meth:`crop`)."""
+        return int(self.visible.shape[1])
+
+    def mask(self, query_positions: torch.Tensor, new_visible: torch.Tensor, layout, dtype: torch.dtype,
+             new_key_positions: torch.Tensor | None = None):
+        """Mask of queries ``[R, Q]`` at ``query_positions`` that see this cache's visible slots
+        and, among the slots appended after it, what ``new_visible`` ``[R, Q, P]`` says (``P``
+        slots at ``new_key_positions`` ``[R, P]``, by default the queries themselves)."""
+        from .mask import layout_masks
+
+        rows, queries = query_positions.shape
+        visible = torch.cat([self.visible[:, None, :].expand(rows, queries, self.width), new_visible], dim=2)
+        keys = torch.cat([self.positions, query_positions if new_key_positions is None else new_key_positions], dim=1)
+        return layout_masks(visible, query_positions, keys, layout, dtype)
+
+    def extend(self, visible: torch.Tensor, positions: torch.Tensor) -> None:
+        """Account for ``[R, n]`` slots a forward appended: which stay visible, their positions."""
+        self.visible = torch.cat([self.visible, visible], dim=1)
+        self.positions = torch.cat([self.positions, positions], dim=1)
+
+    def keep(self, start: int, index: torch.Tensor, kept: torch.Tensor) -> None:
+        """Row ``b`` keeps slots ``start + index[b]`` (``[R, L]``) of those appended after ``start``,
+        moved to ``start..start + L``; ``kept`` ``[R, L]`` marks the real ones (the rest are holes)."""
+        positions = self.positions[:, start:].gather(1, index)
+        keep_path(self.cache, start, index)
+        self.visible = torch.cat([self.visible[:, :start], kept], dim=1)
+        self.positions = torch.cat([self.positions[:, :start], positions], dim=1)
+
+    def crop(self, width: int | None = None) -> None:
+        """Drop slots from ``width`` on (default: everything the bookkeeping does not cover)."""
+        width = self.width if width is None else width
+        crop(self.cache, width)
+        self.visible, self.positions = self.visible[:, :width], self.positions[:, :width]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        select_rows(self.cache, rows)
+        self.visible, self.positions = self.visible[rows], self.positions[rows]
+
+    def compact(self) -> bool:
+        """Squeeze the holes out (each row's live slots right-aligned) once they fill half the
+        cache; True if it did."""
+        counts = self.visible.sum(dim=1)
+        longest = int(counts.max())
+        if 2 * longest > self.width:
+            return False
+        order = torch.argsort((~self.visible).to(torch.int8), dim=1, stable=True)[:, :longest]  # live slots first
+        shift = longest - counts  # (R,) leading holes per row
+        columns = torch.arange(longest, device=order.device)
+        index = order.gather(1, (columns[None, :] - shift[:, None]).clamp(min=0))
+        gather(self.cache, 0, index)
+        self.positions = self.positions.gather(1, index)
+        self.visible = columns[None, :] >= shift[:, None]
+        return True

@@ -5,7 +5,7 @@ its first tree. Each later step asks the drafter for one tree per row rooted at 
 committed token, runs one target forward over all rows' nodes (trees padded to the largest one)
 with a tree mask, and lets every row accept its own path: the accepted path's keys and values
 move to the front of the step's cache region, and the slots a row did not use stay in the cache
-as holes that the mask hides (``key_visible``) while position ids stay per row. Rows that reach
+as holes that the mask hides (:class:`~tree_attention.cache.RaggedCache`) while position ids stay per row. Rows that reach
 eos or their token budget leave the batch; holes are compacted away only once they make up half
 of the cache. Batch 1 is the same code with no holes.
 
@@ -22,7 +22,7 @@ from typing import Callable, Collection, Protocol, Sequence
 import torch
 
 from . import cache as cache_ops
-from .mask import AttentionMask, MaskLayout, layout_masks
+from .mask import AttentionMask, MaskLayout
 from .tree import Tree, truncate_depth
 from .verify import AcceptanceRule, GreedyRule
 
@@ -164,10 +164,9 @@ def _pad_trees(trees: Sequence[Tree]) -> tuple[torch.Tensor, torch.Tensor, torch
 class SpeculativeDecoder:
     """State of one batched speculative generation; :meth:`run` is the whole loop.
 
-    Cache row ``i`` belongs to batch row ``rows[i]`` (finished rows leave). ``key_visible``
-    ``[R, S]`` says which cache slots each row attends to (prompt padding and rejected slots are
-    holes), ``key_positions`` ``[R, S]`` their position ids, ``lengths`` ``[R]`` each row's
-    committed length (the position of its next root).
+    Cache row ``i`` belongs to batch row ``rows[i]`` (finished rows leave); ``cache`` is a
+    :class:`~tree_attention.cache.RaggedCache` (prompt padding and rejected slots are holes) and
+    ``lengths`` ``[R]`` each row's committed length (the position of its next root).
     """
 
     def __init__(self, target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int,
@@ -181,7 +180,7 @@ class SpeculativeDecoder:
         batch = input_ids.shape[0]
         self.outputs: list[list[int]] = [[] for _ in range(batch)]
         self.stats = DecodeStats(batch_size=batch)
-        self.cache = cache_ops.new_cache()
+        self.cache = cache_ops.RaggedCache(batch, input_ids.device)
         self.rows: list[int] = list(range(batch))
         self.max_depth = 0
 
@@ -206,29 +205,11 @@ class SpeculativeDecoder:
         if not keep:
             return
         index = torch.tensor(keep, device=self.lengths.device)
-        cache_ops.select_rows(self.cache, index)
-        self.key_visible, self.key_positions = self.key_visible[index], self.key_positions[index]
+        self.cache.select_rows(index)
         self.lengths = self.lengths[index]
         self.features = [self.features[i] for i in keep]
         self.tokens = [self.tokens[i] for i in keep]
         self.roots = [self.roots[i] for i in keep]
-
-    def _compact(self) -> None:
-        """Squeeze the holes out of the cache (left-aligned rows) once they fill half of it."""
-        visible_counts = self.key_visible.sum(dim=1)
-        longest = int(visible_counts.max())
-        if 2 * longest > self.key_visible.shape[1]:
-            return
-        # row b's visible slots, right-aligned in `longest` columns; the padding repeats slot 0 hidden
-        order = torch.argsort((~self.key_visible).to(torch.int8), dim=1, stable=True)[:, :longest]  # visible first
-        shift = longest - visible_counts  # (R,)
-        columns = torch.arange(longest, device=order.device)
-        source_column = (columns[None, :] - shift[:, None]).clamp(min=0)
-        index = order.gather(1, source_column)
-        visible = columns[None, :] >= shift[:, None]
-        cache_ops.gather(self.cache, 0, index)
-        self.key_positions = self.key_positions.gather(1, index)
-        self.key_visible = visible
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -238,11 +219,11 @@ class SpeculativeDecoder:
         positions = prompt_positions(mask)
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril_()
         visible = causal[None] & mask[:, None, :]  # (B, T, T)
-        attention = layout_masks(visible, positions, positions, self.target.layout, self.target.dtype)
+        attention = self.cache.mask(positions, visible, self.target.layout, self.target.dtype)
         self.drafter.reset(batch)
-        features, logits = self.target.forward(ids, positions, attention, self.cache, "last")
+        features, logits = self.target.forward(ids, positions, attention, self.cache.cache, "last")
         self.stats.target_forwards, self.stats.row_forwards = 1, batch
-        self.key_visible, self.key_positions = mask.clone(), positions
+        self.cache.extend(mask.clone(), positions)
         self.lengths = mask.long().sum(dim=1)
         self.features = [features[row, mask[row]][None] for row in range(batch)]  # (1, n_b, F)
         self.tokens = [ids[row, mask[row]][None] for row in range(batch)]
@@ -258,21 +239,17 @@ class SpeculativeDecoder:
         verify_start = time.perf_counter()
         tokens, depths, ancestors = _pad_trees(trees)
         rows, size = tokens.shape
-        prefix = self.key_visible.shape[1]
+        prefix = self.cache.width
         query_positions = self.lengths[:, None] + depths  # (R, N)
-        visible = torch.cat([self.key_visible[:, None, :].expand(rows, size, prefix), ancestors], dim=2)
-        key_positions = torch.cat([self.key_positions, query_positions], dim=1)
-        mask = layout_masks(visible, query_positions, key_positions, self.target.layout, self.target.dtype)
-        features, logits = self.target.forward(tokens, query_positions, mask, self.cache, "all")
+        mask = self.cache.mask(query_positions, ancestors, self.target.layout, self.target.dtype)
+        features, logits = self.target.forward(tokens, query_positions, mask, self.cache.cache, "all")
         acceptances = [self.rule.accept(tree, logits[row, :tree.size]) for row, tree in enumerate(trees)]
         longest = max(int(acceptance.path.numel()) for acceptance in acceptances)
         paths = torch.stack([torch.cat([a.path, a.path[-1:].expand(longest - a.path.numel())])
                              for a in acceptances])  # (R, L) padded by repeating the last kept node
         kept = torch.stack([torch.arange(longest, device=paths.device) < a.path.numel() for a in acceptances])
-        cache_ops.keep_path(self.cache, prefix, paths)
-        self.key_visible = torch.cat([self.key_visible, kept], dim=1)
-        self.key_positions = torch.cat([self.key_positions, self.lengths[:, None] + torch.arange(
-            longest, device=paths.device)[None]], dim=1)
+        self.cache.extend(torch.zeros_like(tokens, dtype=torch.bool), query_positions)
+        self.cache.keep(prefix, paths, kept)
         self.lengths = self.lengths + kept.sum(dim=1)
         self.stats.target_forwards += 1
         self.stats.row_forwards += rows
@@ -290,7 +267,7 @@ class SpeculativeDecoder:
         self.stats.verify_seconds += time.perf_counter() - verify_start
         self._keep_rows(done)
         if self.rows:
-            self._compact()
+            self.cache.compact()
 
     def result(self) -> torch.Tensor:
         """Prompts plus new tokens, rows that stopped early filled with ``pad_token_id`` (as ``generate``)."""

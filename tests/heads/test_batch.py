@@ -133,10 +133,10 @@ def test_each_rows_visible_cache_equals_its_sequential_cache(name):
                 target.forward(committed[None], torch.arange(length)[None],
                                prefill_attention_mask(length, target.layout, target.dtype, "cpu"), reference_cache,
                                "last")
-                visible = decoder.key_visible[index]
-                order = torch.argsort(decoder.key_positions[index][visible])
-                assert decoder.key_positions[index][visible][order].tolist() == list(range(length))
-                for layer, expected in zip(decoder.cache.layers, reference_cache.layers):
+                visible = decoder.cache.visible[index]
+                order = torch.argsort(decoder.cache.positions[index][visible])
+                assert decoder.cache.positions[index][visible][order].tolist() == list(range(length))
+                for layer, expected in zip(decoder.cache.cache.layers, reference_cache.layers):
                     keys = layer.keys[index][:, visible][:, order]  # (heads, length, head_dim)
                     torch.testing.assert_close(keys, expected.keys[0], rtol=1e-4, atol=1e-5)
                     torch.testing.assert_close(layer.values[index][:, visible][:, order], expected.values[0],
@@ -179,7 +179,7 @@ def test_holes_are_compacted_and_decoding_stays_identical():
         while decoder.rows:
             decoder.step()
             if decoder.rows:
-                widths.append(decoder.key_visible.shape[1])
+                widths.append(decoder.cache.width)
     assert any(later < earlier for earlier, later in zip(widths, widths[1:]))  # a compaction happened
     assert max(widths) <= 2 * (ids.shape[1] + 60)
     assert torch.equal(decoder.result(), expected)
