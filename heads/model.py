@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from tree_attention.decode import DecodeStats, PerRowDrafter, SpeculativeDecoder
+from tree_attention.decode import DecodeStats, SpeculativeDecoder
 from tree_attention.tree import TreeTemplate
 
 from .backbone import Backbone
@@ -50,10 +50,8 @@ def _eagle_heads(target: Backbone, config: EagleConfig) -> nn.Module:
     return EagleHeads(config, target)
 
 
-def _eagle_drafter(spec: "SpeculativeModel", tree) -> PerRowDrafter:
-    config = spec.config.with_tree(tree)
-    EagleDrafter(spec.heads, spec.target, config)  # validates the shape now, not at the first generate
-    return PerRowDrafter(lambda: EagleDrafter(spec.heads, spec.target, config))
+def _eagle_drafter(spec: "SpeculativeModel", tree) -> EagleDrafter:
+    return EagleDrafter(spec.heads, spec.target, spec.config.with_tree(tree))
 
 
 def _eagle_view(target: Backbone, config: EagleConfig) -> Backbone:

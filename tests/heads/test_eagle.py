@@ -14,7 +14,7 @@ from heads.eagle import EagleConfig, unrolled_attention_mask
 from tests.conftest import ARCHITECTURES, VOCAB, build_model, greedy_reference, progression_batch, random_prompt
 from training.trainer import TrainConfig, make_trainer
 from tree_attention import cache as cache_ops
-from tree_attention.decode import PerRowDrafter, speculative_generate
+from tree_attention.decode import speculative_generate
 from tree_attention.mask import prefill_attention_mask, tree_attention_mask
 
 SHAPES = [dict(depth=1, top_k=1, total_tokens=1), dict(depth=3, top_k=2, total_tokens=5),
@@ -122,30 +122,31 @@ class RecordingDrafter:
     def __init__(self, inner, spec) -> None:
         self.inner, self.spec, self.checks = inner, spec, 0
 
-    def reset(self):
-        self.inner.reset()
+    def reset(self, batch_size):
+        assert batch_size == 1
+        self.inner.reset(batch_size)
         self.features, self.tokens = [], []
 
-    def propose(self, features, tokens, root):
-        tree = self.inner.propose(features, tokens, root)
-        self.features.append(features)
-        self.tokens.append(tokens[0])
-        self._compare(root, tree)
-        return tree
+    def propose(self, rows, features, tokens, roots):
+        trees = self.inner.propose(rows, features, tokens, roots)
+        self.features.append(features[0])
+        self.tokens.append(tokens[0][0])
+        self._compare(roots[0], trees[0])
+        return trees
 
     def _compare(self, root: int, tree) -> None:
         heads_module, target = self.spec.heads, self.spec.target
         features = torch.cat(self.features, dim=1)  # (1, N, F)
         next_tokens = torch.cat(self.tokens + [torch.tensor([root])])[1:]
         count = next_tokens.numel()
-        assert self.inner.committed_length == count
+        assert int(self.inner.committed[0]) == count == self.inner.cache.width
         reference = cache_ops.new_cache()
         with torch.no_grad():
             outputs = heads_module.step(heads_module.fuse(features), target.input_embeddings(next_tokens)[None],
                                         torch.arange(count)[None],
                                         prefill_attention_mask(count, heads_module.layout, torch.float32, "cpu"),
                                         reference)
-        kept = copy.deepcopy(self.inner.cache)
+        kept = copy.deepcopy(self.inner.cache.cache)
         cache_ops.crop(kept, count)
         for layer, reference_layer in zip(kept.layers, reference.layers):
             torch.testing.assert_close(layer.keys, reference_layer.keys, rtol=1e-4, atol=1e-5)
@@ -164,8 +165,8 @@ class RecordingDrafter:
 
 
 def _check_drafter_cache(spec, prompt, max_new_tokens: int = 20):
-    recording = RecordingDrafter(spec.drafter.make(), spec)
-    output, stats = speculative_generate(spec.target, PerRowDrafter(drafters=[recording]), prompt, max_new_tokens)
+    recording = RecordingDrafter(spec.drafter, spec)
+    output, stats = speculative_generate(spec.target, recording, prompt, max_new_tokens)
     assert torch.equal(output, greedy_reference(spec.backbone, prompt, max_new_tokens))
     assert recording.checks == stats.target_forwards - 1 > 1
     return stats
@@ -252,21 +253,14 @@ def test_draft_vocabulary_parity_and_token_map():
     spec.heads.set_token_map(token_map)
     prompt = random_prompt(8, seed=5)
     proposed = []
-    make = spec.drafter.make
+    original = spec.drafter.propose
 
-    def watched():
-        drafter = make()
-        original = drafter.propose
+    def watch(rows, features, tokens, roots):
+        trees = original(rows, features, tokens, roots)
+        proposed.extend(token for tree in trees for token in tree.tokens[1:].tolist())
+        return trees
 
-        def watch(features, tokens, root):
-            tree = original(features, tokens, root)
-            proposed.extend(tree.tokens[1:].tolist())
-            return tree
-
-        drafter.propose = watch
-        return drafter
-
-    spec.drafter.make = watched
+    spec.drafter.propose = watch
     _check_parity(spec, model, [prompt])
     assert proposed and set(proposed) <= set(token_map.tolist())
     with pytest.raises(ValueError, match="30 distinct ids"):
@@ -288,8 +282,7 @@ def test_adapter_holds_only_drafter_tensors(tmp_path):
 
 
 def _shape(spec):
-    drafter = spec.drafter.make()
-    return drafter.depth, drafter.top_k, drafter.total_tokens
+    return spec.drafter.depth, spec.drafter.top_k, spec.drafter.total_tokens
 
 
 def test_set_tree_on_an_eagle_spec():
@@ -336,3 +329,48 @@ def test_bad_eagle_options_for_the_backbone():
         heads.attach_heads(model, kind="eagle", num_heads=3)
     with pytest.raises(ValueError, match="depth, top_k: option\\(s\\) of kind='eagle'"):
         heads.attach_heads(model, kind="medusa", depth=3, top_k=2)
+
+
+class RowByRow:
+    """Wraps the batched drafter; checks every tree it grows for a batch against a batch-1
+    drafter per row fed the same features and tokens."""
+
+    def __init__(self, spec, shape) -> None:
+        self.inner, self.spec, self.compared, self.accepted = spec.drafter, spec, 0, []
+        self.config = spec.config.with_tree(shape)
+
+    def reset(self, batch_size):
+        self.inner.reset(batch_size)
+        self.alone = [heads.eagle.EagleDrafter(self.spec.heads, self.spec.target, self.config)
+                      for _ in range(batch_size)]
+        for drafter in self.alone:
+            drafter.reset(1)
+
+    def propose(self, rows, features, tokens, roots):
+        trees = self.inner.propose(rows, features, tokens, roots)
+        for row, tree, row_features, row_tokens, root in zip(rows, trees, features, tokens, roots):
+            self.accepted.append(row_tokens.shape[1])
+            alone = self.alone[row].propose([0], [row_features], [row_tokens], [root])[0]
+            assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents)
+            self.compared += 1
+        return trees
+
+
+def test_batched_drafter_grows_the_trees_of_batch_1_runs(trained):
+    generator = torch.Generator().manual_seed(21)
+    prompts = [progression_batch(1, length, generator)[0] for length in (5, 9, 3, 7)]
+    width = max(prompt.numel() for prompt in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.numel():], mask[row, width - prompt.numel():] = prompt, 1
+    shape = dict(depth=4, top_k=3, total_tokens=10)
+    trained.set_tree(shape)
+    checker = RowByRow(trained, shape)
+    output, stats = speculative_generate(trained.target, checker, ids, 30, attention_mask=mask, pad_token_id=0)
+    with torch.no_grad():
+        expected = trained.backbone.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    assert torch.equal(output, expected)
+    assert checker.compared > 20 and len(set(checker.accepted[len(prompts):])) >= 2  # ragged commits
+    assert stats.mean_accepted > 1.5
+    trained.set_tree(None)
