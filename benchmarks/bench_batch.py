@@ -135,6 +135,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kinds", nargs="+", default=["medusa", "eagle"])
+    parser.add_argument("--adapter", action="append", default=[], metavar="KIND=DIR",
+                        help="use this trained adapter for KIND instead of training one (repeatable)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -143,7 +145,8 @@ def main() -> None:
     from training.data import load_prompts
     from training.evaluate import encode_prompts
 
-    adapters = {kind: train_adapter(kind, args) for kind in args.kinds}
+    given = dict(item.split("=", 1) for item in args.adapter)
+    adapters = {kind: Path(given[kind]) if kind in given else train_adapter(kind, args) for kind in args.kinds}
     model, tokenizer = _load_model(str(TARGET))
     specs = {kind: heads.load_heads(model, adapter) for kind, adapter in adapters.items()}
     pad = specs[args.kinds[0]].pad_token_id

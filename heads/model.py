@@ -195,7 +195,11 @@ class SpeculativeModel:
         measured for these heads when known. EAGLE: a dynamic tree of ``tree`` drafted nodes
         (``total_tokens``), or a mapping of ``depth``/``top_k``/``total_tokens`` overrides.
         """
-        self._drafter = KINDS[self.kind].build_drafter(self, tree)
+        self._drafter = self.drafter_for(tree)
+
+    def drafter_for(self, tree=None):
+        """A drafter for another tree (as :meth:`set_tree` takes it), leaving this spec's own unchanged."""
+        return KINDS[self.kind].build_drafter(self, tree)
 
     @property
     def pad_token_id(self) -> int | None:
@@ -246,7 +250,7 @@ class SpeculativeModel:
                     stats.speculation = choice
                     self.last_stats = stats
                     return output
-                drafter = KINDS[self.kind].build_drafter(self, choice["tree"])
+                drafter = self.drafter_for(choice["tree"])
             decoder = SpeculativeDecoder(self.target, drafter, input_ids, max_new_tokens,
                                          eos_token_ids(self.backbone), rule, attention_mask, self.pad_token_id)
             output, stats = decoder.run()

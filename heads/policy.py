@@ -81,8 +81,7 @@ class SpeculationPolicy:
 
     def _spec_step(self, spec, size: int, input_ids, attention_mask, rule) -> float:
         """Median seconds per speculative step with ``size`` drafted nodes (first step excluded)."""
-        spec.set_tree(size)
-        decoder = SpeculativeDecoder(spec.target, spec.drafter, input_ids, 1 << 30, (), rule, attention_mask)
+        decoder = SpeculativeDecoder(spec.target, spec.drafter_for(size), input_ids, 1 << 30, (), rule, attention_mask)
         decoder.prefill()
         times = []
         for step in range(CALIBRATION_STEPS + 1):
@@ -98,15 +97,11 @@ class SpeculationPolicy:
         """The setting for this batch: ``{"tree": n or 0, "predicted_speedup": {...}, ...}``."""
         batch, length = input_ids.shape
         key = (_bucket(batch), _bucket(length))
-        configured = spec.config.tree
-        try:
-            if (key, 0) not in self.step_costs:
-                self.step_costs[(key, 0)] = self._plain_step(spec, input_ids, attention_mask)
-            for size in self.sizes:
-                if (key, size) not in self.step_costs:
-                    self.step_costs[(key, size)] = self._spec_step(spec, size, input_ids, attention_mask, rule)
-        finally:
-            spec.set_tree(configured)
+        if (key, 0) not in self.step_costs:
+            self.step_costs[(key, 0)] = self._plain_step(spec, input_ids, attention_mask)
+        for size in self.sizes:
+            if (key, size) not in self.step_costs:
+                self.step_costs[(key, size)] = self._spec_step(spec, size, input_ids, attention_mask, rule)
         plain = self.step_costs[(key, 0)]
         predicted = {}
         for size in self.sizes:
