@@ -256,7 +256,7 @@ class SpeculativeModel:
             output, stats = decoder.run()
         if choice is not None:
             stats.speculation = choice
-            self.policy.observe(choice["tree"], stats)
+            self.policy.observe(choice["tree"], rule.key, stats, self.policy.key(input_ids))
         self.last_stats = stats
         return output
 

@@ -156,13 +156,14 @@ class RaggedCache:
         self.visible = torch.cat([self.visible, visible], dim=1)
         self.positions = torch.cat([self.positions, positions], dim=1)
 
-    def keep(self, start: int, index: torch.Tensor, kept: torch.Tensor) -> None:
-        """Row ``b`` keeps slots ``start + index[b]`` (``[R, L]``) of those appended after ``start``,
-        moved to ``start..start + L``; ``kept`` ``[R, L]`` marks the real ones (the rest are holes)."""
-        positions = self.positions[:, start:].gather(1, index)
+    def keep(self, index: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor) -> None:
+        """After a forward appended ``N`` slots per row at ``positions`` ``[R, N]`` past
+        :attr:`width`, row ``b`` keeps slots ``index[b]`` (``[R, L]``) of them, moved to the front
+        of that region; ``kept`` ``[R, L]`` marks the real ones (the rest are holes)."""
+        start = self.width
         keep_path(self.cache, start, index)
-        self.visible = torch.cat([self.visible[:, :start], kept], dim=1)
-        self.positions = torch.cat([self.positions[:, :start], positions], dim=1)
+        self.visible = torch.cat([self.visible, kept], dim=1)
+        self.positions = torch.cat([self.positions, positions.gather(1, index)], dim=1)
 
     def crop(self, width: int | None = None) -> None:
         """Drop slots from ``width`` on (default: everything the bookkeeping does not cover)."""

@@ -150,6 +150,9 @@ def _pad_trees(trees: Sequence[Tree]) -> tuple[torch.Tensor, torch.Tensor, torch
     """Tokens ``[R, N]``, depths ``[R, N]`` and ancestors ``[R, N, N]`` of trees padded to the
     largest; a padding node sees only itself and nobody sees it."""
     size = max(tree.size for tree in trees)
+    if all(tree.size == size for tree in trees):  # one static shape (Medusa, batch 1): no padding
+        return (torch.stack([tree.tokens for tree in trees]), torch.stack([tree.depths for tree in trees]),
+                torch.stack([tree.ancestors for tree in trees]))
     device = trees[0].tokens.device
     tokens = torch.zeros(len(trees), size, dtype=torch.long, device=device)
     depths = torch.zeros(len(trees), size, dtype=torch.long, device=device)
@@ -239,18 +242,17 @@ class SpeculativeDecoder:
         verify_start = time.perf_counter()
         tokens, depths, ancestors = _pad_trees(trees)
         rows, size = tokens.shape
-        prefix = self.cache.width
         query_positions = self.lengths[:, None] + depths  # (R, N)
         mask = self.cache.mask(query_positions, ancestors, self.target.layout, self.target.dtype)
         features, logits = self.target.forward(tokens, query_positions, mask, self.cache.cache, "all")
         acceptances = [self.rule.accept(tree, logits[row, :tree.size]) for row, tree in enumerate(trees)]
-        longest = max(int(acceptance.path.numel()) for acceptance in acceptances)
-        paths = torch.stack([torch.cat([a.path, a.path[-1:].expand(longest - a.path.numel())])
-                             for a in acceptances])  # (R, L) padded by repeating the last kept node
-        kept = torch.stack([torch.arange(longest, device=paths.device) < a.path.numel() for a in acceptances])
-        self.cache.extend(torch.zeros_like(tokens, dtype=torch.bool), query_positions)
-        self.cache.keep(prefix, paths, kept)
-        self.lengths = self.lengths + kept.sum(dim=1)
+        lengths = [int(acceptance.path.numel()) for acceptance in acceptances]
+        longest = max(lengths)
+        paths = torch.stack([torch.cat([a.path, a.path[-1:].expand(longest - length)]) if length < longest else a.path
+                             for a, length in zip(acceptances, lengths)])  # (R, L) padded with the last kept node
+        kept = torch.arange(longest, device=paths.device)[None, :] < torch.tensor(lengths, device=paths.device)[:, None]
+        self.cache.keep(paths, kept, query_positions)
+        self.lengths = self.lengths + torch.tensor(lengths, device=paths.device)
         self.stats.target_forwards += 1
         self.stats.row_forwards += rows
         done = []

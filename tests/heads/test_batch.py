@@ -204,7 +204,7 @@ def test_speculate_auto_records_its_choice_and_stays_identical():
     assert spec.last_stats.speculation["tree"] == 0 and spec.last_stats.tree_size == 1
     spec.policy.margin = 1.0
     spec.policy.observed.clear()
-    spec.policy.observed.update({size: heads.policy.Observed(tokens=100 * size, row_steps=100)
+    spec.policy.observed.update({(size, "greedy"): heads.policy.Observed(tokens=100 * size, row_steps=100)
                                  for size in spec.policy.sizes})  # pretend every size accepts fully
     output = spec.generate(ids, attention_mask=mask, max_new_tokens=12, speculate="auto")
     assert torch.equal(output, reference(model, ids, mask, 12))
