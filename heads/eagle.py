@@ -56,8 +56,8 @@ import torch
 from torch import nn
 
 from tree_attention import cache as cache_ops
-from tree_attention.mask import AttentionMask, layout_masks, tree_attention_mask, tree_position_ids
-from tree_attention.tree import Expansion, Tree, dynamic_tree
+from tree_attention.mask import AttentionMask, layout_masks
+from tree_attention.tree import Tree, grow_dynamic_tree
 
 from .backbone import EAGLE_LAYOUT_FAMILIES, Backbone, attention_layout, check_eagle_layout, decoder_copy, eagle3_parts
 
@@ -333,12 +333,15 @@ def _check_against_target(config: EagleConfig, target: Backbone) -> None:
 
 
 class EagleDrafter:
-    """Proposes one dynamic tree per step (``tree_attention.decode.Drafter``).
+    """Proposes one dynamic tree per row and step (``tree_attention.decode.Drafter``), all rows
+    of a batch in one drafter forward per tree level.
 
-    Keeps its own KV cache in step with the accepted path: ``cache`` holds ``committed_length``
-    entries, entry ``i`` written by the pair (target feature at ``i``, token at ``i + 1``), plus
-    whatever the last tree expansion appended; each :meth:`propose` crops the expansion away,
-    appends the newly committed pairs and expands a new tree on top.
+    Keeps its own batch cache (:class:`~tree_attention.cache.RaggedCache`) in step with each
+    row's accepted path: a row's live entries are its committed pairs, entry ``i`` written by
+    (target feature at ``i``, token at ``i + 1``); the last tree expansion sits past the
+    bookkeeping's width. Each :meth:`propose` crops the expansion away, appends every row's newly
+    committed pairs (ragged: shorter rows leave holes) and grows all rows' trees in lockstep
+    (:func:`tree_attention.tree.grow_dynamic_tree`).
     """
 
     def __init__(self, heads: EagleHeads, target: Backbone, config: EagleConfig) -> None:
@@ -346,12 +349,14 @@ class EagleDrafter:
         self.heads = heads
         self.target = target
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
-        self.reset()
+        self.reset(1)
 
-    def reset(self) -> None:
-        """Forget the previous sequence: empty cache."""
-        self.cache = cache_ops.new_cache()
-        self.committed_length = 0
+    def reset(self, batch_size: int) -> None:
+        """Forget earlier sequences: an empty cache for ``batch_size`` rows."""
+        device = next(self.heads.parameters()).device
+        self.cache = cache_ops.RaggedCache(batch_size, device)
+        self.rows = list(range(batch_size))
+        self.committed = torch.zeros(batch_size, dtype=torch.long, device=device)  # pairs per row
 
     def _children(self, hidden: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k next tokens (target ids) and their log-probabilities ``[m, top_k]`` from predicted
@@ -360,47 +365,104 @@ class EagleDrafter:
         best = torch.topk(log_probs, self.top_k, dim=-1)
         return self.heads.target_ids(best.indices), best.values
 
-    def _commit(self, features: torch.Tensor, tokens: torch.Tensor, root: int) -> torch.Tensor:
-        """Append the pairs (features[i], tokens[i + 1]) and (features[-1], root); return the
-        predicted feature at the root's position ``[d]``."""
-        cache_ops.crop(self.cache, self.committed_length)
-        count = tokens.shape[1]
-        device = tokens.device
-        next_tokens = torch.cat([tokens[0, 1:], torch.tensor([root], dtype=torch.long, device=device)])
-        embeddings = self.target.input_embeddings(next_tokens).unsqueeze(0)  # (1, n, d)
-        depths = torch.arange(count, device=device)
-        chain = torch.ones(count, count, dtype=torch.bool, device=device).tril_()
-        dtype = embeddings.dtype
-        mask = tree_attention_mask(self.committed_length, chain, depths, self.heads.layout, dtype)
-        positions = tree_position_ids(self.committed_length, depths)
-        predicted = self.heads.step(self.heads.fuse(features.to(dtype)), embeddings, positions, mask, self.cache)
-        self.committed_length += count
-        return predicted[0, -1]
+    def _follow(self, rows: Sequence[int]) -> None:
+        """Drop the cache rows of sequences that left the batch."""
+        if list(rows) != self.rows:
+            index = torch.tensor([self.rows.index(row) for row in rows], device=self.committed.device)
+            self.cache.select_rows(index)
+            self.committed = self.committed[index]
+            self.rows = list(rows)
+
+    def _commit(self, features: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor],
+                roots: Sequence[int]) -> torch.Tensor:
+        """Append each row's pairs (features[i], tokens[i + 1]) and (features[-1], root); return
+        the predicted features at the roots' positions ``[R, d]``."""
+        self.cache.crop()
+        counts = [row_tokens.shape[1] for row_tokens in tokens]
+        width = max(counts)
+        device = self.committed.device
+        dtype = self.target.dtype
+        rows = len(counts)
+        padded_features = torch.zeros(rows, width, features[0].shape[-1], dtype=dtype, device=device)
+        next_tokens = torch.zeros(rows, width, dtype=torch.long, device=device)
+        for row, (row_features, row_tokens, root) in enumerate(zip(features, tokens, roots)):
+            count = counts[row]
+            padded_features[row, :count] = row_features[0].to(dtype)
+            next_tokens[row, :count - 1] = row_tokens[0, 1:]
+            next_tokens[row, count - 1] = root
+        columns = torch.arange(width, device=device)
+        valid = columns[None, :] < torch.tensor(counts, device=device)[:, None]  # (R, n)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril_()
+        visible = causal[None] & (valid[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)[None])
+        positions = self.committed[:, None] + columns[None, :]
+        mask = self.cache.mask(positions, visible, self.heads.layout, dtype)
+        embeddings = self.target.input_embeddings(next_tokens)  # (R, n, d)
+        predicted = self.heads.step(self.heads.fuse(padded_features), embeddings, positions, mask, self.cache.cache)
+        self.cache.extend(valid, positions)
+        self.committed = self.committed + valid.sum(dim=1)
+        last = torch.tensor(counts, device=device) - 1
+        return predicted[torch.arange(rows, device=device), last]  # (R, d)
 
     @torch.no_grad()
-    def propose(self, features: torch.Tensor, tokens: torch.Tensor, root: int) -> Tree:
-        """A dynamic tree rooted at ``root``; ``features`` ``[1, n, F]`` and ``tokens`` ``[1, n]`` are
-        the target's at the ``n`` positions committed since the last call."""
-        root_feature = self._commit(features, tokens, root)  # (d,)
-        rows = self.heads.draft_rows(self.target)
-        child_tokens, child_log_probs = self._children(root_feature[None], rows)
-        base = self.committed_length
-        device = root_feature.device
-        outputs = root_feature[None]  # (1 + E, d): the root's prediction, then each expanded node's
-        key_positions = torch.arange(base, device=device)
+    def propose(self, rows, features, tokens, roots) -> list[Tree]:
+        """One dynamic tree per row; ``features[i]`` ``[1, n, F]`` and ``tokens[i]`` ``[1, n]`` are
+        row ``rows[i]``'s target features and tokens at the positions committed since the last call."""
+        self._follow(rows)
+        root_features = self._commit(features, tokens, roots)  # (R, d)
+        self.cache.compact()
+        draft_rows = self.heads.draft_rows(self.target)
+        child_tokens, child_log_probs = self._children(root_features, draft_rows)
+        count, device = len(roots), root_features.device
+        growths = [grow_dynamic_tree(root, (child_tokens[row], child_log_probs[row]), self.depth, self.top_k,
+                                     self.total_tokens) for row, root in enumerate(roots)]
+        trees: list[Tree | None] = [None] * count
+        requests = [self._advance(growth, None, trees, row) for row, growth in enumerate(growths)]
+        outputs = [root_features[row:row + 1] for row in range(count)]  # per row: the root's, then each expanded node's
+        columns: list[list[int]] = [[] for _ in range(count)]  # per row: expansion slot of each expanded node
+        expansion_positions = torch.zeros(count, 0, dtype=torch.long, device=device)
+        while any(request is not None for request in requests):
+            width = max(request.tokens.numel() if request is not None else 0 for request in requests) or 1
+            grown = expansion_positions.shape[1]
+            parents = torch.zeros(count, width, root_features.shape[-1], dtype=root_features.dtype, device=device)
+            query_tokens = torch.zeros(count, width, dtype=torch.long, device=device)
+            query_positions = (self.committed - 1)[:, None].repeat(1, width)
+            visible = torch.zeros(count, width, grown + width, dtype=torch.bool, device=device)
+            visible[:, :, grown:] = torch.eye(width, dtype=torch.bool, device=device)
+            for row, request in enumerate(requests):
+                if request is None:
+                    continue
+                size = request.tokens.numel()
+                parents[row, :size] = outputs[row][request.parents + 1]
+                query_tokens[row, :size] = request.tokens
+                query_positions[row, :size] += request.depth
+                new_columns = columns[row] + [grown + i for i in range(size)]
+                for node in range(size):
+                    ancestors = torch.nonzero(request.ancestors[node]).flatten().tolist()
+                    visible[row, node, [new_columns[a] for a in ancestors]] = True
+                columns[row] = new_columns
+            keys = torch.cat([expansion_positions, query_positions], dim=1)
+            mask = self.cache.mask(query_positions, visible, self.heads.layout, parents.dtype, keys)
+            embeddings = self.target.input_embeddings(query_tokens)  # (R, m, d)
+            predicted = self.heads.step(parents, embeddings, query_positions, mask, self.cache.cache)  # (R, m, d)
+            expansion_positions = keys
+            sizes = [request.tokens.numel() if request is not None else 0 for request in requests]
+            flat = torch.cat([predicted[row, :size] for row, size in enumerate(sizes) if size])
+            flat_tokens, flat_log_probs = self._children(flat, draft_rows)
+            start = 0
+            for row, size in enumerate(sizes):
+                if not size:
+                    continue
+                outputs[row] = torch.cat([outputs[row], predicted[row, :size]])
+                children = (flat_tokens[start:start + size], flat_log_probs[start:start + size])
+                start += size
+                requests[row] = self._advance(growths[row], children, trees, row)
+        return trees
 
-        def expand(request: Expansion) -> tuple[torch.Tensor, torch.Tensor]:
-            nonlocal outputs, key_positions
-            parents = outputs[request.parents + 1]  # (m, d) the parents' predicted features
-            count = request.tokens.numel()
-            query_positions = torch.full((1, count), base - 1 + request.depth, dtype=torch.long, device=device)
-            key_positions = torch.cat([key_positions, query_positions[0]])
-            visible = torch.cat([request.ancestors.new_ones(count, base), request.ancestors], dim=1)[None]
-            mask = layout_masks(visible, query_positions, key_positions[None], self.heads.layout, parents.dtype)
-            embeddings = self.target.input_embeddings(request.tokens)[None]  # (1, m, d)
-            predicted = self.heads.step(parents[None], embeddings, query_positions, mask, self.cache)[0]
-            outputs = torch.cat([outputs, predicted])
-            return self._children(predicted, rows)
-
-        return dynamic_tree(root, (child_tokens[0], child_log_probs[0]), expand,
-                            self.depth, self.top_k, self.total_tokens)
+    @staticmethod
+    def _advance(growth, children, trees: list, row: int):
+        """Send ``children`` to a row's growing tree; its next request, or None once it is done."""
+        try:
+            return next(growth) if children is None else growth.send(children)
+        except StopIteration as finished:
+            trees[row] = finished.value
+            return None

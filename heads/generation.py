@@ -88,7 +88,13 @@ def acceptance_rule(generation_config, do_sample: bool, temperature: float, top_
         return GreedyRule()
     if acceptance == "greedy":
         raise ValueError("acceptance='greedy' contradicts do_sample=True")
-    warp = warper(*resolve_sampling(generation_config, temperature, top_k, top_p))
+    settings = resolve_sampling(generation_config, temperature, top_k, top_p)
+    warp = warper(*settings)
     if acceptance == "typical":
-        return TypicalRule(warp, generator, posterior_threshold, posterior_alpha)
-    return SamplingRule(warp, generator)
+        rule = TypicalRule(warp, generator, posterior_threshold, posterior_alpha)
+    else:
+        rule = SamplingRule(warp, generator)
+    rule.key = f"{rule.key} T={settings[0]:g} top_k={settings[1]} top_p={settings[2]:g}"
+    if acceptance == "typical":
+        rule.key += f" threshold={posterior_threshold:g} alpha={posterior_alpha:g}"
+    return rule

@@ -135,17 +135,18 @@ class MedusaDrafter:
         nodes = self.template.depths[1:]
         self._candidate_index = (nodes - 1) * self.top_k + self.template.ranks[1:]
 
-    def reset(self) -> None:
+    def reset(self, batch_size: int) -> None:
         """Medusa heads keep no state between steps."""
 
     @torch.no_grad()
-    def propose(self, features: torch.Tensor, tokens: torch.Tensor, root: int) -> Tree:
+    def propose(self, rows, features, tokens, roots) -> list[Tree]:
+        """One tree per row from the heads applied to each row's last feature (one batched pass)."""
         template = self.template
-        root_tensor = torch.tensor([root], dtype=torch.long, device=template.parents.device)
+        root_tensor = torch.tensor(list(roots), dtype=torch.long, device=template.parents.device)[:, None]  # (R, 1)
         if template.size == 1:
-            return template.with_tokens(root_tensor)
-        depth = template.max_depth
-        logits = self.heads(features[0, -1], self.shared_logits, count=depth)  # (depth, V)
-        candidates = torch.topk(logits, self.top_k, dim=-1).indices  # (depth, top_k)
-        drafted = candidates.reshape(-1)[self._candidate_index]
-        return template.with_tokens(torch.cat([root_tensor, drafted]))
+            return [template.with_tokens(root) for root in root_tensor]
+        last = torch.cat([row_features[0, -1:] for row_features in features])  # (R, d)
+        logits = self.heads(last, self.shared_logits, count=template.max_depth)  # (depth, R, V)
+        candidates = torch.topk(logits, self.top_k, dim=-1).indices.transpose(0, 1)  # (R, depth, top_k)
+        drafted = candidates.reshape(len(roots), -1)[:, self._candidate_index]  # (R, N - 1)
+        return [template.with_tokens(row) for row in torch.cat([root_tensor, drafted], dim=1)]

@@ -4,7 +4,8 @@ what the backbone's own ``generate`` returns."""
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from tree_attention.decode import DecodeStats, speculative_generate
+from tree_attention.decode import DecodeStats, SpeculativeDecoder
 from tree_attention.tree import TreeTemplate
 
 from .backbone import Backbone
@@ -31,6 +32,8 @@ class DrafterKind:
     build_drafter: Callable[["SpeculativeModel", object], object]
     target_view: Callable[[Backbone, object], Backbone] | None = None
     """The view of the backbone the decode loop runs (e.g. one returning more layers as features)."""
+    policy_sizes: Callable[["SpeculativeModel"], tuple[int, ...]] = lambda spec: (2, 4, 8, 16)
+    """Tree sizes (drafted nodes) ``speculate="auto"`` chooses from."""
 
 
 def _medusa_heads(target: Backbone, config: MedusaConfig) -> nn.Module:
@@ -55,9 +58,14 @@ def _eagle_view(target: Backbone, config: EagleConfig) -> Backbone:
     return target.with_feature_layers(config.feature_layers)
 
 
+def _eagle_sizes(spec: "SpeculativeModel") -> tuple[int, ...]:
+    configured = spec.config.total_tokens
+    return tuple(sorted({size for size in (2, 4, 8) if size < configured} | {configured} - {0}))
+
+
 KINDS: dict[str, DrafterKind] = {
     "medusa": DrafterKind(MedusaConfig, _medusa_heads, _medusa_drafter),
-    "eagle": DrafterKind(EagleConfig, _eagle_heads, _eagle_drafter, _eagle_view),
+    "eagle": DrafterKind(EagleConfig, _eagle_heads, _eagle_drafter, _eagle_view, _eagle_sizes),
 }
 
 logger = logging.getLogger(__name__)
@@ -86,6 +94,19 @@ def _evaluation(module: nn.Module):
             module.train()
 
 
+def pad_token_id(model: PreTrainedModel) -> int | None:
+    """The id ``generate`` pads finished rows with: ``pad_token_id``, else the first eos id."""
+    config = model.generation_config
+    if config.pad_token_id is not None:
+        return int(config.pad_token_id)
+    eos = config.eos_token_id
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
+    if isinstance(eos, (list, tuple)):
+        return int(eos[0]) if eos else None
+    return None if eos is None else int(eos)
+
+
 def check_generate_inputs(input_ids, attention_mask, max_new_tokens) -> None:
     """Reject what ``generate`` cannot serve, naming the argument."""
     if not isinstance(input_ids, torch.Tensor):
@@ -94,24 +115,39 @@ def check_generate_inputs(input_ids, attention_mask, max_new_tokens) -> None:
         raise ValueError(f"input_ids must be 2-D [batch, length]; got shape {tuple(input_ids.shape)}")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
         raise TypeError(f"input_ids must hold integer token ids; got dtype {input_ids.dtype}")
+    if input_ids.shape[0] == 0:
+        raise ValueError("input_ids has no rows: give at least one prompt")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: give at least one prompt token")
-    if input_ids.shape[0] != 1:
-        raise NotImplementedError(
-            f"input_ids has batch size {input_ids.shape[0]}; batched speculative decoding (batch > 1 with "
-            "ragged acceptance) is a separate capability that is not available yet: pass one sequence at a time"
-        )
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
             shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
             raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}; got {shape}")
-        if not bool(attention_mask.bool().all()):
-            raise NotImplementedError(
-                "attention_mask has padding; padded prompts arrive with batched speculative decoding: "
-                "strip the padding of a single sequence"
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+        mask = attention_mask.long()
+        empty = torch.nonzero(mask.sum(dim=1) == 0).flatten().tolist()
+        if empty:
+            raise ValueError(f"attention_mask: rows {empty} are all padding; every row needs a prompt token")
+        # left padding: once a row's tokens start, no padding follows (the mask never falls from 1 to 0)
+        wrong = torch.nonzero((mask[:, 1:] < mask[:, :-1]).any(dim=1)).flatten().tolist()
+        if wrong:
+            raise ValueError(
+                f"attention_mask: rows {wrong} have padding after their tokens (right padding or holes); a "
+                "decoder-only model continues from the last column, so pad on the left "
+                "(tokenizer.padding_side = 'left')"
             )
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int; got {max_new_tokens!r}")
+
+
+def infer_attention_mask(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """The mask ``generate`` assumes when none is given: pad tokens hidden when the pad id is set,
+    occurs in the input and differs from eos; otherwise every token visible."""
+    pad = model.generation_config.pad_token_id
+    if pad is not None and int(pad) not in eos_token_ids(model) and bool((input_ids == pad).any()):
+        return input_ids.ne(pad).long()
+    return torch.ones_like(input_ids)
 
 
 class SpeculativeModel:
@@ -134,6 +170,7 @@ class SpeculativeModel:
         self.accuracy = [list(row) for row in accuracy] if accuracy is not None else None
         self.last_stats: DecodeStats | None = None
         self.metadata: dict = {}
+        self._policy = None
         self.set_tree(config.tree)
 
     @property
@@ -158,34 +195,103 @@ class SpeculativeModel:
         measured for these heads when known. EAGLE: a dynamic tree of ``tree`` drafted nodes
         (``total_tokens``), or a mapping of ``depth``/``top_k``/``total_tokens`` overrides.
         """
-        self._drafter = KINDS[self.kind].build_drafter(self, tree)
+        self._drafter = self.drafter_for(tree)
+
+    def drafter_for(self, tree=None):
+        """A drafter for another tree (as :meth:`set_tree` takes it), leaving this spec's own unchanged."""
+        return KINDS[self.kind].build_drafter(self, tree)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return pad_token_id(self.backbone)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 128, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None,
                  generator: torch.Generator | None = None, acceptance: str = "auto",
-                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> torch.Tensor:
-        """Speculative generation; ``[1, prompt + new]`` ids, what ``backbone.generate`` returns.
+                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
+                 speculate: str | None = None) -> torch.Tensor:
+        """Speculative generation; ``[B, prompt + new]`` ids, what ``backbone.generate`` returns.
 
+        ``input_ids`` ``[B, T]`` may be left-padded (``attention_mask`` zeros first, as
+        ``generate`` takes them); each row drafts, accepts and stops on its own, and rows that end
+        early are filled with the pad id (``pad_token_id``, else the first eos id), as in ``generate``.
         ``do_sample=False``: token-identical to ``backbone.generate(do_sample=False)``.
         ``do_sample=True``: lossless speculative sampling; the output follows the distribution of
         ``backbone.generate(do_sample=True, temperature=..., top_k=..., top_p=...)`` (unset ``top_k``
         and ``top_p`` resolve as there: the model's generation_config, then 50 and 1.0); draws
         come from ``generator`` (or torch's global RNG). ``acceptance="typical"`` selects Medusa's
         typical acceptance with ``posterior_threshold``/``posterior_alpha``: faster, **lossy**.
+        ``speculate="auto"``: choose the tree size for this batch size from costs measured on this
+        machine (:mod:`heads.policy`), down to plain decoding; the choice is in
+        ``last_stats.speculation``. None: the configured tree.
         Stops at ``max_new_tokens`` and at the eos tokens of ``backbone.generation_config``.
         """
         check_generate_inputs(input_ids, attention_mask, max_new_tokens)
+        if speculate not in (None, "auto"):
+            raise ValueError(f"speculate must be None (the configured tree) or 'auto'; got {speculate!r}")
         rule = acceptance_rule(self.backbone.generation_config, do_sample, temperature, top_k, top_p, generator,
                                acceptance, posterior_threshold, posterior_alpha)
         input_ids = input_ids.to(self.target.device).long()
+        if attention_mask is None:
+            attention_mask = infer_attention_mask(self.backbone, input_ids)
+        attention_mask = attention_mask.to(input_ids.device).long()
+        drafter, choice = self._drafter, None
         with _evaluation(self.backbone), _evaluation(self.heads):
-            output, stats = speculative_generate(
-                self.target, self._drafter, input_ids, max_new_tokens, eos_token_ids(self.backbone), rule
-            )
+            if speculate == "auto" and max_new_tokens > 0:
+                state = generator.get_state() if generator is not None else None
+                choice = self.policy.choose(self, input_ids, attention_mask, rule)
+                if state is not None:  # calibration draws do not shift the caller's random stream
+                    generator.set_state(state)
+                if choice["tree"] == 0:
+                    output, stats = self._plain_generate(input_ids, attention_mask, max_new_tokens, do_sample,
+                                                         temperature, top_k, top_p, generator)
+                    stats.speculation = choice
+                    self.last_stats = stats
+                    return output
+                drafter = self.drafter_for(choice["tree"])
+            decoder = SpeculativeDecoder(self.target, drafter, input_ids, max_new_tokens,
+                                         eos_token_ids(self.backbone), rule, attention_mask, self.pad_token_id)
+            output, stats = decoder.run()
+        if choice is not None:
+            stats.speculation = choice
+            self.policy.observe(choice["tree"], rule.key, stats, self.policy.key(input_ids))
         self.last_stats = stats
         return output
+
+    @property
+    def policy(self):
+        """The ``speculate="auto"`` policy of this spec (:class:`heads.policy.SpeculationPolicy`),
+        its measured costs kept across calls."""
+        if self._policy is None:
+            from .policy import SpeculationPolicy
+
+            self._policy = SpeculationPolicy(KINDS[self.kind].policy_sizes(self))
+        return self._policy
+
+    def _plain_generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
+                        generator) -> tuple[torch.Tensor, DecodeStats]:
+        """The backbone's own ``generate`` (what ``speculate="auto"`` falls back to), seeded from
+        ``generator`` when one is given."""
+        start = time.perf_counter()
+        options = dict(do_sample=do_sample, max_new_tokens=max_new_tokens, pad_token_id=self.pad_token_id)
+        if do_sample:
+            options.update(temperature=temperature, top_k=top_k, top_p=top_p)
+        seed = None if generator is None else int(torch.randint(1 << 62, (1,), generator=generator))
+        context = nullcontext() if seed is None else torch.random.fork_rng(devices=[])
+        with context:
+            if seed is not None:
+                torch.manual_seed(seed)
+            output = self.backbone.generate(input_ids, attention_mask=attention_mask, **options)
+        steps = output.shape[1] - input_ids.shape[1]
+        new = output[:, input_ids.shape[1]:]
+        stats = DecodeStats(batch_size=input_ids.shape[0], target_forwards=steps)
+        stats.new_tokens = int((new != self.pad_token_id).sum()) if self.pad_token_id is not None else new.numel()
+        stats.row_forwards = stats.new_tokens
+        stats.tree_size = 1
+        stats.total_seconds = stats.verify_seconds = time.perf_counter() - start
+        return output, stats
 
     def save_pretrained(self, directory: str, **metadata) -> None:
         """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (atomically)."""

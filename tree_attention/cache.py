@@ -2,7 +2,8 @@
 
 Verification appends all ``N`` tree nodes to the cache; afterwards only the accepted path may
 stay. :func:`keep_path` moves the accepted nodes' keys and values to the front of the tree
-region in place (``k`` entries copied per layer, not the whole cache) and drops the rest.
+region in place (``k`` entries copied per layer, not the whole cache) and drops the rest; in a
+batch each row keeps its own path (:func:`gather`) and :func:`select_rows` drops finished rows.
 
 The decode loop builds its own config-less :class:`~transformers.DynamicCache`, whose layers all
 keep the full history; sliding windows are then applied by the mask (see ``mask.py``). A
@@ -76,20 +77,116 @@ def crop(cache: Cache, length: int) -> None:
         layer.values = layer.values[..., :length, :]
 
 
+def gather(cache: Cache, start: int, index: torch.Tensor) -> None:
+    """Rewrite every row's entries from ``start`` on: afterwards row ``b`` holds, at
+    ``start + i``, what it held at ``start + index[b, i]``, and the cache ends at ``start + L``.
+
+    ``index`` is ``[B, L]`` long (or ``[L]`` for every row alike); only ``L`` entries per row are
+    copied, not the cache.
+    """
+    if index.dim() == 1:
+        index = index.unsqueeze(0)
+    count = int(index.shape[1])
+    identity = torch.arange(count, device=index.device)
+    if not bool((index == identity).all()):
+        for layer in _layers(cache):
+            if not layer.is_initialized or layer.keys.numel() == 0:
+                continue
+            # (B, heads, L, head_dim): each row gathers its own entries
+            rows, heads, _, width = layer.keys.shape
+            source = (index + start).view(index.shape[0], 1, count, 1).expand(rows, heads, count, width)
+            layer.keys[..., start:start + count, :] = layer.keys.gather(-2, source)
+            layer.values[..., start:start + count, :] = layer.values.gather(-2, source)
+    crop(cache, start + count)
+
+
 def keep_path(cache: Cache, prefix_length: int, node_indices: torch.Tensor) -> None:
-    """Keep ``prefix_length`` entries plus the tree nodes ``node_indices`` (``[k]``, increasing).
+    """Keep ``prefix_length`` entries plus the tree nodes ``node_indices`` (``[k]`` increasing,
+    or ``[B, k]``: one path per row, padded by repeating an index the row keeps).
 
     Afterwards the cache holds ``prefix_length + k`` positions and entry ``prefix_length + i``
     is what node ``node_indices[i]`` wrote, as if those tokens had been fed one by one.
     """
-    count = int(node_indices.numel())
-    contiguous = bool(torch.equal(node_indices, torch.arange(count, device=node_indices.device)))
-    if not contiguous:
-        source = node_indices + prefix_length
-        for layer in _layers(cache):
-            if not layer.is_initialized or layer.keys.numel() == 0:
-                continue
-            # (B, heads, k, head_dim) gathered, then written over the front of the tree region
-            layer.keys[..., prefix_length:prefix_length + count, :] = layer.keys.index_select(-2, source)
-            layer.values[..., prefix_length:prefix_length + count, :] = layer.values.index_select(-2, source)
-    crop(cache, prefix_length + count)
+    gather(cache, prefix_length, node_indices)
+
+
+def select_rows(cache: Cache, rows: torch.Tensor) -> None:
+    """Keep the batch rows ``rows`` (``[R]`` long) of every layer, in that order."""
+    for layer in _layers(cache):
+        if not layer.is_initialized or layer.keys.numel() == 0:
+            continue
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)
+
+
+class RaggedCache:
+    """A batch's cache whose rows hold different numbers of live entries.
+
+    Every forward appends the same number of slots to all rows; a row's slots that it does not
+    keep (padding, rejected tree nodes) stay as holes. ``visible`` ``[R, S]`` says which slots
+    each row attends to and ``positions`` ``[R, S]`` their position ids, so masks can be built
+    with per-row positions and sliding windows (:meth:`mask`). :meth:`compact` squeezes the holes
+    out once they fill half the cache; :meth:`select_rows` drops rows that finished.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device | str) -> None:
+        self.cache = new_cache()
+        self.visible = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+
+    @property
+    def width(self) -> int:
+        """Slots per row that the bookkeeping covers (the cache may hold more, see :meth:`crop`)."""
+        return int(self.visible.shape[1])
+
+    def mask(self, query_positions: torch.Tensor, new_visible: torch.Tensor, layout, dtype: torch.dtype,
+             new_key_positions: torch.Tensor | None = None):
+        """Mask of queries ``[R, Q]`` at ``query_positions`` that see this cache's visible slots
+        and, among the slots appended after it, what ``new_visible`` ``[R, Q, P]`` says (``P``
+        slots at ``new_key_positions`` ``[R, P]``, by default the queries themselves)."""
+        from .mask import layout_masks
+
+        rows, queries = query_positions.shape
+        visible = torch.cat([self.visible[:, None, :].expand(rows, queries, self.width), new_visible], dim=2)
+        keys = torch.cat([self.positions, query_positions if new_key_positions is None else new_key_positions], dim=1)
+        return layout_masks(visible, query_positions, keys, layout, dtype)
+
+    def extend(self, visible: torch.Tensor, positions: torch.Tensor) -> None:
+        """Account for ``[R, n]`` slots a forward appended: which stay visible, their positions."""
+        self.visible = torch.cat([self.visible, visible], dim=1)
+        self.positions = torch.cat([self.positions, positions], dim=1)
+
+    def keep(self, index: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor) -> None:
+        """After a forward appended ``N`` slots per row at ``positions`` ``[R, N]`` past
+        :attr:`width`, row ``b`` keeps slots ``index[b]`` (``[R, L]``) of them, moved to the front
+        of that region; ``kept`` ``[R, L]`` marks the real ones (the rest are holes)."""
+        start = self.width
+        keep_path(self.cache, start, index)
+        self.visible = torch.cat([self.visible, kept], dim=1)
+        self.positions = torch.cat([self.positions, positions.gather(1, index)], dim=1)
+
+    def crop(self, width: int | None = None) -> None:
+        """Drop slots from ``width`` on (default: everything the bookkeeping does not cover)."""
+        width = self.width if width is None else width
+        crop(self.cache, width)
+        self.visible, self.positions = self.visible[:, :width], self.positions[:, :width]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        select_rows(self.cache, rows)
+        self.visible, self.positions = self.visible[rows], self.positions[rows]
+
+    def compact(self) -> bool:
+        """Squeeze the holes out (each row's live slots right-aligned) once they fill half the
+        cache; True if it did."""
+        counts = self.visible.sum(dim=1)
+        longest = int(counts.max())
+        if 2 * longest > self.width:
+            return False
+        order = torch.argsort((~self.visible).to(torch.int8), dim=1, stable=True)[:, :longest]  # live slots first
+        shift = longest - counts  # (R,) leading holes per row
+        columns = torch.arange(longest, device=order.device)
+        index = order.gather(1, (columns[None, :] - shift[:, None]).clamp(min=0))
+        gather(self.cache, 0, index)
+        self.positions = self.positions.gather(1, index)
+        self.visible = columns[None, :] >= shift[:, None]
+        return True

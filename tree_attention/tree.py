@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Generator, Iterable, Sequence
 
 import torch
 
@@ -369,6 +369,20 @@ def dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor], ex
     Returns the tree in topological order (nodes by level, parents before children). The
     bookkeeping runs on Python lists (a few dozen candidates): one host transfer per level.
     """
+    growth = grow_dynamic_tree(root, root_children, depth, top_k, total_tokens)
+    try:
+        request = next(growth)
+        while True:
+            request = growth.send(expand(request))
+    except StopIteration as finished:
+        return finished.value
+
+
+def grow_dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor], depth: int, top_k: int,
+                      total_tokens: int) -> Generator[Expansion, tuple[torch.Tensor, torch.Tensor], Tree]:
+    """:func:`dynamic_tree` as a generator: yields each :class:`Expansion` request, takes the
+    children back through ``send`` and returns the tree, so that a drafter can grow the trees of
+    a whole batch in lockstep (one drafter forward per level for all rows)."""
     _check_dynamic_shape(depth, top_k, total_tokens)
     first_tokens, first_scores = _checked_children((root_children[0][None], root_children[1][None]), 1, top_k)
     device = first_tokens.device
@@ -388,7 +402,7 @@ def dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor], ex
         request = Expansion(torch.tensor([tokens[c] for c in frontier], dtype=torch.long, device=device),
                             torch.tensor(parent_slots, dtype=torch.long, device=device), level,
                             _bool_rows(new_chains, grown + len(frontier), device))
-        child_tokens, child_scores = _checked_children(expand(request), len(frontier), top_k)
+        child_tokens, child_scores = _checked_children((yield request), len(frontier), top_k)
         slot.update({candidate: grown + i for i, candidate in enumerate(frontier)})
         chains += new_chains
         first = len(scores)

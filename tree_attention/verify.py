@@ -165,6 +165,9 @@ class AcceptanceRule:
     """How the loop picks the first token after the prompt and which tree path it keeps."""
 
     lossless = True
+    key = "rule"
+    """What acceptance depends on besides the drafts (rule and sampling settings): statistics of
+    accepted lengths are only comparable under one key."""
 
     def first_token(self, logits: torch.Tensor) -> int:  # logits (V,)
         raise NotImplementedError
@@ -174,6 +177,8 @@ class AcceptanceRule:
 
 
 class GreedyRule(AcceptanceRule):
+    key = "greedy"
+
     def first_token(self, logits: torch.Tensor) -> int:
         return int(logits.argmax())
 
@@ -184,6 +189,8 @@ class GreedyRule(AcceptanceRule):
 class SamplingRule(AcceptanceRule):
     """Lossless speculative sampling. ``warp`` maps logits ``[N, V]`` to warped logits (temperature,
     top-k, top-p, exactly as ``generate`` applies them); ``generator`` seeds every draw."""
+
+    key = "sample"
 
     def __init__(self, warp: Callable[[torch.Tensor], torch.Tensor], generator: torch.Generator | None = None,
                  use_residual: bool = True) -> None:
@@ -207,6 +214,7 @@ class TypicalRule(SamplingRule):
     """Medusa's typical acceptance: faster at high temperature, **not** lossless."""
 
     lossless = False
+    key = "typical"
 
     def __init__(self, warp, generator=None, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> None:
         super().__init__(warp, generator)

@@ -122,30 +122,31 @@ class RecordingDrafter:
     def __init__(self, inner, spec) -> None:
         self.inner, self.spec, self.checks = inner, spec, 0
 
-    def reset(self):
-        self.inner.reset()
+    def reset(self, batch_size):
+        assert batch_size == 1
+        self.inner.reset(batch_size)
         self.features, self.tokens = [], []
 
-    def propose(self, features, tokens, root):
-        tree = self.inner.propose(features, tokens, root)
-        self.features.append(features)
-        self.tokens.append(tokens[0])
-        self._compare(root, tree)
-        return tree
+    def propose(self, rows, features, tokens, roots):
+        trees = self.inner.propose(rows, features, tokens, roots)
+        self.features.append(features[0])
+        self.tokens.append(tokens[0][0])
+        self._compare(roots[0], trees[0])
+        return trees
 
     def _compare(self, root: int, tree) -> None:
         heads_module, target = self.spec.heads, self.spec.target
         features = torch.cat(self.features, dim=1)  # (1, N, F)
         next_tokens = torch.cat(self.tokens + [torch.tensor([root])])[1:]
         count = next_tokens.numel()
-        assert self.inner.committed_length == count
+        assert int(self.inner.committed[0]) == count == self.inner.cache.width
         reference = cache_ops.new_cache()
         with torch.no_grad():
             outputs = heads_module.step(heads_module.fuse(features), target.input_embeddings(next_tokens)[None],
                                         torch.arange(count)[None],
                                         prefill_attention_mask(count, heads_module.layout, torch.float32, "cpu"),
                                         reference)
-        kept = copy.deepcopy(self.inner.cache)
+        kept = copy.deepcopy(self.inner.cache.cache)
         cache_ops.crop(kept, count)
         for layer, reference_layer in zip(kept.layers, reference.layers):
             torch.testing.assert_close(layer.keys, reference_layer.keys, rtol=1e-4, atol=1e-5)
@@ -257,10 +258,10 @@ def test_draft_vocabulary_parity_and_token_map():
     proposed = []
     original = spec.drafter.propose
 
-    def watch(features, tokens, root):
-        tree = original(features, tokens, root)
-        proposed.extend(tree.tokens[1:].tolist())
-        return tree
+    def watch(rows, features, tokens, roots):
+        trees = original(rows, features, tokens, roots)
+        proposed.extend(token for tree in trees for token in tree.tokens[1:].tolist())
+        return trees
 
     spec.drafter.propose = watch
     _check_parity(spec, model, [prompt])
@@ -283,15 +284,19 @@ def test_adapter_holds_only_drafter_tensors(tmp_path):
     assert not any(parameter.requires_grad for parameter in model.parameters())
 
 
+def _shape(spec):
+    return spec.drafter.depth, spec.drafter.top_k, spec.drafter.total_tokens
+
+
 def test_set_tree_on_an_eagle_spec():
     model = build_model("llama")
     spec = heads.attach_heads(model, kind="eagle", depth=3, top_k=2, total_tokens=4)
     spec.set_tree(7)
-    assert (spec.drafter.depth, spec.drafter.top_k, spec.drafter.total_tokens) == (3, 2, 7)
+    assert _shape(spec) == (3, 2, 7)
     spec.set_tree(dict(depth=2, top_k=5))
-    assert (spec.drafter.depth, spec.drafter.top_k, spec.drafter.total_tokens) == (2, 5, 4)
+    assert _shape(spec) == (2, 5, 4)
     spec.set_tree(None)
-    assert (spec.drafter.depth, spec.drafter.top_k, spec.drafter.total_tokens) == (3, 2, 4)
+    assert _shape(spec) == (3, 2, 4)
     with pytest.raises(ValueError, match="unknown"):
         spec.set_tree(dict(width=3))
     with pytest.raises(ValueError, match="top_k"):
@@ -378,3 +383,48 @@ def test_layouts_refuse_other_families(name):
         heads.attach_heads(build_model("llama"), kind="medusa", layout="eagle1")
     with pytest.raises(ValueError, match="'eagle3'.*supports the layouts \\['native', 'eagle1'\\]"):
         heads.attach_heads(build_model("qwen2"), kind="eagle", layout="eagle3", feature_layers=(0, 1, 2))
+
+
+class RowByRow:
+    """Wraps the batched drafter; checks every tree it grows for a batch against a batch-1
+    drafter per row fed the same features and tokens."""
+
+    def __init__(self, spec, shape) -> None:
+        self.inner, self.spec, self.compared, self.accepted = spec.drafter, spec, 0, []
+        self.config = spec.config.with_tree(shape)
+
+    def reset(self, batch_size):
+        self.inner.reset(batch_size)
+        self.alone = [heads.eagle.EagleDrafter(self.spec.heads, self.spec.target, self.config)
+                      for _ in range(batch_size)]
+        for drafter in self.alone:
+            drafter.reset(1)
+
+    def propose(self, rows, features, tokens, roots):
+        trees = self.inner.propose(rows, features, tokens, roots)
+        for row, tree, row_features, row_tokens, root in zip(rows, trees, features, tokens, roots):
+            self.accepted.append(row_tokens.shape[1])
+            alone = self.alone[row].propose([0], [row_features], [row_tokens], [root])[0]
+            assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents)
+            self.compared += 1
+        return trees
+
+
+def test_batched_drafter_grows_the_trees_of_batch_1_runs(trained):
+    generator = torch.Generator().manual_seed(21)
+    prompts = [progression_batch(1, length, generator)[0] for length in (5, 9, 3, 7)]
+    width = max(prompt.numel() for prompt in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.numel():], mask[row, width - prompt.numel():] = prompt, 1
+    shape = dict(depth=4, top_k=3, total_tokens=10)
+    trained.set_tree(shape)
+    checker = RowByRow(trained, shape)
+    output, stats = speculative_generate(trained.target, checker, ids, 30, attention_mask=mask, pad_token_id=0)
+    with torch.no_grad():
+        expected = trained.backbone.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    assert torch.equal(output, expected)
+    assert checker.compared > 20 and len(set(checker.accepted[len(prompts):])) >= 2  # ragged commits
+    assert stats.mean_accepted > 1.5
+    trained.set_tree(None)

@@ -105,15 +105,11 @@ def test_bad_max_new_tokens(spec, value):
         spec.generate(random_prompt(3, 0), max_new_tokens=value)
 
 
-def test_batch_not_yet(spec):
-    with pytest.raises(NotImplementedError, match="batch size 2.*batched speculative decoding"):
-        spec.generate(torch.ones(2, 3, dtype=torch.long))
-
-
 def test_attention_mask_checks(spec):
     prompt = random_prompt(4, 0)
     with pytest.raises(ValueError, match="attention_mask must have the shape"):
         spec.generate(prompt, attention_mask=torch.ones(1, 5))
-    with pytest.raises(NotImplementedError, match="padding"):
-        spec.generate(prompt, attention_mask=torch.tensor([[0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="right padding"):
+        spec.generate(prompt, attention_mask=torch.tensor([[1, 1, 1, 0]]))
+    assert spec.generate(prompt, attention_mask=torch.tensor([[0, 1, 1, 1]]), max_new_tokens=2).shape == (1, 6)
     assert spec.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2).shape == (1, 6)

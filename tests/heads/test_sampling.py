@@ -179,3 +179,34 @@ def test_eagle_speculative_sampling_matches_the_target(model, eagle_spec):
 
 def test_eagle_greedy_unchanged(model, eagle_spec):
     assert torch.equal(eagle_spec.generate(PROMPT, max_new_tokens=20), greedy_reference(model, PROMPT, 20))
+
+
+def batched_samples(spec, runs: int = RUNS, rows: int = 8, seed: int = 0, **settings) -> list[tuple[int, int, int]]:
+    """``runs`` samples from batched runs of ``rows`` copies of PROMPT, left-padded by 0-2 tokens."""
+    pads = [row % 3 for row in range(rows)]
+    width = PROMPT.shape[1] + max(pads)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        ids[row, width - PROMPT.shape[1]:] = PROMPT[0]
+        mask[row, width - PROMPT.shape[1]:] = 1
+    generator = torch.Generator().manual_seed(seed)
+    samples, accepted = [], 0
+    for _ in range(runs // rows):
+        output = spec.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=True, generator=generator,
+                               **settings)
+        samples += [tuple(row) for row in output[:, -3:].tolist()]
+        accepted += sum(spec.last_stats.accepted_lengths)
+    assert accepted > runs * 0.1, "drafts were almost never accepted: the test would not exercise the rule"
+    return samples
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_batched_sampling_matches_the_target_in_every_row(model, spec, eagle_spec, kind):
+    """Rows of a padded batch accept independently; each still samples the target's distribution."""
+    settings = dict(temperature=0.7, top_k=8)
+    chosen = spec if kind == "medusa" else eagle_spec
+    if kind == "medusa":
+        chosen.set_tree(16)
+    pvalue = chi_square_pvalue(batched_samples(chosen, **settings), exact_joint(model, **settings))
+    assert pvalue > FALSE_ALARM, pvalue

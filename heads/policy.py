@@ -1,0 +1,130 @@
+"""``speculate="auto"``: how much to draft for a batch, from costs measured on this machine.
+
+Speculation pays when ``tau(n) x t_plain(B) > t_step(B, n)``: the tokens a row commits per step
+with ``n`` drafted nodes, times the cost of one plain decoding step at batch size ``B``, must beat
+the cost of one speculative step (drafting, verifying ``n + 1`` nodes per row, accepting). At
+batch 1 a small model's forward is overhead-bound and extra nodes are nearly free; as ``B`` grows
+the verify forward becomes compute-bound, ``t_step`` grows with ``B x (n + 1)`` and the win
+shrinks, then turns into a loss.
+
+The policy measures both costs the first time it sees a (batch size, prompt length) bucket: a few
+real speculative steps per candidate tree size on the caller's prompts, and a few plain steps of
+the backbone's own ``generate``; every later run in the bucket refines the estimate of the setting
+it used. ``tau(n)`` comes from every speculative step seen with that tree size under the same
+acceptance rule and sampling settings (acceptance falls with temperature), calibration steps
+included, so it follows the traffic actually served. It picks the size with the best predicted
+speedup, and no speculation at all (the backbone's own ``generate``) unless that prediction beats
+plain decoding by ``margin``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tree_attention.decode import SpeculativeDecoder
+
+CALIBRATION_STEPS = 6
+SMOOTHING = 0.5  # weight of a new measurement of a step cost against the running estimate
+
+
+def _bucket(value: int) -> int:
+    """The next power of two (cost changes slowly with batch size and prompt length)."""
+    return 1 << max(0, int(value) - 1).bit_length()
+
+
+@dataclass
+class Observed:
+    """Tokens committed per row and step with one tree size, summed over all steps seen."""
+
+    tokens: int = 0
+    row_steps: int = 0
+
+    @property
+    def tau(self) -> float | None:
+        return self.tokens / self.row_steps if self.row_steps else None
+
+
+@dataclass
+class SpeculationPolicy:
+    """Chooses a tree size per batch; see the module docstring. ``sizes`` are the candidate
+    numbers of drafted nodes (0, plain decoding, is always a candidate)."""
+
+    sizes: tuple[int, ...]
+    margin: float = 1.1
+    step_costs: dict = field(default_factory=dict)  # ((B bucket, T bucket), n) -> seconds per step
+    observed: dict = field(default_factory=dict)  # (n, rule key) -> Observed
+
+    def __post_init__(self) -> None:
+        if not self.sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.sizes):
+            raise ValueError(f"SpeculationPolicy.sizes must be positive node counts; got {self.sizes!r}")
+        if not self.margin >= 1.0:
+            raise ValueError(f"SpeculationPolicy.margin must be >= 1; got {self.margin!r}")
+
+    @staticmethod
+    def key(input_ids: torch.Tensor) -> tuple[int, int]:
+        return _bucket(input_ids.shape[0]), _bucket(input_ids.shape[1])
+
+    def observe(self, size: int, rule_key: str, stats, key: tuple[int, int] | None = None) -> None:
+        """Record a speculative run with ``size`` drafted nodes: its tokens per row-step and, with
+        the bucket ``key``, its cost per step (the plain cost stays the calibrated one: a plain
+        run's time includes its prefill)."""
+        steps = stats.target_forwards - 1  # the prefill is not a step
+        if not size:
+            return
+        record = self.observed.setdefault((size, rule_key), Observed())
+        record.tokens += stats.new_tokens - stats.batch_size  # the prefill's token is not a step's
+        record.row_steps += stats.row_forwards - stats.batch_size
+        if key is not None and steps > 0 and (key, size) in self.step_costs:
+            measured = (stats.draft_seconds + stats.verify_seconds) / steps
+            self.step_costs[(key, size)] += SMOOTHING * (measured - self.step_costs[(key, size)])
+
+    def _plain_step(self, spec, input_ids, attention_mask) -> float:
+        """Seconds per token of the backbone's own ``generate`` at this batch (best of two)."""
+        def timed(count: int) -> float:
+            start = time.perf_counter()
+            spec.backbone.generate(input_ids, attention_mask=attention_mask, max_new_tokens=count, min_new_tokens=count,
+                                   do_sample=False, pad_token_id=spec.pad_token_id)
+            return time.perf_counter() - start
+
+        timed(2)  # warm-up
+        steps = CALIBRATION_STEPS
+        return max(1e-9, min((timed(steps + 1) - timed(1)) / steps for _ in range(2)))
+
+    def _spec_step(self, spec, size: int, input_ids, attention_mask, rule) -> float:
+        """Median seconds per speculative step with ``size`` drafted nodes (first step excluded)."""
+        decoder = SpeculativeDecoder(spec.target, spec.drafter_for(size), input_ids, 1 << 30, (), rule, attention_mask)
+        decoder.prefill()
+        times = []
+        for step in range(CALIBRATION_STEPS + 1):
+            start = time.perf_counter()
+            decoder.step()
+            if step:
+                times.append(time.perf_counter() - start)
+        decoder.stats.new_tokens = sum(len(output) for output in decoder.outputs)
+        self.observe(size, rule.key, decoder.stats)
+        return statistics.median(times)
+
+    def choose(self, spec, input_ids: torch.Tensor, attention_mask: torch.Tensor, rule) -> dict:
+        """The setting for this batch: ``{"tree": n or 0, "predicted_speedup": {...}, ...}``."""
+        key = self.key(input_ids)
+        if (key, 0) not in self.step_costs:
+            self.step_costs[(key, 0)] = self._plain_step(spec, input_ids, attention_mask)
+        for size in self.sizes:
+            if (key, size) not in self.step_costs or (size, rule.key) not in self.observed:
+                cost = self._spec_step(spec, size, input_ids, attention_mask, rule)
+                self.step_costs.setdefault((key, size), cost)
+        plain = self.step_costs[(key, 0)]
+        taus = {size: self.observed[(size, rule.key)].tau or 1.0 for size in self.sizes}
+        predicted = {size: taus[size] * plain / self.step_costs[(key, size)] for size in self.sizes}
+        best = max(predicted, key=predicted.get)
+        chosen = best if predicted[best] >= self.margin else 0
+        return {
+            "policy": "auto", "tree": chosen, "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1],
+            "plain_step_ms": 1000 * plain,
+            "step_ms": {size: 1000 * self.step_costs[(key, size)] for size in self.sizes},
+            "tau": taus, "predicted_speedup": predicted, "margin": self.margin,
+        }
