@@ -52,9 +52,10 @@ def main() -> None:
     from training.data import load_prompts
     from training.evaluate import encode_prompts, measure
 
-    adapter = train_adapter("eagle-mixed", mixed_training_file(RESULTS / "cache" / "train_mixed.jsonl", args.train_prompts),
-                            args.steps, 2 * args.train_prompts, kind="eagle", retrain=args.retrain, max_new_tokens=128,
-                            max_length=192, lr=args.lr, options=["--unroll-steps", str(args.unroll_steps)])
+    data = mixed_training_file(RESULTS / "cache" / "train_mixed.jsonl", args.train_prompts)
+    adapter = train_adapter("eagle-mixed", data, args.steps, 2 * args.train_prompts, kind="eagle", retrain=args.retrain,
+                            max_new_tokens=128, max_length=192, lr=args.lr,
+                            options=["--unroll-steps", str(args.unroll_steps)])
     model, tokenizer = _load_model(str(TARGET))
     prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / f"{mix}.jsonl"), args.prompts) for mix in MIXES}
     spec = heads.load_heads(model, adapter)
@@ -71,8 +72,8 @@ def main() -> None:
         summary[shape] = {"speedup": statistics.mean(r["speedup"] for r in mine),
                           "tau": statistics.mean(r["tau"] for r in mine)}
     best = max(summary, key=lambda shape: summary[shape]["speedup"])
-    columns = ["shape", "eval_mix", "tok/s plain", "tok/s spec", "speedup", "tau", "acceptance_by_depth", "verify ms/step",
-               "draft ms/step", "plain ms/token", "identical"]
+    columns = ["shape", "eval_mix", "tok/s plain", "tok/s spec", "speedup", "tau", "acceptance_by_depth",
+               "verify ms/step", "draft ms/step", "plain ms/token", "identical"]
     print("\nEAGLE tree sweep (depth:top_k:total_tokens):\n" + table(rows, columns))
     print("\nmean over mixes:\n" + table([{"shape": s, **v} for s, v in summary.items()], ["shape", "speedup", "tau"]))
     print(f"best mean speedup: {best} ({summary[best]['speedup']:.2f}x)")

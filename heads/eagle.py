@@ -43,14 +43,17 @@ from tree_attention.tree import Expansion, Tree, dynamic_tree
 
 from .backbone import Backbone, attention_layout, decoder_copy
 
-# Defaults of the dynamic tree, chosen with benchmarks/bench_eagle_tree.py on the demo target, 2-core
-# CPU (results/eagle_tree.json, eagle_tree_narrow.json): narrow trees (top_k 2) of 12 nodes were the
-# shapes faster than plain decoding on both code and prose; chains (top_k 1) won on code and lost on
-# prose; top_k >= 4 spread these budgets over siblings and lost depth. Deeper levels are expanded only
-# while they can still enter the best 12, so depth 6 costs little when the drafter is unsure.
-DEFAULT_DEPTH = 6
-DEFAULT_TOP_K = 2
-DEFAULT_TOTAL_TOKENS = 12
+# Defaults of the dynamic tree: the wall-clock optimum (highest speedup over model.generate, averaged over
+# the code and prose mixes) of benchmarks/bench_speedup.py on the demo target, 2-core CPU, 1 thread, in two
+# runs (results/speedup.json 1.10x, speedup_run1.json 1.11x): a chain (top_k 1) of 4. Chains win on code
+# (1.27-1.29x) and lose on prose (0.91-0.95x); wider trees (top_k 2-10, 8-60 nodes) accept more (tau up to
+# 3.6 against 2.8) but each drafting level costs about 3 ms here, a third of a target forward, so depth
+# and width cost more than they gain. Where verification is nearly free (a GPU at batch 1), start from
+# EAGLE-2's depth 7, top_k 10, 60 tokens. A node count alone (``with_tree(n)``) changes only the budget;
+# widen the tree with ``top_k``.
+DEFAULT_DEPTH = 4
+DEFAULT_TOP_K = 1
+DEFAULT_TOTAL_TOKENS = 4
 _TREE_FIELDS = ("depth", "top_k", "total_tokens")
 
 

@@ -305,11 +305,15 @@ def test_set_tree_on_an_eagle_spec():
     ("feature_layers", (1, 1), "repeated"),
     ("feature_layers", "012", "list of layer indices"),
     ("draft_vocab_size", 0, "EagleConfig.draft_vocab_size must be an int >= 1"),
-    ("draft_vocab_size", 1, r"draft_vocab_size \(1\) must be >= top_k \(2\)"),
 ])
 def test_bad_eagle_config(field, value, message):
     with pytest.raises(ValueError, match=message):
         EagleConfig(**{field: value})
+
+
+def test_draft_vocabulary_smaller_than_top_k():
+    with pytest.raises(ValueError, match=r"draft_vocab_size \(1\) must be >= top_k \(2\)"):
+        EagleConfig(top_k=2, draft_vocab_size=1)
 
 
 def test_tree_budget_smaller_than_the_depth():
@@ -320,13 +324,13 @@ def test_tree_budget_smaller_than_the_depth():
     with pytest.raises(ValueError, match=r"total_tokens \(4\) must be >= depth \(5\)"):
         EagleConfig(depth=3, total_tokens=4).with_tree(dict(depth=5))
     # a node count alone lowers the depth to fit, never raises it
-    assert EagleConfig(depth=6, total_tokens=12).with_tree(4).tree == dict(depth=4, top_k=2, total_tokens=4)
+    assert EagleConfig(depth=6, top_k=2, total_tokens=12).with_tree(4).tree == dict(depth=4, top_k=2, total_tokens=4)
     assert EagleConfig(depth=3, total_tokens=4).with_tree(dict(total_tokens=2, top_k=3)).tree == dict(
         depth=2, top_k=3, total_tokens=2)
-    assert EagleConfig(depth=3, total_tokens=4).with_tree(20).tree == dict(depth=3, top_k=2, total_tokens=20)
+    assert EagleConfig(depth=3, top_k=2, total_tokens=4).with_tree(20).tree == dict(depth=3, top_k=2, total_tokens=20)
     # total_tokens 0: no drafting, whatever the depth
     assert EagleConfig(depth=6, total_tokens=0).total_tokens == 0
-    assert EagleConfig(depth=6).with_tree(0).tree == dict(depth=6, top_k=2, total_tokens=0)
+    assert EagleConfig(depth=6, top_k=2, total_tokens=6).with_tree(0).tree == dict(depth=6, top_k=2, total_tokens=0)
     with pytest.raises(ValueError, match="total_tokens must be an int >= 0"):
         EagleConfig().with_tree(-2)
     model = build_model("llama")

@@ -16,6 +16,7 @@ from training.eagle_trainer import EagleTrainer, eagle_losses, frequent_tokens
 from training.trainer import TrainConfig, make_trainer
 
 FAST = dict(batch_size=8, learning_rate=1e-2, warmup_steps=5, token_weight=1.0, validation_fraction=0.25)
+TREE = dict(depth=6, top_k=2, total_tokens=12)  # siblings: briefly trained drafters get accepted off their top-1
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def _tau(spec, prompts, max_new_tokens: int = 24) -> float:
 
 
 def test_training_lowers_loss_and_raises_tau(model, sequences, prompts, tmp_path):
-    spec = heads.attach_heads(model, kind="eagle")
+    spec = heads.attach_heads(model, kind="eagle", **TREE)
     tau_before = _tau(spec, prompts[:3])
     trainer = make_trainer(spec, sequences, TrainConfig(steps=50, **FAST), progress=False)
     assert isinstance(trainer, EagleTrainer)
@@ -68,7 +69,7 @@ def test_training_lowers_loss_and_raises_tau(model, sequences, prompts, tmp_path
 
 
 def test_unrolled_training_runs_and_stays_exact(model, sequences, prompts):
-    spec = heads.attach_heads(model, kind="eagle")
+    spec = heads.attach_heads(model, kind="eagle", **TREE)
     tau_before = _tau(spec, prompts[:2])
     result = make_trainer(spec, sequences, TrainConfig(steps=30, unroll_steps=3, **FAST), progress=False).train()
     assert len(result.agreement[-1]) == 3 and len(result.accuracy) == 3
@@ -110,7 +111,7 @@ def test_unrolled_training_beats_one_step_at_depth_above_one(model, sequences, p
 
 
 def test_eagle3_feature_layers_and_draft_vocabulary(model, sequences, prompts, tmp_path):
-    spec = heads.attach_heads(model, kind="eagle", feature_layers=(0, 1, 2), draft_vocab_size=80)
+    spec = heads.attach_heads(model, kind="eagle", feature_layers=(0, 1, 2), draft_vocab_size=80, **TREE)
     tau_before = _tau(spec, prompts[:2])
     trainer = make_trainer(spec, sequences, TrainConfig(steps=40, unroll_steps=2, **FAST), progress=False)
     result = trainer.train()
