@@ -12,7 +12,6 @@ speedup <= tau x t(1) / (t(verify) + t(draft)) per step. Writes ``benchmarks/res
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -22,43 +21,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import RESULTS, table, write_json  # noqa: E402
-from benchmarks.demo import MIXES, PROMPTS, TARGET  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    MIXES, PROMPTS, RESULTS, TARGET, mixed_training_file, speed_row, table, train_adapter, training_summary, write_json,
+)
 
 SHAPES = ("4:1:4", "6:1:6", "4:2:8", "5:4:8", "3:4:12", "5:4:12", "8:4:12", "5:2:12", "5:8:12", "5:4:16",
           "5:4:24", "5:10:60")
 """depth:top_k:total_tokens; 5:10:60 is EAGLE-2's GPU default."""
-
-
-def train_adapter(args) -> Path:
-    from training.cli import main as selfdraft
-
-    adapter = RESULTS / "adapters" / "eagle-mixed"
-    if (adapter / "adapter_config.json").is_file() and not args.retrain:
-        return adapter
-    lines = {mix: (PROMPTS / f"train_{mix}.jsonl").read_text().splitlines()[:args.train_prompts] for mix in MIXES}
-    data = RESULTS / "cache" / "train_mixed.jsonl"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text("\n".join(line for pair in zip(*lines.values()) for line in pair) + "\n")
-    selfdraft([
-        "train", "--model", str(TARGET), "--kind", "eagle", "--data", str(data), "--out", str(adapter),
-        "--steps", str(args.steps), "--batch-size", "8", "--lr", str(args.lr), "--max-new-tokens", "128",
-        "--max-length", "192", "--max-prompts", str(2 * args.train_prompts), "--cache-dir", str(RESULTS / "cache"),
-        "--eval-prompts", "0", "--unroll-steps", str(args.unroll_steps), "--json", str(adapter.parent / "eagle.json"),
-        "--no-progress",
-    ])
-    return adapter
-
-
-def row(shape: str, mix: str, report) -> dict:
-    steps = max(1, report.new_tokens / max(report.tau, 1e-9) - report.prompts)  # verify steps (prefills excluded)
-    return {
-        "shape": shape, "eval_mix": mix, "tok/s plain": report.tokens_per_s_plain,
-        "tok/s spec": report.tokens_per_s_spec, "speedup": report.speedup, "tau": report.tau,
-        "accept": " ".join(f"{a:.2f}" for a in report.acceptance_by_position[:6]),
-        "verify ms/step": 1000 * report.verify_seconds / steps, "draft ms/step": 1000 * report.draft_seconds / steps,
-        "plain ms/token": 1000 * report.plain_seconds / max(1, report.new_tokens), "identical": report.identical,
-    }
 
 
 def main() -> None:
@@ -83,7 +52,10 @@ def main() -> None:
     from training.data import load_prompts
     from training.evaluate import encode_prompts, measure
 
-    adapter = train_adapter(args)
+    data = mixed_training_file(RESULTS / "cache" / "train_mixed.jsonl", args.train_prompts)
+    adapter = train_adapter("eagle-mixed", data, args.steps, 2 * args.train_prompts, kind="eagle", retrain=args.retrain,
+                            max_new_tokens=128, max_length=192, lr=args.lr,
+                            options=["--unroll-steps", str(args.unroll_steps)])
     model, tokenizer = _load_model(str(TARGET))
     prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / f"{mix}.jsonl"), args.prompts) for mix in MIXES}
     spec = heads.load_heads(model, adapter)
@@ -92,7 +64,7 @@ def main() -> None:
         depth, top_k, total = (int(part) for part in shape.split(":"))
         spec.set_tree(dict(depth=depth, top_k=top_k, total_tokens=total))
         for mix in MIXES:
-            rows.append(row(shape, mix, measure(spec, prompts[mix], args.max_new_tokens)))
+            rows.append(speed_row(measure(spec, prompts[mix], args.max_new_tokens), shape=shape, eval_mix=mix))
             print(table([rows[-1]], list(rows[-1])), flush=True)
     summary = {}
     for shape in args.shapes:
@@ -100,17 +72,15 @@ def main() -> None:
         summary[shape] = {"speedup": statistics.mean(r["speedup"] for r in mine),
                           "tau": statistics.mean(r["tau"] for r in mine)}
     best = max(summary, key=lambda shape: summary[shape]["speedup"])
-    columns = ["shape", "eval_mix", "tok/s plain", "tok/s spec", "speedup", "tau", "accept", "verify ms/step",
-               "draft ms/step", "plain ms/token", "identical"]
+    columns = ["shape", "eval_mix", "tok/s plain", "tok/s spec", "speedup", "tau", "acceptance_by_depth",
+               "verify ms/step", "draft ms/step", "plain ms/token", "identical"]
     print("\nEAGLE tree sweep (depth:top_k:total_tokens):\n" + table(rows, columns))
     print("\nmean over mixes:\n" + table([{"shape": s, **v} for s, v in summary.items()], ["shape", "speedup", "tau"]))
     print(f"best mean speedup: {best} ({summary[best]['speedup']:.2f}x)")
-    training = adapter.parent / "eagle.json"
     path = write_json(args.results, {
         "target": str(TARGET), "max_new_tokens": args.max_new_tokens, "prompts_per_mix": args.prompts,
         "threads": args.threads, "rows": rows, "mean_over_mixes": summary, "best": best,
-        "training": {k: v for k, v in json.loads(training.read_text()).items() if k not in ("losses", "agreement")}
-        if training.is_file() else None,
+        "training": training_summary("eagle-mixed"),
     })
     print(f"wrote {path}")
 

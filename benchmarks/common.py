@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: timing, medians, JSON results."""
+"""Helpers shared by the benchmark scripts: timing, medians, JSON results, the shipped target and
+its prompt sets, adapters distilled with ``selfdraft train`` and one row per speed measurement."""
 
 from __future__ import annotations
 
@@ -8,11 +9,18 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TARGET = RESULTS.parent / "targets" / "demo-llama"
+PROMPTS = RESULTS.parent / "targets" / "prompts"
+MIXES = ("code", "prose")
+TAU_DEFINITION = ("tau: tokens committed per target forward, the bonus token included, over all target forwards "
+                  "of each generate call (the prefill too); plain decoding has tau 1")
+ACCEPTANCE_DEFINITION = ("acceptance_by_depth[i]: share of verification steps that accepted at least i + 1 "
+                         "drafted tokens (tree depth i + 1)")
 
 
 def median_seconds(function: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -46,9 +54,60 @@ def write_json(name: str, payload: dict) -> Path:
 
 def table(rows: list[dict], columns: list[str]) -> str:
     def cell(value):
+        if isinstance(value, list):
+            return " ".join(f"{item:.2f}" for item in value)
         return f"{value:.3f}" if isinstance(value, float) else str(value)
 
     widths = [max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in columns]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(cell(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)) for r in rows]
     return "\n".join(lines)
+
+
+def mixed_training_file(path: Path, per_mix: int) -> Path:
+    """Interleave the first ``per_mix`` training prompts of each mix into the jsonl file ``path``."""
+    lines = {mix: (PROMPTS / f"train_{mix}.jsonl").read_text().splitlines()[:per_mix] for mix in MIXES}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(line for pair in zip(*lines.values()) for line in pair) + "\n")
+    return path
+
+
+def train_adapter(name: str, data: Path, steps: int, max_prompts: int, kind: str = "medusa",
+                  options: Sequence[str] = (), retrain: bool = False, max_new_tokens: int = 64,
+                  max_length: int = 128, lr: float = 2e-3) -> Path:
+    """Distil an adapter on the shipped target with ``selfdraft train`` (batch 8, the target's greedy
+    continuations cached under ``results/cache``) into ``results/adapters/name``, its training
+    summary into ``results/adapters/name.json``; an adapter already there is reused unless ``retrain``."""
+    from training.cli import main as selfdraft
+
+    adapter = RESULTS / "adapters" / name
+    if (adapter / "adapter_config.json").is_file() and not retrain:
+        return adapter
+    selfdraft([
+        "train", "--model", str(TARGET), "--kind", kind, "--data", str(data), "--out", str(adapter),
+        "--steps", str(steps), "--batch-size", "8", "--lr", str(lr), "--max-new-tokens", str(max_new_tokens),
+        "--max-length", str(max_length), "--max-prompts", str(max_prompts), "--cache-dir", str(RESULTS / "cache"),
+        "--eval-prompts", "0", "--json", str(adapter.parent / f"{name}.json"), "--no-progress", *options,
+    ])
+    return adapter
+
+
+def training_summary(name: str) -> dict | None:
+    """The ``selfdraft train`` summary of adapter ``name`` without its per-step curves (None: absent)."""
+    path = RESULTS / "adapters" / f"{name}.json"
+    if not path.is_file():
+        return None
+    return {k: v for k, v in json.loads(path.read_text()).items() if k not in ("losses", "agreement")}
+
+
+def speed_row(report, **labels) -> dict:
+    """One table row of a :class:`training.evaluate.SpeedReport`: ``labels`` first, then tokens/s each
+    way, speedup, tau, acceptance by depth and the per-step terms of the bound
+    speedup <= tau x t(plain token) / (t(verify) + t(draft))."""
+    steps = max(1.0, report.new_tokens / max(report.tau, 1e-9) - report.prompts)  # verify steps (prefills excluded)
+    return {
+        **labels, "tok/s plain": report.tokens_per_s_plain, "tok/s spec": report.tokens_per_s_spec,
+        "speedup": report.speedup, "tau": report.tau, "acceptance_by_depth": list(report.acceptance_by_position),
+        "verify ms/step": 1000 * report.verify_seconds / steps, "draft ms/step": 1000 * report.draft_seconds / steps,
+        "plain ms/token": 1000 * report.plain_seconds / max(1, report.new_tokens), "identical": report.identical,
+    }

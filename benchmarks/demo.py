@@ -22,18 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-TARGET = ROOT / "benchmarks" / "targets" / "demo-llama"
-PROMPTS = ROOT / "benchmarks" / "targets" / "prompts"
-MIXES = ("code", "prose")
-
-
-def mixed_training_file(out: Path, per_mix: int) -> Path:
-    """Interleave the first ``per_mix`` training prompts of each mix into one jsonl file."""
-    lines = {mix: (PROMPTS / f"train_{mix}.jsonl").read_text().splitlines()[:per_mix] for mix in MIXES}
-    mixed = [line for pair in zip(*lines.values()) for line in pair]
-    path = out / "train_mixed.jsonl"
-    path.write_text("\n".join(mixed) + "\n")
-    return path
+from benchmarks.common import MIXES, PROMPTS, TARGET, mixed_training_file  # noqa: E402
 
 
 def plot(results: dict, path: Path) -> None:
@@ -81,7 +70,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     adapter = out / "adapter"
     started = time.perf_counter()
-    data = mixed_training_file(out, args.train_prompts)
+    data = mixed_training_file(out / "train_mixed.jsonl", args.train_prompts)
     print(f"distilling Medusa heads against {TARGET.name} on {2 * args.train_prompts} prompts "
           f"(continuations cached in {out / 'cache'})", flush=True)
     selfdraft([

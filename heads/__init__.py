@@ -53,7 +53,8 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", num_heads: int | 
         tree: Medusa verification tree: a node count for a default tree, or a list of rank paths.
         depth: EAGLE: deepest level of the dynamic tree (default ``EagleConfig.depth``).
         top_k: EAGLE: children per expanded node and nodes expanded per level.
-        total_tokens: EAGLE: drafted nodes verified per step.
+        total_tokens: EAGLE: drafted nodes verified per step (>= depth; given without ``depth``, it
+            lowers the default depth to fit; 0: no drafting).
         feature_layers: EAGLE-3: backbone hidden states to fuse as input (0: embeddings,
             ``num_hidden_layers``: top layer); None: the top-layer features.
         draft_vocab_size: EAGLE-3: reduced draft vocabulary (set from data by the trainer).
@@ -73,8 +74,9 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", num_heads: int | 
         _refuse_options(kind, num_heads=num_heads, share_lm_head=share_lm_head, tree=tree)
         shape = {name: value for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens))
                  if value is not None}
-        config = EagleConfig(num_layers=num_layers, feature_layers=feature_layers,
-                             draft_vocab_size=draft_vocab_size, layout=layout or "native", **shape)
+        config = EagleConfig(num_layers=num_layers, feature_layers=feature_layers,  # a lone total_tokens lowers depth
+                             draft_vocab_size=draft_vocab_size, layout=layout or "native",
+                             **EagleConfig().with_tree(shape).tree)
     target = inspect_backbone(model)
     model.requires_grad_(False)
     return build_spec(target, kind, config)

@@ -61,14 +61,17 @@ from tree_attention.tree import Tree, grow_dynamic_tree
 
 from .backbone import EAGLE_LAYOUT_FAMILIES, Backbone, attention_layout, check_eagle_layout, decoder_copy, eagle3_parts
 
-# Defaults of the dynamic tree, chosen with benchmarks/bench_eagle_tree.py on the demo target, 2-core
-# CPU (results/eagle_tree.json, eagle_tree_narrow.json): narrow trees (top_k 2) of 12 nodes were the
-# shapes faster than plain decoding on both code and prose; chains (top_k 1) won on code and lost on
-# prose; top_k >= 4 spread these budgets over siblings and lost depth. Deeper levels are expanded only
-# while they can still enter the best 12, so depth 6 costs little when the drafter is unsure.
-DEFAULT_DEPTH = 6
-DEFAULT_TOP_K = 2
-DEFAULT_TOTAL_TOKENS = 12
+# Defaults of the dynamic tree: the wall-clock optimum (highest speedup over model.generate, averaged over
+# the code and prose mixes) of benchmarks/bench_speedup.py on the demo target, 2-core CPU, 1 thread, in two
+# runs (results/speedup.json 1.10x, speedup_run1.json 1.11x): a chain (top_k 1) of 4. Chains win on code
+# (1.27-1.29x) and lose on prose (0.91-0.95x); wider trees (top_k 2-10, 8-60 nodes) accept more (tau up to
+# 3.6 against 2.8) but each drafting level costs about 3 ms here, a third of a target forward, so depth
+# and width cost more than they gain. Where verification is nearly free (a GPU at batch 1), start from
+# EAGLE-2's depth 7, top_k 10, 60 tokens. A node count alone (``with_tree(n)``) changes only the budget;
+# widen the tree with ``top_k``.
+DEFAULT_DEPTH = 4
+DEFAULT_TOP_K = 1
+DEFAULT_TOTAL_TOKENS = 4
 _TREE_FIELDS = ("depth", "top_k", "total_tokens")
 LAYOUTS = tuple(EAGLE_LAYOUT_FAMILIES)
 
@@ -89,7 +92,8 @@ class EagleConfig:
     top_k: int = DEFAULT_TOP_K
     """Children per expanded node, and nodes expanded per level (EAGLE-2)."""
     total_tokens: int = DEFAULT_TOTAL_TOKENS
-    """Drafted nodes verified per step (the best by path probability; root excluded)."""
+    """Drafted nodes verified per step (the best by path probability; root excluded). At least
+    ``depth``; 0 drafts nothing (every step verifies the root alone: plain decoding, tau 1)."""
     feature_layers: Sequence[int] | None = None
     """Backbone hidden states fused as the drafter's input (EAGLE-3): 0 is the embedding output,
     i the output of decoder layer i, num_hidden_layers the top-layer features. None: top only."""
@@ -107,6 +111,10 @@ class EagleConfig:
         _positive_int(self.depth, "depth")
         _positive_int(self.top_k, "top_k")
         _positive_int(self.total_tokens, "total_tokens", low=0)
+        if 0 < self.total_tokens < self.depth:
+            raise ValueError(f"EagleConfig.total_tokens ({self.total_tokens}) must be >= depth ({self.depth}): a "
+                             f"tree of {self.total_tokens} drafted nodes is at most {self.total_tokens} deep "
+                             f"(total_tokens=0: no drafting)")
         if self.feature_layers is not None:
             if isinstance(self.feature_layers, (str, bytes)) or not isinstance(self.feature_layers, Sequence):
                 raise ValueError(f"EagleConfig.feature_layers must be a list of layer indices; got "
@@ -137,18 +145,27 @@ class EagleConfig:
 
     def with_tree(self, tree: int | Mapping[str, int] | None) -> "EagleConfig":
         """This config with another tree shape: a total node count, or a mapping of
-        ``depth``/``top_k``/``total_tokens`` overrides (None: unchanged)."""
+        ``depth``/``top_k``/``total_tokens`` overrides (None: unchanged).
+
+        A shape that sets ``total_tokens`` (>= 1) but not ``depth`` lowers ``depth`` to fit it:
+        ``with_tree(4)`` of a depth-6 config gives depth 4. An explicit ``depth`` deeper than
+        ``total_tokens`` is a ValueError, as in the constructor."""
         if tree is None:
             return self
         if isinstance(tree, Mapping):
             unknown = set(tree) - set(_TREE_FIELDS)
             if unknown:
                 raise ValueError(f"EAGLE tree options are {_TREE_FIELDS}; got unknown {sorted(unknown)}")
-            return replace(self, **dict(tree))
-        if isinstance(tree, bool) or not isinstance(tree, int):
+            shape = dict(tree)
+        elif isinstance(tree, bool) or not isinstance(tree, int):
             raise ValueError(f"an EAGLE tree is a node count (total_tokens) or a mapping of {_TREE_FIELDS}; "
                              f"got {tree!r}")
-        return replace(self, total_tokens=tree)
+        else:
+            shape = {"total_tokens": tree}
+        total = shape.get("total_tokens")
+        if "depth" not in shape and isinstance(total, int) and not isinstance(total, bool) and total >= 1:
+            shape["depth"] = min(self.depth, total)
+        return replace(self, **shape)
 
     def to_dict(self) -> dict:
         data = asdict(self)

@@ -313,13 +313,47 @@ def test_set_tree_on_an_eagle_spec():
     ("feature_layers", (1, 1), "repeated"),
     ("feature_layers", "012", "list of layer indices"),
     ("draft_vocab_size", 0, "EagleConfig.draft_vocab_size must be an int >= 1"),
-    ("draft_vocab_size", 1, r"draft_vocab_size \(1\) must be >= top_k \(2\)"),
     ("layout", "eagle2", "EagleConfig.layout must be one of"),
     ("layout", "eagle3", "'eagle3' fuses exactly three backbone layers"),
 ])
 def test_bad_eagle_config(field, value, message):
     with pytest.raises(ValueError, match=message):
         EagleConfig(**{field: value})
+
+
+def test_draft_vocabulary_smaller_than_top_k():
+    with pytest.raises(ValueError, match=r"draft_vocab_size \(1\) must be >= top_k \(2\)"):
+        EagleConfig(top_k=2, draft_vocab_size=1)
+
+
+def test_tree_budget_smaller_than_the_depth():
+    with pytest.raises(ValueError, match=r"EagleConfig.total_tokens \(3\) must be >= depth \(6\)"):
+        EagleConfig(depth=6, total_tokens=3)
+    with pytest.raises(ValueError, match=r"total_tokens \(2\) must be >= depth \(4\)"):
+        EagleConfig(depth=3, total_tokens=4).with_tree(dict(depth=4, total_tokens=2))
+    with pytest.raises(ValueError, match=r"total_tokens \(4\) must be >= depth \(5\)"):
+        EagleConfig(depth=3, total_tokens=4).with_tree(dict(depth=5))
+    # a node count alone lowers the depth to fit, never raises it
+    assert EagleConfig(depth=6, top_k=2, total_tokens=12).with_tree(4).tree == dict(depth=4, top_k=2, total_tokens=4)
+    assert EagleConfig(depth=3, total_tokens=4).with_tree(dict(total_tokens=2, top_k=3)).tree == dict(
+        depth=2, top_k=3, total_tokens=2)
+    assert EagleConfig(depth=3, top_k=2, total_tokens=4).with_tree(20).tree == dict(depth=3, top_k=2, total_tokens=20)
+    # total_tokens 0: no drafting, whatever the depth
+    assert EagleConfig(depth=6, total_tokens=0).total_tokens == 0
+    assert EagleConfig(depth=6, top_k=2, total_tokens=6).with_tree(0).tree == dict(depth=6, top_k=2, total_tokens=0)
+    with pytest.raises(ValueError, match="total_tokens must be an int >= 0"):
+        EagleConfig().with_tree(-2)
+    model = build_model("llama")
+    spec = heads.attach_heads(model, kind="eagle", total_tokens=3)  # the default depth is lowered too
+    assert (spec.config.depth, spec.config.total_tokens) == (3, 3)
+    with pytest.raises(ValueError, match=r"total_tokens \(3\) must be >= depth \(5\)"):
+        heads.attach_heads(model, kind="eagle", depth=5, total_tokens=3)
+    spec.set_tree(2)
+    assert (spec.drafter.depth, spec.drafter.total_tokens) == (2, 2)
+    spec.set_tree(0)  # root only: the loop verifies one node per step, as plain decoding
+    prompt = random_prompt(6, 5)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=10), greedy_reference(model, prompt, 10))
+    assert spec.last_stats.mean_accepted == pytest.approx(1.0) and spec.last_stats.tree_size == 1
 
 
 def test_bad_eagle_options_for_the_backbone():
