@@ -163,6 +163,31 @@ def test_cli_on_policy_flags_and_recipe(model_dir, tmp_path):
         main(args + ["--on-policy", "--on-policy-ratio", "0"])
 
 
+def test_two_process_ddp_gathers_the_same_pool(model_dir, tmp_path):
+    """Under `accelerate launch --cpu --num_processes 2` each process generates its share of the pool
+    (3 and 2 of 5 prompts); the gathered pool, and so the losses, equal the one-process run's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.training.test_cli import REPO, _train_args, _write_prompts
+
+    data = _write_prompts(tmp_path / "prompts.jsonl", 16, seed=2)
+    extra = ["--on-policy", "--on-policy-refresh", "3", "--on-policy-prompts", "5", "--temperature", "1.0"]
+    assert main(_train_args(model_dir, data, tmp_path / "one", tmp_path / "cache", tmp_path / "one.json") + extra) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [str(Path(sys.executable).with_name("accelerate")), "launch", "--cpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "training.cli",
+               *_train_args(model_dir, data, tmp_path / "two", tmp_path / "cache", tmp_path / "two.json"), *extra]
+    completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "two"))
+    assert one["on_policy_refreshes"] == two["on_policy_refreshes"] == [0, 3]
+    assert two["on_policy_tau"] == pytest.approx(one["on_policy_tau"])
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-4, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def model_dir(model, tmp_path_factory):
     from tests.training.test_cli import _tokenizer
