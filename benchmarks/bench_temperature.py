@@ -116,18 +116,18 @@ def winners(rows: list[dict], kinds: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", nargs="+", default=["medusa", "eagle"], choices=("medusa", "eagle"))
-    parser.add_argument("--steps", type=int, default=60, help="distillation steps per adapter (all recipes)")
+    parser.add_argument("--steps", type=int, default=40, help="distillation steps per adapter (all recipes)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--train-prompts", type=int, default=64, help="training prompts per mix")
     parser.add_argument("--train-new-tokens", type=int, default=48, help="generated tokens per training prompt")
     parser.add_argument("--max-length", type=int, default=96, help="tokens per training sequence")
     parser.add_argument("--pool-prompts", type=int, default=8, help="on-policy prompts per refresh")
     parser.add_argument("--prompts", type=int, default=12, help="held-out prompts per mix and cell")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per held-out prompt")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per held-out prompt")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
+    parser.add_argument("--train-threads", type=int, default=2, help="torch threads while distilling")
     parser.add_argument("--retrain", action="store_true", help="retrain cached adapters")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
 
     import heads
     from training.cli import _load_model
@@ -137,10 +137,12 @@ def main() -> None:
     started = time.perf_counter()
     data = mixed_file(args.train_prompts)
     adapters, training = {}, {}
+    torch.set_num_threads(args.train_threads)
     for kind in args.kinds:
         for recipe in RECIPES:
             adapters[kind, recipe], training[f"{kind}/{recipe}"] = train(kind, recipe, data, args)
             print(f"{kind}/{recipe}: {json.dumps(training[f'{kind}/{recipe}'])}", flush=True)
+    torch.set_num_threads(args.threads)
     model, tokenizer = _load_model(str(TARGET))
     prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / f"{mix}.jsonl"), args.prompts) for mix in MIXES}
     rows = []
@@ -164,7 +166,8 @@ def main() -> None:
     path = write_json("temperature.json", {
         "target": str(TARGET), "prompts_per_mix": args.prompts, "max_new_tokens": args.max_new_tokens,
         "settings": {key: getattr(args, key) for key in ("steps", "lr", "train_prompts", "train_new_tokens",
-                                                          "max_length", "pool_prompts", "threads")},
+                                                          "max_length", "pool_prompts", "threads",
+                                                          "train_threads")},
         "recipes": RECIPES, "cells": rows, "winners": winners(rows, args.kinds), "matched_wins": matched,
         "training": training, "seconds": time.perf_counter() - started,
     })
