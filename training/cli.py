@@ -198,14 +198,19 @@ def run_train(args) -> int:
         if args.eval_prompts:
             eval_path = args.eval_data or args.data
             eval_prompts = encode_prompts(tokenizer, load_prompts(eval_path, tokenizer), args.eval_prompts)
-            report = measure(spec, eval_prompts, args.eval_max_new_tokens, plain=False)
-            acceptance[Path(eval_path).stem] = {
-                "tau": report.tau, "acceptance_by_position": report.acceptance_by_position,
-                "prompts": report.prompts, "max_new_tokens": args.eval_max_new_tokens,
-                "tokens_per_s_spec": report.tokens_per_s_spec,
-            }
+            # greedy, and the serving temperature an on-policy run was matched to
+            temperatures = sorted({0.0, config.serving_temperature if config.on_policy_ratio else 0.0})
+            entries = []
+            for temperature in temperatures:
+                report = measure(spec, eval_prompts, args.eval_max_new_tokens, plain=False, temperature=temperature,
+                                 seed=args.seed)
+                entry = {"tau": report.tau, "acceptance_by_position": report.acceptance_by_position,
+                         "prompts": report.prompts, "max_new_tokens": args.eval_max_new_tokens,
+                         "tokens_per_s_spec": report.tokens_per_s_spec}
+                entries.append({**entry, "temperature": temperature} if temperature else entry)
+                logger.info("held-out tau %.3f on %s at temperature %g", report.tau, eval_path, temperature)
+            acceptance[Path(eval_path).stem] = entries[0] if len(entries) == 1 else entries
             summary["eval"] = acceptance
-            logger.info("held-out tau %.3f on %s", report.tau, eval_path)
         recipe = {
             "data": str(args.data), "prompts": len(prompts), "divergence": args.divergence,
             "temperature": args.temperature, "data_temperature": args.data_temperature,

@@ -148,8 +148,11 @@ def test_cli_on_policy_flags_and_recipe(model_dir, tmp_path):
     args = _train_args(model_dir, data, adapter, tmp_path / "cache", summary, steps=6)
     assert main(args + ["--on-policy", "--on-policy-refresh", "2", "--on-policy-prompts", "4",
                         "--temperature", "0.8"]) == 0
-    recipe = json.loads((adapter / "adapter_config.json").read_text())["training"]
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    recipe = config["training"]
     assert recipe["on_policy"] is True and recipe["on_policy_ratio"] == 0.5
+    greedy, sampled = config["acceptance"]["prompts"]  # measured greedy and at the serving temperature
+    assert "temperature" not in greedy and sampled["temperature"] == 0.8 and sampled["tau"] >= 1.0
     assert recipe["on_policy_refresh"] == 2 and recipe["on_policy_temperature"] == 0.8
     assert json.loads(summary.read_text())["on_policy_refreshes"] == [0, 2, 4]
     off = tmp_path / "off"
