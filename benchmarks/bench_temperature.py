@@ -1,6 +1,7 @@
 """Which draft wins at which serving temperature (DistillSpec's question, on the shipped target).
 
-Medusa heads and the EAGLE drafter are each distilled three ways on the same step budget:
+Medusa heads and the EAGLE drafter are each distilled three ways on the same step budget per kind
+(``--steps``; EAGLE steps cost less here, so it gets more):
 
 - ``greedy-off``: the target's greedy continuations (off-policy), divergence at T=1;
 - ``T0.7-on``: divergence at T=0.7 on the target's samples at 0.7, half of each batch on-policy
@@ -56,15 +57,16 @@ def train(kind: str, recipe: str, data: Path, args) -> tuple[Path, dict]:
     from training.cli import main as selfdraft
 
     adapter = RESULTS / "adapters" / f"temperature-{kind}-{recipe}"
+    steps = args.steps[("medusa", "eagle").index(kind)]
     summary = adapter.parent / f"{adapter.name}.json"
     if not (adapter / "adapter_config.json").is_file() or not summary.is_file() or args.retrain:
         started = time.perf_counter()
         selfdraft([
             "train", "--model", str(TARGET), "--kind", kind, "--data", str(data), "--out", str(adapter),
-            "--steps", str(args.steps), "--batch-size", "8", "--lr", str(args.lr), "--warmup-steps", "5",
+            "--steps", str(steps), "--batch-size", "8", "--lr", str(args.lr), "--warmup-steps", "5",
             "--max-new-tokens", str(args.train_new_tokens), "--max-length", str(args.max_length),
             "--max-prompts", str(2 * args.train_prompts), "--cache-dir", str(RESULTS / "cache"),
-            "--on-policy-refresh", str(max(1, args.steps // 4)), "--on-policy-prompts", str(args.pool_prompts),
+            "--on-policy-refresh", str(max(1, steps // 4)), "--on-policy-prompts", str(args.pool_prompts),
             "--eval-prompts", "0", "--json", str(summary), "--no-progress", "--seed", "0", *RECIPES[recipe],
         ])
         payload = json.loads(summary.read_text())
@@ -116,7 +118,8 @@ def winners(rows: list[dict], kinds: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", nargs="+", default=["medusa", "eagle"], choices=("medusa", "eagle"))
-    parser.add_argument("--steps", type=int, default=40, help="distillation steps per adapter (all recipes)")
+    parser.add_argument("--steps", type=int, nargs=2, default=[60, 120], metavar=("MEDUSA", "EAGLE"),
+                        help="distillation steps per adapter of each kind (the same for its three recipes)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--train-prompts", type=int, default=64, help="training prompts per mix")
     parser.add_argument("--train-new-tokens", type=int, default=48, help="generated tokens per training prompt")
