@@ -70,6 +70,20 @@ def add_train_parser(commands) -> None:
                         help="length of the target's continuation generated per prompt (distillation data)")
     parser.add_argument("--data-temperature", type=float, default=0.0,
                         help="temperature of the target's continuations (0: greedy, for greedy serving)")
+    group = parser.add_argument_group("on-policy data (DistillSpec)")
+    group.add_argument("--on-policy", action="store_true",
+                       help="mix in sequences that speculative generation with the current drafter produces from the "
+                            "training prompts at the serving temperature, re-scored by the target (ratio 0.5 unless "
+                            "--on-policy-ratio is given)")
+    group.add_argument("--on-policy-ratio", type=float, default=None,
+                       help="share of each batch taken from on-policy data, in [0, 1] (> 0 implies --on-policy)")
+    group.add_argument("--on-policy-refresh", type=int, default=50,
+                       help="regenerate the on-policy data with the current drafter every N steps (default 50)")
+    group.add_argument("--on-policy-temperature", type=float, default=None,
+                       help="temperature of on-policy generation (the serving temperature; 0: greedy; "
+                            "default: --temperature)")
+    group.add_argument("--on-policy-prompts", type=int, default=32,
+                       help="training prompts generated from at each refresh (default 32)")
     parser.add_argument("--original-text", action="store_true",
                         help="train on the prompts' original text instead of the target's continuations")
     parser.add_argument("--max-length", type=int, default=256, help="token length of each training sequence")
@@ -121,10 +135,21 @@ def _add_eagle_arguments(parser) -> None:
                             "test; default 1)")
 
 
+def _on_policy_ratio(args) -> float:
+    if args.on_policy_ratio is None:
+        return 0.5 if args.on_policy else 0.0
+    if args.on_policy and args.on_policy_ratio == 0:
+        raise ValueError("--on-policy with --on-policy-ratio 0: give a ratio in (0, 1] or drop --on-policy")
+    return args.on_policy_ratio
+
+
 def _train_config(args):
     from .trainer import TrainConfig
 
     return TrainConfig(
+        on_policy_ratio=_on_policy_ratio(args), on_policy_refresh=args.on_policy_refresh,
+        on_policy_temperature=args.on_policy_temperature, on_policy_prompts=args.on_policy_prompts,
+        on_policy_max_new_tokens=args.max_new_tokens,
         steps=args.steps, batch_size=args.batch_size, gradient_accumulation=args.gradient_accumulation,
         learning_rate=args.lr, warmup_steps=args.warmup_steps, mixed_precision=args.mixed_precision,
         divergence=args.divergence, temperature=args.temperature, hard_label_weight=args.hard_label_weight,
@@ -138,7 +163,7 @@ def run_train(args) -> int:
     from accelerate import Accelerator
 
     import heads
-    from .data import generate_distillation_data, load_prompts, text_sequences
+    from .data import generate_distillation_data, load_prompts, text_sequences, tokenize_prompts
     from .evaluate import encode_prompts, measure
     from .trainer import make_trainer
 
@@ -165,8 +190,12 @@ def run_train(args) -> int:
                               draft_vocab_size=args.draft_vocab_size,
                               layout=args.eagle_layout)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompt_ids = None
+    if config.on_policy_ratio:  # the training share of the prompts (the last ones' sequences are held out)
+        prompt_ids = tokenize_prompts(tokenizer, prompts, max(1, args.max_length - args.max_new_tokens), truncate=True)
+        prompt_ids = prompt_ids[: max(1, len(prompt_ids) - max(1, int(len(sequences) * config.validation_fraction)))]
     trainer = make_trainer(spec, sequences, config, pad_id=pad_id, checkpoint_dir=args.checkpoint_dir,
-                           progress=not args.no_progress, accelerator=accelerator)
+                           progress=not args.no_progress, accelerator=accelerator, prompts=prompt_ids)
     result = trainer.train(resume=args.resume)
     summary = {"final_loss": result.losses[-1] if result.losses else None, **result.to_dict()}
     if accelerator.is_main_process:
@@ -174,18 +203,26 @@ def run_train(args) -> int:
         if args.eval_prompts:
             eval_path = args.eval_data or args.data
             eval_prompts = encode_prompts(tokenizer, load_prompts(eval_path, tokenizer), args.eval_prompts)
-            report = measure(spec, eval_prompts, args.eval_max_new_tokens, plain=False)
-            acceptance[Path(eval_path).stem] = {
-                "tau": report.tau, "acceptance_by_position": report.acceptance_by_position,
-                "prompts": report.prompts, "max_new_tokens": args.eval_max_new_tokens,
-                "tokens_per_s_spec": report.tokens_per_s_spec,
-            }
+            # greedy, and the serving temperature an on-policy run was matched to
+            temperatures = sorted({0.0, config.serving_temperature if config.on_policy_ratio else 0.0})
+            entries = []
+            for temperature in temperatures:
+                report = measure(spec, eval_prompts, args.eval_max_new_tokens, plain=False, temperature=temperature,
+                                 seed=args.seed)
+                entry = {"tau": report.tau, "acceptance_by_position": report.acceptance_by_position,
+                         "prompts": report.prompts, "max_new_tokens": args.eval_max_new_tokens,
+                         "tokens_per_s_spec": report.tokens_per_s_spec}
+                entries.append({**entry, "temperature": temperature} if temperature else entry)
+                logger.info("held-out tau %.3f on %s at temperature %g", report.tau, eval_path, temperature)
+            acceptance[Path(eval_path).stem] = entries[0] if len(entries) == 1 else entries
             summary["eval"] = acceptance
-            logger.info("held-out tau %.3f on %s", report.tau, eval_path)
         recipe = {
             "data": str(args.data), "prompts": len(prompts), "divergence": args.divergence,
             "temperature": args.temperature, "data_temperature": args.data_temperature,
-            "on_policy": False, "original_text": args.original_text, "steps": args.steps,
+            "on_policy": config.on_policy_ratio > 0, "on_policy_ratio": config.on_policy_ratio,
+            "on_policy_refresh": config.on_policy_refresh if config.on_policy_ratio else None,
+            "on_policy_temperature": config.serving_temperature if config.on_policy_ratio else None,
+            "original_text": args.original_text, "steps": args.steps,
             "config": config.__dict__, "processes": accelerator.num_processes,
         }
         spec.save_pretrained(args.out, training=recipe, acceptance=acceptance, revision=args.revision)

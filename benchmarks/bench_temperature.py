@@ -1,0 +1,182 @@
+"""Which draft wins at which serving temperature (DistillSpec's question, on the shipped target).
+
+Medusa heads and the EAGLE drafter are each distilled three ways on the same step budget per kind
+(``--steps``; EAGLE steps cost less here, so it gets more):
+
+- ``greedy-off``: the target's greedy continuations (off-policy), divergence at T=1;
+- ``T0.7-on``: divergence at T=0.7 on the target's samples at 0.7, half of each batch on-policy
+  (sequences speculative generation with the current drafter samples at 0.7, refreshed 4 times);
+- ``T1.0-on``: the same at T=1.0.
+
+Each is served at T in {0, 0.5, 0.7, 1.0} on held-out prompts of each mix (code, prose):
+speculative and plain generation alternate prompt by prompt in one process at the same temperature
+(``training.evaluate.measure``; medians over prompts). Reports tau (tokens per target forward,
+bonus included), tokens/s each way and speedup per cell, per mix; writes
+``benchmarks/results/temperature.json`` and ``temperature.png``. Adapters are cached under
+``benchmarks/results/adapters`` (``--retrain`` to redo them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.common import RESULTS, table, write_json  # noqa: E402
+from benchmarks.demo import MIXES, PROMPTS, TARGET  # noqa: E402
+
+RECIPES = {
+    "greedy-off": ["--temperature", "1.0", "--data-temperature", "0"],
+    "T0.7-on": ["--temperature", "0.7", "--data-temperature", "0.7", "--on-policy"],
+    "T1.0-on": ["--temperature", "1.0", "--data-temperature", "1.0", "--on-policy"],
+}
+MATCHED = {0.0: "greedy-off", 0.7: "T0.7-on", 1.0: "T1.0-on"}
+"""The draft trained for each serving temperature (0.5 has none)."""
+SERVING = (0.0, 0.5, 0.7, 1.0)
+COLUMNS = ["kind", "recipe", "serve_T", "mix", "tau", "tok/s plain", "tok/s spec", "speedup", "accept"]
+
+
+def mixed_file(per_mix: int) -> Path:
+    """The first ``per_mix`` training prompts of each mix, interleaved, in one jsonl file."""
+    lines = {mix: (PROMPTS / f"train_{mix}.jsonl").read_text().splitlines()[:per_mix] for mix in MIXES}
+    path = RESULTS / "cache" / f"train_mixed_{per_mix}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(line for pair in zip(*lines.values()) for line in pair) + "\n")
+    return path
+
+
+def train(kind: str, recipe: str, data: Path, args) -> tuple[Path, dict]:
+    """The cached adapter of ``kind`` x ``recipe`` (trained with ``selfdraft train`` if missing)."""
+    from training.cli import main as selfdraft
+
+    adapter = RESULTS / "adapters" / f"temperature-{kind}-{recipe}"
+    steps = args.steps[("medusa", "eagle").index(kind)]
+    summary = adapter.parent / f"{adapter.name}.json"
+    if not (adapter / "adapter_config.json").is_file() or not summary.is_file() or args.retrain:
+        started = time.perf_counter()
+        selfdraft([
+            "train", "--model", str(TARGET), "--kind", kind, "--data", str(data), "--out", str(adapter),
+            "--steps", str(steps), "--batch-size", "8", "--lr", str(args.lr), "--warmup-steps", "5",
+            "--max-new-tokens", str(args.train_new_tokens), "--max-length", str(args.max_length),
+            "--max-prompts", str(2 * args.train_prompts), "--cache-dir", str(RESULTS / "cache"),
+            "--on-policy-refresh", str(max(1, steps // 4)), "--on-policy-prompts", str(args.pool_prompts),
+            "--eval-prompts", "0", "--json", str(summary), "--no-progress", "--seed", "0", *RECIPES[recipe],
+        ])
+        payload = json.loads(summary.read_text())
+        payload["wall_seconds"] = time.perf_counter() - started  # data generation included
+        summary.write_text(json.dumps(payload, indent=2) + "\n")
+    payload = json.loads(summary.read_text())
+    return adapter, {key: payload.get(key) for key in ("seconds", "wall_seconds", "final_loss",
+                                                       "on_policy_refreshes", "on_policy_tau")}
+
+
+def plot(rows: list[dict], kinds: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, len(kinds), figsize=(5.5 * len(kinds), 7.5), squeeze=False)
+    for column, kind in enumerate(kinds):
+        for recipe in RECIPES:
+            for row_index, (metric, label) in enumerate((("tau", "tau (tokens / target forward)"),
+                                                         ("speedup", "speedup vs model.generate (median)"))):
+                axis = axes[row_index][column]
+                for mix, style in zip(MIXES, ("-", "--")):
+                    cells = sorted((r for r in rows if (r["kind"], r["recipe"], r["mix"]) == (kind, recipe, mix)),
+                                   key=lambda r: r["serve_T"])
+                    axis.plot([c["serve_T"] for c in cells], [c[metric] for c in cells], style, marker="o",
+                              color=f"C{list(RECIPES).index(recipe)}", label=f"{recipe} ({mix})")
+                axis.set_xlabel("serving temperature (0 = greedy)")
+                axis.set_ylabel(label)
+                axis.set_title(f"{kind}: {metric} vs serving temperature")
+        axes[0][column].legend(fontsize=7)
+        axes[1][column].axhline(1.0, color="gray", linewidth=1)
+    figure.suptitle("drafts distilled greedy/off-policy, on-policy at T=0.7, on-policy at T=1.0 (demo target)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def winners(rows: list[dict], kinds: list[str]) -> dict:
+    """Per kind and serving temperature: the recipe with the highest tau summed over mixes."""
+    best = {}
+    for kind in kinds:
+        for temperature in SERVING:
+            scores = {recipe: sum(r["tau"] for r in rows if (r["kind"], r["recipe"], r["serve_T"])
+                                  == (kind, recipe, temperature)) for recipe in RECIPES}
+            best[f"{kind}@T={temperature}"] = max(scores, key=scores.get)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", nargs="+", default=["medusa", "eagle"], choices=("medusa", "eagle"))
+    parser.add_argument("--steps", type=int, nargs=2, default=[60, 120], metavar=("MEDUSA", "EAGLE"),
+                        help="distillation steps per adapter of each kind (the same for its three recipes)")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--train-prompts", type=int, default=64, help="training prompts per mix")
+    parser.add_argument("--train-new-tokens", type=int, default=48, help="generated tokens per training prompt")
+    parser.add_argument("--max-length", type=int, default=96, help="tokens per training sequence")
+    parser.add_argument("--pool-prompts", type=int, default=8, help="on-policy prompts per refresh")
+    parser.add_argument("--prompts", type=int, default=12, help="held-out prompts per mix and cell")
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per held-out prompt")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
+    parser.add_argument("--train-threads", type=int, default=2, help="torch threads while distilling")
+    parser.add_argument("--retrain", action="store_true", help="retrain cached adapters")
+    args = parser.parse_args()
+
+    import heads
+    from training.cli import _load_model
+    from training.data import load_prompts
+    from training.evaluate import encode_prompts, measure
+
+    started = time.perf_counter()
+    data = mixed_file(args.train_prompts)
+    adapters, training = {}, {}
+    torch.set_num_threads(args.train_threads)
+    for kind in args.kinds:
+        for recipe in RECIPES:
+            adapters[kind, recipe], training[f"{kind}/{recipe}"] = train(kind, recipe, data, args)
+            print(f"{kind}/{recipe}: {json.dumps(training[f'{kind}/{recipe}'])}", flush=True)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = _load_model(str(TARGET))
+    prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / f"{mix}.jsonl"), args.prompts) for mix in MIXES}
+    rows = []
+    for (kind, recipe), adapter in adapters.items():
+        spec = heads.load_heads(model, adapter)
+        for temperature in SERVING:
+            for mix in MIXES:
+                report = measure(spec, prompts[mix], args.max_new_tokens, temperature=temperature, seed=0)
+                rows.append({"kind": kind, "recipe": recipe, "serve_T": temperature, "mix": mix, "tau": report.tau,
+                             "tok/s plain": report.tokens_per_s_plain, "tok/s spec": report.tokens_per_s_spec,
+                             "speedup": report.speedup,
+                             "accept": " ".join(f"{a:.2f}" for a in report.acceptance_by_position[:6]),
+                             "identical": report.identical if temperature == 0 else None})
+                print(table([rows[-1]], COLUMNS), flush=True)
+    print("\n" + table(rows, COLUMNS))
+    best = winners(rows, args.kinds)
+    matched = {key: best[key] == MATCHED[float(key.split("=")[1])] for key in best
+               if float(key.split("=")[1]) in MATCHED}
+    print("\nbest draft by tau (summed over mixes):", json.dumps(best, indent=1))
+    print("matched draft wins its column:", json.dumps(matched, indent=1))
+    path = write_json("temperature.json", {
+        "target": str(TARGET), "prompts_per_mix": args.prompts, "max_new_tokens": args.max_new_tokens,
+        "settings": {key: getattr(args, key) for key in ("steps", "lr", "train_prompts", "train_new_tokens",
+                                                          "max_length", "pool_prompts", "threads",
+                                                          "train_threads")},
+        "recipes": RECIPES, "cells": rows, "winners": winners(rows, args.kinds), "matched_wins": matched,
+        "training": training, "seconds": time.perf_counter() - started,
+    })
+    plot(rows, args.kinds, RESULTS / "temperature.png")
+    print(f"wrote {path} and {RESULTS / 'temperature.png'} ({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
