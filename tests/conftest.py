@@ -81,10 +81,11 @@ def progression_batch(count: int, length: int, generator: torch.Generator, vocab
     return batch
 
 
-def train_toy_target(steps: int = 150, seed: int = 0, vocab: int = VOCAB, noise: float = 0.0):
+def train_toy_target(steps: int = 150, seed: int = 0, vocab: int = VOCAB, noise: float = 0.0, batches=None):
     """A tiny Llama trained for a few seconds on progressions: its greedy continuations are
     predictable, so draft heads can learn them (random weights give near-unlearnable loops).
-    With ``noise`` its distributions keep real spread (for sampling tests)."""
+    With ``noise`` its distributions keep real spread (for sampling tests). ``batches(generator)``
+    replaces the progressions with another language (``[32, 24]`` ids per step)."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**{**_COMMON, "vocab_size": vocab}))
     model.set_attn_implementation("sdpa")
@@ -94,7 +95,7 @@ def train_toy_target(steps: int = 150, seed: int = 0, vocab: int = VOCAB, noise:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        batch = progression_batch(32, 24, generator, vocab, noise)
+        batch = batches(generator) if batches else progression_batch(32, 24, generator, vocab, noise)
         loss = model(batch, labels=batch).loss
         loss.backward()
         optimizer.step()

@@ -9,10 +9,9 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import heads
-from tests.conftest import _COMMON, greedy_reference, progression_batch
+from tests.conftest import greedy_reference, progression_batch, train_toy_target
 from training.cli import main
 from training.data import generate_on_policy_data
 from training.trainer import TrainConfig, make_trainer
@@ -210,24 +209,14 @@ def _fork_target(seed: int, up: float = 0.8, steps: int = 150):
     """A tiny Llama trained on +1 / -1 progressions (up with probability ``up``) over ids 3..31: after
     a one-token prompt its first token picks a direction, then it continues near-deterministically.
     Its greedy continuations go (nearly) all one way; samples at T=1 visit the other direction too."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**_COMMON, "vocab_size": FORK_VOCAB}))
-    model.set_attn_implementation("sdpa")
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     span = FORK_VOCAB - 3
-    model.train()
-    for _ in range(steps):
+
+    def fork_batch(generator):
         start = torch.randint(0, span, (32, 1), generator=generator)
         direction = torch.where(torch.rand(32, 1, generator=generator) < up, 1, -1)
-        batch = 3 + (start + direction * torch.arange(24)) % span
-        model(batch, labels=batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-    return model
+        return 3 + (start + direction * torch.arange(24)) % span
+
+    return train_toy_target(steps, seed, FORK_VOCAB, batches=fork_batch)
 
 
 def _sampled_tau(spec, prompts, temperature: float) -> float:
