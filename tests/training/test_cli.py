@@ -73,6 +73,14 @@ def test_train_then_bench(model_dir, tmp_path):
         assert key in report
     assert report["tau"] > 1.0
 
+    code = main(["bench", "--model", str(model_dir), "--adapter", str(adapter), "--data", str(data),
+                 "--max-new-tokens", "12", "--prompts", "2", "--temperature", "0.7", "--json", str(bench_json)])
+    report = json.loads(bench_json.read_text())
+    assert code == 0 and report["identical"] is None and report["temperature"] == 0.7 and report["tau"] >= 1.0
+    with pytest.raises(SystemExit, match="--temperature must be >= 0"):
+        main(["bench", "--model", str(model_dir), "--adapter", str(adapter), "--data", str(data),
+              "--temperature", "-1"])
+
 
 def test_two_process_ddp_matches_one_process(model_dir, tmp_path):
     data = _write_prompts(tmp_path / "prompts.jsonl", 16, seed=2)
