@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Protocol, Sequence
+from typing import Collection, Protocol, Sequence
 
 import torch
 
@@ -66,37 +66,23 @@ class Drafter(Protocol):
 
 
 class PerRowDrafter:
-    """A :class:`Drafter` made of one :class:`RowDrafter` per row (drafters with per-sequence
-    state, such as a KV cache). ``make`` builds more row drafters when a larger batch arrives."""
+    """A :class:`Drafter` made of one :class:`RowDrafter` per row (drafters written for one
+    sequence, with per-sequence state); serves batches of up to ``len(drafters)`` rows."""
 
-    def __init__(self, make: Callable[[], RowDrafter] | None = None, drafters: Sequence[RowDrafter] = ()) -> None:
-        if make is None and not drafters:
-            raise ValueError("PerRowDrafter needs `make` or at least one row drafter")
-        self.make = make
+    def __init__(self, drafters: Sequence[RowDrafter]) -> None:
+        if not drafters:
+            raise ValueError("PerRowDrafter needs at least one row drafter")
         self.drafters = list(drafters)
 
     def reset(self, batch_size: int) -> None:
-        while len(self.drafters) < batch_size:
-            if self.make is None:
-                raise ValueError(f"PerRowDrafter holds {len(self.drafters)} row drafters and cannot make more "
-                                 f"for a batch of {batch_size}")
-            self.drafters.append(self.make())
+        if batch_size > len(self.drafters):
+            raise ValueError(f"PerRowDrafter holds {len(self.drafters)} row drafters; a batch of {batch_size} "
+                             "needs one per row")
         for drafter in self.drafters[:batch_size]:
             drafter.reset()
 
     def propose(self, rows, features, tokens, roots) -> list[Tree]:
         return [self.drafters[row].propose(f, t, root) for row, f, t, root in zip(rows, features, tokens, roots)]
-
-
-class RootOnly:
-    """The drafter of plain decoding: every tree is the root alone."""
-
-    def reset(self, batch_size: int) -> None:
-        pass
-
-    def propose(self, rows, features, tokens, roots) -> list[Tree]:
-        device = features[0].device
-        return [Tree.from_parents(torch.tensor([root], device=device), [-1]) for root in roots]
 
 
 @dataclass

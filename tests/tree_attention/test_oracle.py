@@ -53,7 +53,7 @@ def test_oracle_accepts_whole_paths_and_stays_identical(name):
     max_new = 41
     reference = greedy_reference(model, prompt, max_new + 8)[0].tolist()
     drafter = OracleDrafter(reference, template, seed=2)
-    output, stats = speculative_generate(target, PerRowDrafter(drafters=[drafter]), prompt, max_new)
+    output, stats = speculative_generate(target, PerRowDrafter([drafter]), prompt, max_new)
     assert output[0].tolist() == reference[: prompt.shape[1] + max_new]
     # every verify step accepts the full depth (3 drafts + bonus), except possibly the last
     assert all(length == 3 for length in stats.accepted_lengths[:-1])
