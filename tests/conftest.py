@@ -56,6 +56,16 @@ def random_prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=generator)
 
 
+def left_pad(prompts, width: int | None = None, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D prompts as a left-padded batch ``[B, width]`` (default: the longest) and its attention mask."""
+    width = width or max(prompt.numel() for prompt in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.numel():], mask[row, width - prompt.numel():] = prompt, 1
+    return ids, mask
+
+
 def greedy_reference(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,

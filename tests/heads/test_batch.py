@@ -8,7 +8,7 @@ import torch
 
 import heads
 from heads.backbone import inspect_backbone
-from tests.conftest import VOCAB, build_model
+from tests.conftest import VOCAB, build_model, left_pad
 from tree_attention.decode import PerRowDrafter, SpeculativeDecoder, speculative_generate
 from tree_attention.mask import prefill_attention_mask
 from tree_attention import cache as cache_ops
@@ -20,13 +20,7 @@ LENGTHS = (5, 11, 8, 2)
 def padded_batch(lengths=LENGTHS, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded random prompts (pad id 0) and their attention mask."""
     generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        ids[row, width - length:] = torch.randint(3, VOCAB, (length,), generator=generator)
-        mask[row, width - length:] = 1
-    return ids, mask
+    return left_pad([torch.randint(3, VOCAB, (length,), generator=generator) for length in lengths])
 
 
 def reference(model, ids, mask, max_new_tokens) -> torch.Tensor:
@@ -92,7 +86,7 @@ class NoisyOracle:
 
 def oracle_drafter(model, ids, mask, max_new_tokens, template) -> PerRowDrafter:
     expected = reference(model, ids, mask, max_new_tokens + 8)[:, ids.shape[1]:]
-    return PerRowDrafter(drafters=[NoisyOracle(expected[row].tolist(), template, seed=row)
+    return PerRowDrafter([NoisyOracle(expected[row].tolist(), template, seed=row)
                                    for row in range(ids.shape[0])])
 
 
@@ -171,7 +165,7 @@ def test_holes_are_compacted_and_decoding_stays_identical():
     expected = reference(model, ids, mask, 60)
     continuations = expected[:, ids.shape[1]:].tolist()
     template = from_choices([(0,) * depth for depth in range(1, 8)])  # a chain of 7
-    drafter = PerRowDrafter(drafters=[TakingTurns(continuations[row] + [0] * 16, template, 3, row) for row in range(3)])
+    drafter = PerRowDrafter([TakingTurns(continuations[row] + [0] * 16, template, 3, row) for row in range(3)])
     decoder = SpeculativeDecoder(target, drafter, ids, 60, (), attention_mask=mask, pad_token_id=0)
     widths = []
     with torch.no_grad():

@@ -11,7 +11,9 @@ import torch
 
 import heads
 from heads.eagle import EagleConfig, unrolled_attention_mask
-from tests.conftest import ARCHITECTURES, VOCAB, build_model, greedy_reference, progression_batch, random_prompt
+from tests.conftest import (
+    ARCHITECTURES, VOCAB, build_model, greedy_reference, left_pad, progression_batch, random_prompt,
+)
 from training.trainer import TrainConfig, make_trainer
 from tree_attention import cache as cache_ops
 from tree_attention.decode import speculative_generate
@@ -447,11 +449,7 @@ class RowByRow:
 def test_batched_drafter_grows_the_trees_of_batch_1_runs(trained):
     generator = torch.Generator().manual_seed(21)
     prompts = [progression_batch(1, length, generator)[0] for length in (5, 9, 3, 7)]
-    width = max(prompt.numel() for prompt in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - prompt.numel():], mask[row, width - prompt.numel():] = prompt, 1
+    ids, mask = left_pad(prompts)
     shape = dict(depth=4, top_k=3, total_tokens=10)
     trained.set_tree(shape)
     checker = RowByRow(trained, shape)

@@ -18,7 +18,7 @@ import torch
 
 import heads
 from heads.generation import resolve_sampling, warper
-from tests.conftest import greedy_reference, progression_batch, train_toy_target
+from tests.conftest import greedy_reference, left_pad, progression_batch, train_toy_target
 from training.trainer import MedusaTrainer, TrainConfig, make_trainer
 from tests.stats import FALSE_ALARM, chi_square_pvalue
 from tree_attention.verify import SamplingRule
@@ -182,14 +182,8 @@ def test_eagle_greedy_unchanged(model, eagle_spec):
 
 
 def batched_samples(spec, runs: int = RUNS, rows: int = 8, seed: int = 0, **settings) -> list[tuple[int, int, int]]:
-    """``runs`` samples from batched runs of ``rows`` copies of PROMPT, left-padded by 0-2 tokens."""
-    pads = [row % 3 for row in range(rows)]
-    width = PROMPT.shape[1] + max(pads)
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    mask = torch.zeros(rows, width, dtype=torch.long)
-    for row, pad in enumerate(pads):
-        ids[row, width - PROMPT.shape[1]:] = PROMPT[0]
-        mask[row, width - PROMPT.shape[1]:] = 1
+    """``runs`` samples from batched runs of ``rows`` copies of PROMPT, each left-padded by 2 tokens."""
+    ids, mask = left_pad([PROMPT[0]] * rows, width=PROMPT.shape[1] + 2)
     generator = torch.Generator().manual_seed(seed)
     samples, accepted = [], 0
     for _ in range(runs // rows):
