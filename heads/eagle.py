@@ -452,11 +452,9 @@ class EagleDrafter:
                 parents[row, :size] = outputs[row][request.parents + 1]
                 query_tokens[row, :size] = request.tokens
                 query_positions[row, :size] += request.depth
-                new_columns = columns[row] + [grown + i for i in range(size)]
-                for node in range(size):
-                    ancestors = torch.nonzero(request.ancestors[node]).flatten().tolist()
-                    visible[row, node, [new_columns[a] for a in ancestors]] = True
-                columns[row] = new_columns
+                columns[row] = columns[row] + [grown + i for i in range(size)]
+                # request.ancestors[i, j]: expanded node j (expansion order) is node i or its ancestor
+                visible[row, :size, torch.tensor(columns[row], device=device)] = request.ancestors
             keys = torch.cat([expansion_positions, query_positions], dim=1)
             mask = self.cache.mask(query_positions, visible, self.heads.layout, parents.dtype, keys)
             embeddings = self.target.input_embeddings(query_tokens)  # (R, m, d)
