@@ -14,69 +14,53 @@ from transformers import PreTrainedModel
 from tree_attention.decode import DecodeStats
 from tree_attention.tree import InvalidTreeError
 
-from .adapter import AdapterError, TargetMismatchError, load_heads
+from . import kinds
+from .adapter import AdapterError, TargetMismatchError, TargetPin
 from .backbone import SUPPORTED_ARCHITECTURES, Backbone, UnsupportedBackboneError, inspect_backbone
 from .eagle import EagleConfig, EagleHeads
+from .loading import load_heads
 from .medusa import MedusaConfig, MedusaHeads
-from .model import KINDS as _KINDS, SpeculativeModel, build_spec
+from .model import SpeculativeModel, build_spec
 
 
 __all__ = [
     "attach_heads", "load_heads", "SpeculativeModel", "MedusaConfig", "MedusaHeads", "EagleConfig", "EagleHeads",
-    "DecodeStats",
-    "Backbone", "inspect_backbone", "SUPPORTED_ARCHITECTURES", "AdapterError", "TargetMismatchError",
+    "DecodeStats", "kinds",
+    "Backbone", "inspect_backbone", "SUPPORTED_ARCHITECTURES", "AdapterError", "TargetMismatchError", "TargetPin",
     "UnsupportedBackboneError", "InvalidTreeError",
 ]
 
 
-def _refuse_options(kind: str, **options) -> None:
-    given = [name for name, value in options.items() if value is not None]
-    if given:
-        other = "eagle" if kind == "medusa" else "medusa"
-        raise ValueError(f"{', '.join(given)}: option(s) of kind={other!r}, not of kind={kind!r}")
+def _refuse_foreign_options(entry, options: dict) -> None:
+    """ValueError for options ``entry`` does not take, naming the kinds that do."""
+    foreign = [name for name, value in options.items() if value is not None and name not in entry.options]
+    if not foreign:
+        return
+    owners = sorted({other.name for other in kinds.registry().values() for name in foreign if name in other.options})
+    whose = f"option(s) of kind={owners[0]!r}" if len(owners) == 1 else (
+        f"option(s) of kinds {owners}" if owners else "not an option of any kind")
+    raise ValueError(f"{', '.join(foreign)}: {whose}, not of kind={entry.name!r} (its options: {list(entry.options)})")
 
 
-def attach_heads(model: PreTrainedModel, kind: str = "medusa", num_heads: int | None = None, num_layers: int = 1,
-                 share_lm_head: bool | None = None, tree=None, *, depth: int | None = None,
-                 top_k: int | None = None, total_tokens: int | None = None,
-                 feature_layers: Sequence[int] | None = None,
-                 draft_vocab_size: int | None = None, layout: str | None = None) -> SpeculativeModel:
-    """Freeze ``model`` and attach a fresh (untrained) drafter to it.
+def attach_heads(model: PreTrainedModel, kind: str = "medusa", **options) -> SpeculativeModel:
+    """Freeze ``model`` and attach a fresh (untrained) drafter of ``kind`` to it.
 
     Args:
         model: a decoder-only ``PreTrainedModel`` (eager or sdpa attention).
-        kind: ``"medusa"`` (K heads on the top-layer features) or ``"eagle"`` (an autoregressive
-            drafter in feature space with a dynamic tree).
-        num_heads: Medusa heads K (default 4); head k predicts the token k + 2 positions ahead.
-        num_layers: residual blocks per Medusa head; decoder layers of the EAGLE drafter.
-        share_lm_head: Medusa: reuse the backbone's frozen output head in every head.
-        tree: Medusa verification tree: a node count for a default tree, or a list of rank paths.
-        depth: EAGLE: deepest level of the dynamic tree (default ``EagleConfig.depth``).
-        top_k: EAGLE: children per expanded node and nodes expanded per level.
-        total_tokens: EAGLE: drafted nodes verified per step (>= depth; given without ``depth``, it
-            lowers the default depth to fit; 0: no drafting).
-        feature_layers: EAGLE-3: backbone hidden states to fuse as input (0: embeddings,
-            ``num_hidden_layers``: top layer); None: the top-layer features.
-        draft_vocab_size: EAGLE-3: reduced draft vocabulary (set from data by the trainer).
-        layout: EAGLE drafter architecture: ``"native"`` (default), ``"eagle1"`` or ``"eagle3"``
-            (the EAGLE-1 layer / EAGLE-3 midlayer, exportable to those checkpoint layouts).
+        kind: a registered drafter kind (:func:`heads.kinds.names`): ``"medusa"`` (K heads on the
+            top-layer features) or ``"eagle"`` (an autoregressive drafter in feature space with a
+            dynamic tree), ...
+        options: the kind's own options (``heads.kinds.get(kind).options``), e.g. Medusa's
+            ``num_heads``, ``num_layers``, ``share_lm_head``, ``tree``; EAGLE's ``num_layers``,
+            ``depth``, ``top_k``, ``total_tokens``, ``feature_layers``, ``draft_vocab_size``,
+            ``layout`` (see :class:`MedusaConfig` and :class:`EagleConfig`). An option the kind
+            does not take is a ValueError naming it.
 
     The backbone's parameters get ``requires_grad=False``; its outputs are unchanged.
     """
-    if kind not in _KINDS:
-        raise ValueError(f"kind must be one of {tuple(_KINDS)}; got {kind!r}")
-    if kind == "medusa":
-        _refuse_options(kind, depth=depth, top_k=top_k, total_tokens=total_tokens,
-                        feature_layers=feature_layers, draft_vocab_size=draft_vocab_size, layout=layout)
-        config = MedusaConfig(num_heads=4 if num_heads is None else num_heads, num_layers=num_layers,
-                              share_lm_head=bool(share_lm_head), tree=tree)
-    else:
-        _refuse_options(kind, num_heads=num_heads, share_lm_head=share_lm_head, tree=tree)
-        shape = {name: value for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens))
-                 if value is not None}
-        config = EagleConfig(num_layers=num_layers, feature_layers=feature_layers,  # a lone total_tokens lowers depth
-                             draft_vocab_size=draft_vocab_size, layout=layout or "native",
-                             **EagleConfig().with_tree(shape).tree)
+    entry = kinds.get(kind)
+    _refuse_foreign_options(entry, options)
+    config = entry.make_config(**options)
     target = inspect_backbone(model)
     model.requires_grad_(False)
     return build_spec(target, kind, config)

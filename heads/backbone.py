@@ -1,5 +1,5 @@
-"""Everything architecture-specific about a Hugging Face causal LM; the only module that knows
-model families.
+"""The :class:`Backbone` view of a Hugging Face causal LM: what drafters and the loop need from
+it, found through the public API (family-specific knowledge lives in :mod:`heads.families`).
 
 :class:`Backbone` wraps an unmodified ``PreTrainedModel`` and exposes what drafters and the
 decode loop need: input embeddings, output head, final norm, hidden and vocab sizes, the
@@ -11,11 +11,7 @@ It runs the model through its public forward only: ``input_ids``, a 4D ``attenti
 Drafters that read more than the top layer (EAGLE-3 feature fusion) get a *view* of the backbone
 with ``feature_layers`` set (:meth:`Backbone.with_feature_layers`): its ``forward`` then returns
 the concatenation of those layers' hidden states as the features, so the decode loop hands them
-to the drafter without knowing what they are. :func:`decoder_copy` builds a small trainable
-copy of the family's own decoder stack (the EAGLE drafter's layer), in the layout of selfdraft
-(``native``) or of EAGLE-1 (no first input layernorm, no final norm); :func:`eagle3_parts` gives
-the family's modules that an EAGLE-3 midlayer is assembled from. :data:`EAGLE_LAYOUT_FAMILIES`
-says which families each layout supports.
+to the drafter without knowing what they are.
 
 At construction it *probes* the model on a few tokens: the logits it rebuilds from the features
 must equal the model's own, and a 4D mask that hides a token must really hide it. A model that
@@ -24,7 +20,6 @@ fails either is refused with :class:`UnsupportedBackboneError` instead of decodi
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
@@ -44,29 +39,13 @@ from transformers.models.auto.modeling_auto import (
 from tree_attention import cache as cache_ops
 from tree_attention.mask import AttentionMask, MaskLayout, additive_mask, prefill_attention_mask
 
-logger = logging.getLogger(__name__)
+from .families import SUPPORTED_ARCHITECTURES, UnsupportedBackboneError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox", "phi3", "gemma2")
-"""Families covered by the parity tests. Other decoder-only causal LMs are accepted when they pass
-the construction probe, with a log message that they are untested."""
+logger = logging.getLogger(__name__)
 
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 _FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f", "final_norm")
 _PROBE_TOLERANCE = 1e-4
-
-
-EAGLE_LAYOUT_FAMILIES: dict[str, tuple[str, ...] | None] = {
-    "native": None,  # any family that passes the probe
-    "eagle1": ("llama", "mistral", "qwen2"),
-    "eagle3": ("llama",),
-}
-"""EAGLE drafter layouts and the model families each supports (None: every family). ``eagle1``
-and ``eagle3`` need a Llama-style decoder layer (``input_layernorm``, ``self_attn`` with separate
-``q/k/v/o_proj``, ``post_attention_layernorm``, ``mlp``) and a base model with ``norm``."""
-
-
-class UnsupportedBackboneError(TypeError):
-    """The model cannot serve as a target: wrong kind of model, attention kernel or behaviour."""
 
 
 def _causal_lm_class_names() -> set[str]:
@@ -258,90 +237,6 @@ class Backbone:
 
     def fingerprint(self) -> dict:
         return target_fingerprint(self.model)
-
-
-def check_eagle_layout(backbone: Backbone, layout: str) -> None:
-    """Raise ValueError unless ``backbone``'s family supports the EAGLE drafter ``layout``
-    (see :data:`EAGLE_LAYOUT_FAMILIES`), naming the family and the layouts it supports."""
-    if layout not in EAGLE_LAYOUT_FAMILIES:
-        raise ValueError(f"EAGLE layout must be one of {tuple(EAGLE_LAYOUT_FAMILIES)}; got {layout!r}")
-    families = EAGLE_LAYOUT_FAMILIES[layout]
-    if families is None:
-        return
-    family = backbone.model_type
-    layer = _first_layer(backbone.base)
-    llama_style = (layer is not None and isinstance(getattr(backbone.base, "norm", None), nn.Module)
-                   and all(isinstance(getattr(layer, name, None), nn.Module)
-                           for name in ("input_layernorm", "post_attention_layernorm", "mlp"))
-                   and all(isinstance(getattr(getattr(layer, "self_attn", None), name, None), nn.Linear)
-                           for name in ("q_proj", "k_proj", "v_proj", "o_proj")))
-    if family not in families or not llama_style:
-        supported = [name for name, allowed in EAGLE_LAYOUT_FAMILIES.items() if allowed is None or family in allowed]
-        raise ValueError(
-            f"EAGLE layout {layout!r} builds Llama-style decoder layers and supports the families "
-            f"{list(families)}; this backbone is {family!r}, which supports the layouts {supported}"
-        )
-
-
-def _first_layer(base: nn.Module) -> nn.Module | None:
-    layers = getattr(base, "layers", None)
-    return layers[0] if isinstance(layers, nn.ModuleList) and len(layers) else None
-
-
-def decoder_copy(backbone: Backbone, num_layers: int = 1, layout: str = "native") -> nn.Module:
-    """A fresh, randomly initialised ``num_layers``-layer copy of the backbone's base model, of its
-    family and width, with its token-embedding table removed (feed it ``inputs_embeds``).
-
-    The config is copied with ``num_hidden_layers`` (and ``layer_types``) cut to ``num_layers`` and
-    every dropout rate set to 0. What stays (position embeddings of absolute-position families, the
-    final norm, rotary tables) belongs to the copy. Runs through the family's public forward with
-    ``inputs_embeds``, ``position_ids``, a 4D mask and a ``Cache``.
-
-    ``layout="eagle1"``: the EAGLE-1 decoder, i.e. the first layer's input layernorm and the final
-    norm replaced by identities (the output is the residual stream of the last layer); ValueError
-    for a family :func:`check_eagle_layout` refuses.
-    """
-    if layout not in ("native", "eagle1"):
-        raise ValueError(f"decoder_copy builds the 'native' or 'eagle1' layout; got {layout!r}")
-    check_eagle_layout(backbone, layout)
-    config = copy.deepcopy(backbone.model.config)
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = list(config.layer_types)[:num_layers]
-    for key, value in config.to_dict().items():
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            setattr(config, key, 0.0)
-    decoder = type(backbone.base)(config)
-    embeddings = decoder.get_input_embeddings()
-    for name, child in list(decoder.named_children()):
-        if child is embeddings:
-            setattr(decoder, name, None)
-    if any(module is embeddings for module in decoder.modules()):
-        raise UnsupportedBackboneError(
-            f"{type(backbone.base).__name__}: could not remove the token embeddings from the drafter's decoder copy"
-        )
-    if layout == "eagle1":
-        decoder.layers[0].input_layernorm = nn.Identity()
-        decoder.norm = nn.Identity()
-    return decoder
-
-
-def eagle3_parts(backbone: Backbone) -> dict[str, object]:
-    """Fresh modules of the backbone's family for an EAGLE-3 midlayer (one decoder layer wide):
-    ``self_attn`` (the family's attention with ``q/k/v_proj`` taking ``2d`` inputs),
-    ``input_layernorm``, ``hidden_norm``, ``post_attention_layernorm``, ``mlp``, ``norm`` and
-    ``rotary_emb``, plus the decoder copy's ``config``. ValueError for a family other than Llama."""
-    check_eagle_layout(backbone, "eagle3")
-    decoder = decoder_copy(backbone, 1)
-    layer = decoder.layers[0]
-    attention = layer.self_attn
-    for name in ("q_proj", "k_proj", "v_proj"):
-        linear = getattr(attention, name)
-        setattr(attention, name, nn.Linear(2 * linear.in_features, linear.out_features, bias=linear.bias is not None))
-    return {"self_attn": attention, "input_layernorm": layer.input_layernorm,
-            "hidden_norm": copy.deepcopy(layer.input_layernorm),
-            "post_attention_layernorm": layer.post_attention_layernorm, "mlp": layer.mlp,
-            "norm": decoder.norm, "rotary_emb": decoder.rotary_emb, "config": decoder.config}
 
 
 def inspect_backbone(model: PreTrainedModel, probe: bool = True) -> Backbone:

@@ -1,72 +1,38 @@
-"""Checkpoint layouts of other Medusa/EAGLE implementations: export to them, import from them.
+"""Checkpoint layouts of other projects: detection, export and import, generic over kinds.
 
-Formats (``FORMATS``) and the loader versions they were matched against (read at these commits):
-
-* ``medusa``: FasterDecoding/Medusa at e2a5d20 (2024-04-18). ``medusa/model/medusa_model.py``
-  (``MedusaModel.from_pretrained``, MEDUSA-v0.1 path) reads ``config.json`` (``medusa_num_heads``,
-  ``medusa_num_layers``, ``base_model_name_or_path``; no ``model_type``, so ``AutoConfig`` fails and
-  that path is taken) and ``torch.load("medusa_lm_head.pt")`` into ``medusa_head`` (state-dict keys
-  ``{h}.{l}.linear.weight|bias`` for the residual blocks, ``{h}.{L}.weight`` for head ``h``'s
-  vocabulary projection); ``medusa/train/train_legacy.py`` writes the same keys to
-  ``medusa_lm_head.safetensors``. Export writes both files (the ``.pt`` holds plain tensors and is
-  readable with ``torch.load(weights_only=True)``); import reads the safetensors file when present.
-  Two habits of that loader: it builds each head from *one* block repeated ``medusa_num_layers``
-  times (``[ResBlock(d)] * n``), so export refuses differing blocks; and it forces
-  ``medusa_num_heads = 5`` (a TODO in the code), so heads beyond ours stay untrained there.
-* ``medusa-vllm``: vLLM ``vllm/model_executor/models/medusa.py`` at 01dbb08 (``Medusa.load_weights``)
-  with ``vllm/transformers_utils/configs/medusa.py`` at 0531c22 (``MedusaConfig``): ``config.json``
-  with ``architectures: ["MedusaModel"]``, ``model_type: "medusa"``, ``hidden_size``, ``vocab_size``,
-  ``num_heads``, ``num_hidden_layers``, ``truncated_vocab_size``, ``original_lm_head``,
-  ``medusa_fc_bias`` (vLLM defaults it to False; written explicitly); tensors
-  ``blocks.{h}.layers.{l}.weight|bias``, ``lm_heads.{h}.weight`` (``lm_heads.0`` only with
-  ``original_lm_head``), optional ``token_map`` with a truncated vocabulary, optional
-  ``medusa_heads.`` prefix.
-* ``eagle`` (EAGLE-1) and ``eagle3``: SafeAILab/EAGLE, vLLM, SGLang and SpecForge loaders; file
-  names, config keys, tensor names and the commits matched are in :mod:`heads.interop_eagle`.
-
-Medusa heads map one to one onto both Medusa layouts (the features they read, the top layer
-after the final norm, are the same in all three implementations). EAGLE drafters export when
-trained in the matching layout (``EagleConfig.layout``: ``eagle1`` for ``eagle``, ``eagle3`` for
-``eagle3``, on a Llama target); selfdraft's ``native`` layout (input layernorm in the first layer,
-a trained final norm) has no exact mapping, and export refuses naming the option to train with.
-
-An export also writes ``selfdraft.json`` (the adapter's own config: target pin, recipe,
-acceptance, tree), which the external loaders ignore and :func:`read_external` uses to restore
-the pin on re-import.
+Each kind lists its layouts (``DrafterKind.formats``, in ``heads/<kind>/checkpoint.py``: file
+names, config keys, tensor names and the loader commits they were matched against). This module
+detects which layout a directory holds, asks the kind to write or read it, and handles what all
+layouts share: an export also writes ``selfdraft.json`` (the adapter's own config: target pin,
+recipe, acceptance, tree), which the external loaders ignore and :func:`read_external` uses to
+restore the pin on re-import.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
+from . import kinds
 from .adapter import (
-    CONFIG_NAME, FORMAT_VERSION, AdapterError, TargetMismatchError, json_writer, read_config, read_json,
-    read_safetensors, read_weights, write_directory,
+    CONFIG_NAME, AdapterError, json_writer, read_config, read_json, read_weights, write_directory,
 )
-from .adapter_schema import target_differences, validate_config
-from .backbone import target_fingerprint
-from . import interop_eagle
+from .adapter.schema import validate_config
 
 logger = logging.getLogger(__name__)
 
 SELFDRAFT = "selfdraft"
-FORMATS = ("medusa", "medusa-vllm", "eagle", "eagle3")
 SIDECAR_NAME = "selfdraft.json"
-MEDUSA_TENSORS = "medusa_lm_head.safetensors"
-MEDUSA_PICKLE = "medusa_lm_head.pt"
-VLLM_TENSORS = "model.safetensors"
-_FASTERDECODING_FAMILIES = ("llama", "mistral")  # MedusaModel.from_pretrained supports these only
 
 
-# ----------------------------------------------------------------------------- detection
+def format_names() -> tuple[str, ...]:
+    """Every registered checkpoint layout (the ``export --format`` choices)."""
+    return tuple(kinds.formats())
+
 
 def _safetensors_names(directory: Path) -> list[str]:
     """Tensor names in the safetensors files of ``directory`` (headers only, no data read)."""
@@ -97,17 +63,16 @@ def detect_format(directory: str | os.PathLike) -> str:
         if not isinstance(config, dict):
             raise AdapterError(f"{config_path}: expected a JSON object")
         architectures = [str(name) for name in config.get("architectures") or []]
-        if config.get("model_type") == "medusa" or "MedusaModel" in architectures:
-            return "medusa-vllm"
-        if "medusa_num_heads" in config:
-            return "medusa"
-        names = _safetensors_names(directory)
-        if ("eagle_config" in config or "draft_vocab_size" in config or any("Eagle3" in a for a in architectures)
-                or any(name.startswith("midlayer.") for name in names)):
-            return "eagle3"
-        if any("Eagle" in a for a in architectures) or ("fc.weight" in names
-                                                        and any(n.startswith("layers.0.") for n in names)):
-            return "eagle"
+        names: list[str] = []
+
+        def tensor_names() -> list[str]:
+            if not names:
+                names.extend(_safetensors_names(directory))
+            return names
+
+        for name, (_, fmt) in kinds.formats().items():
+            if fmt.detect(config, architectures, tensor_names):
+                return name
     found = sorted(p.name for p in directory.iterdir())[:12]
     raise AdapterError(
         f"{directory} is not a recognised adapter directory. Looked for: {CONFIG_NAME} (selfdraft); config.json "
@@ -118,226 +83,33 @@ def detect_format(directory: str | os.PathLike) -> str:
     )
 
 
-# ----------------------------------------------------------------------------- Medusa names
-
-def medusa_name_map(num_heads: int, num_layers: int, layout: str, bias: bool = True,
-                    shared_projection: bool = False) -> dict[str, str]:
-    """``{selfdraft name: external name}`` of Medusa heads in ``layout`` (``medusa`` or
-    ``medusa-vllm``). ``shared_projection``: one ``lm_heads.0`` for all heads (vLLM
-    ``original_lm_head``), mapped from ``projections.0``."""
-    names: dict[str, str] = {}
-    for head in range(num_heads):
-        for layer in range(num_layers):
-            prefix = f"{head}.{layer}.linear" if layout == "medusa" else f"blocks.{head}.layers.{layer}"
-            names[f"blocks.{head}.{layer}.linear.weight"] = f"{prefix}.weight"
-            if bias:
-                names[f"blocks.{head}.{layer}.linear.bias"] = f"{prefix}.bias"
-        if not shared_projection or head == 0:
-            names[f"projections.{head}.weight"] = (f"{head}.{num_layers}.weight" if layout == "medusa"
-                                                   else f"lm_heads.{head}.weight")
-    return names
-
-
-def _output_head(model, config: dict, directory) -> torch.Tensor:
-    """The target's output-head weight ``[V, d]`` on the CPU, after checking ``model`` is the
-    adapter's target (its rows get written into the export)."""
-    if model is None:
-        raise AdapterError(
-            f"{directory}: this adapter shares the target's output head (share_lm_head), which it does not hold; "
-            "pass --model TARGET_DIR (the target, to copy its output head into the export), or train without "
-            "--share-lm-head"
-        )
-    differences = target_differences(config["target"], target_fingerprint(model))
-    if differences:
-        raise TargetMismatchError(f"{directory}: --model is not this adapter's target: " + "; ".join(differences))
-    return model.get_output_embeddings().weight.detach().to("cpu")
-
-
-def _identical_blocks(tensors: dict[str, torch.Tensor], num_heads: int, num_layers: int) -> bool:
-    return all(
-        torch.equal(tensors[f"blocks.{h}.{layer}.linear.{p}"], tensors[f"blocks.{h}.0.linear.{p}"])
-        for h in range(num_heads) for layer in range(1, num_layers) for p in ("weight", "bias")
-    )
-
-
-def _medusa_export_tensors(config: dict, tensors: dict[str, torch.Tensor], layout: str, model,
-                           directory) -> tuple[dict[str, torch.Tensor], bool]:
-    """External tensors for a Medusa adapter, and whether the projection is shared (vLLM)."""
-    drafter = config["drafter"]
-    num_heads, num_layers, shared = drafter["num_heads"], drafter["num_layers"], drafter["share_lm_head"]
-    if layout == "medusa":
-        family = config["target"].get("model_type")
-        if family not in _FASTERDECODING_FAMILIES:
-            raise AdapterError(f"{directory}: FasterDecoding's MedusaModel loads {_FASTERDECODING_FAMILIES} targets "
-                               f"only; this target is {family!r}: export --format medusa-vllm")
-        if num_layers > 1 and not _identical_blocks(tensors, num_heads, num_layers):
-            raise AdapterError(
-                f"{directory}: FasterDecoding builds each head from one residual block repeated medusa_num_layers "
-                f"times ([ResBlock(d)] * n), so {num_layers} different blocks would load as one: train with "
-                "--num-layers 1, or export --format medusa-vllm")
-    tensors = dict(tensors)
-    if shared:
-        head = _output_head(model, config, directory)
-        for index in range(1 if layout == "medusa-vllm" else num_heads):
-            tensors[f"projections.{index}.weight"] = head.clone()
-    names = medusa_name_map(num_heads, num_layers, layout, shared_projection=shared and layout == "medusa-vllm")
-    return {theirs: tensors[ours].contiguous() for ours, theirs in names.items()}, shared
-
-
 def _sidecar(config: dict, fmt: str) -> dict:
     return {"format": fmt, "selfdraft_adapter": config,
             "note": "selfdraft's own adapter config (target pin, recipe, acceptance); other loaders ignore this file"}
 
 
-def _export_medusa(config: dict, tensors: dict, fmt: str, model, adapter_dir) -> dict[str, Callable[[Path], None]]:
-    external, shared = _medusa_export_tensors(config, tensors, fmt, model, adapter_dir)
-    drafter, target = config["drafter"], config["target"]
-    files: dict[str, Callable[[Path], None]] = {SIDECAR_NAME: json_writer(_sidecar(config, fmt))}
-    if fmt == "medusa":
-        if drafter["num_heads"] != 5:
-            logger.warning("FasterDecoding's MedusaModel.from_pretrained (e2a5d20) builds 5 heads whatever "
-                           "medusa_num_heads says; this adapter has %d", drafter["num_heads"])
-        files["config.json"] = json_writer({
-            "medusa_num_heads": drafter["num_heads"], "medusa_num_layers": drafter["num_layers"],
-            "base_model_name_or_path": target.get("name_or_path") or "",
-            "hidden_size": target["hidden_size"], "vocab_size": target["vocab_size"],
-        })
-        files[MEDUSA_TENSORS] = lambda path: save_file(external, str(path), metadata={"format": "pt"})
-        files[MEDUSA_PICKLE] = lambda path: torch.save(external, str(path))
-    else:
-        files["config.json"] = json_writer({
-            "architectures": ["MedusaModel"], "model_type": "medusa",
-            "hidden_size": target["hidden_size"], "vocab_size": target["vocab_size"],
-            "truncated_vocab_size": target["vocab_size"], "num_heads": drafter["num_heads"],
-            "num_hidden_layers": drafter["num_layers"], "original_lm_head": shared, "medusa_fc_bias": True,
-            "max_paths": 64, "topk": 10,
-        })
-        files[VLLM_TENSORS] = lambda path: save_file(external, str(path), metadata={"format": "pt"})
-    return files
-
-
-# ----------------------------------------------------------------------------- export
-
 def export_adapter(adapter_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, model=None) -> Path:
     """Write the selfdraft adapter in ``adapter_dir`` to ``out`` in layout ``fmt`` (atomically).
 
-    ``model`` (the target) is needed for adapters that share its output head and for the EAGLE
-    formats (its config and output-head rows go into the checkpoint). Raises
-    :class:`AdapterError` when the layout cannot represent the drafter exactly, saying what to
-    train with instead.
+    ``model`` (the target) is needed where the layout holds some of the target's tensors or
+    config. Raises :class:`AdapterError` when the layout cannot represent the drafter exactly,
+    saying what to train with instead.
     """
-    if fmt not in FORMATS:
-        raise AdapterError(f"format must be one of {FORMATS}; got {fmt!r}")
+    known = kinds.formats()
+    if fmt not in known:
+        raise AdapterError(f"format must be one of {tuple(known)}; got {fmt!r}")
+    kind, layout = known[fmt]
     config = read_config(adapter_dir)
-    tensors = read_weights(adapter_dir)
-    expected_kind = "medusa" if fmt.startswith("medusa") else "eagle"
-    if config["kind"] != expected_kind:
-        other = "medusa or medusa-vllm" if config["kind"] == "medusa" else "eagle or eagle3"
-        raise AdapterError(f"{adapter_dir}: format {fmt!r} holds {expected_kind} drafters; this adapter is kind "
-                           f"{config['kind']!r} (use --format {other})")
-    if expected_kind == "eagle":
-        files = interop_eagle.export_files(config, tensors, fmt, model, adapter_dir)
-        files[SIDECAR_NAME] = json_writer(_sidecar(config, fmt))
-    else:
-        files = _export_medusa(config, tensors, fmt, model, adapter_dir)
-    write_directory(Path(out), files, replaceable=(MEDUSA_TENSORS, MEDUSA_PICKLE, VLLM_TENSORS, "config.json",
-                                                   SIDECAR_NAME))
+    if config["kind"] != kind.name:
+        other = sorted(name for name, (owner, _) in known.items() if owner.name == config["kind"])
+        raise AdapterError(f"{adapter_dir}: format {fmt!r} holds {kind.name} drafters; this adapter is kind "
+                           f"{config['kind']!r} (use --format {' or '.join(other) or '(none: this kind has no export)'})")
+    files = layout.export(config, read_weights(adapter_dir), fmt, model, adapter_dir)
+    files[SIDECAR_NAME] = json_writer(_sidecar(config, fmt))
+    replaceable = {name for _, other in known.values() for name in other.files} | {SIDECAR_NAME}
+    write_directory(Path(out), files, replaceable=tuple(sorted(replaceable)))
     logger.info("exported %s as %s to %s", adapter_dir, fmt, out)
     return Path(out)
-
-
-# ----------------------------------------------------------------------------- import
-
-def _positive(config: dict, key: str, where: Path, default: int | None = None) -> int:
-    value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise AdapterError(f"{where}: {key} must be a positive int; got {value!r}")
-    return value
-
-
-def _external_config(num_heads: int, num_layers: int, name: str, vocab: int, hidden: int) -> dict:
-    return {
-        "format_version": FORMAT_VERSION, "library": "selfdraft", "kind": "medusa",
-        "drafter": {"num_heads": num_heads, "num_layers": num_layers, "share_lm_head": False, "tree": None},
-        "target": {"name_or_path": name, "config_sha256": None, "weights_sha256": None,
-                   "vocab_size": vocab, "hidden_size": hidden},
-        "tree_accuracy": None, "training": {}, "acceptance": {},
-    }
-
-
-def _rename(tensors: dict[str, torch.Tensor], names: dict[str, str], directory: Path,
-            fill_bias: bool = False) -> dict[str, torch.Tensor]:
-    """``{selfdraft name: tensor}`` from external ``tensors`` named by ``names``; exactly the
-    mapped names must be present. ``fill_bias``: blocks without bias get a zero bias (exact)."""
-    wanted = set(names.values())
-    missing, unexpected = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
-    if missing or unexpected:
-        raise AdapterError(f"{directory}: tensors do not match its config: missing {missing[:8]}, "
-                           f"unexpected {unexpected[:8]}")
-    ours = {mine: tensors[theirs] for mine, theirs in names.items()}
-    if fill_bias:
-        for name in [n for n in ours if n.endswith(".linear.weight")]:
-            ours[name[: -len("weight")] + "bias"] = ours[name].new_zeros(ours[name].shape[0])
-    return ours
-
-
-def _read_medusa_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    if (directory / MEDUSA_TENSORS).is_file():
-        return read_safetensors(directory / MEDUSA_TENSORS)
-    path = directory / MEDUSA_PICKLE
-    if not path.is_file():
-        raise AdapterError(f"{directory}: a FasterDecoding Medusa checkpoint holds {MEDUSA_TENSORS} or {MEDUSA_PICKLE}")
-    try:
-        tensors = torch.load(str(path), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
-        raise AdapterError(f"{path} could not be read as plain tensors (torch.load weights_only=True): {error}") \
-            from error
-    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        raise AdapterError(f"{path} does not hold a state dict of tensors")
-    return tensors
-
-
-def _read_medusa(directory: Path, config: dict) -> tuple[dict, dict]:
-    where = directory / "config.json"
-    num_heads = _positive(config, "medusa_num_heads", where)
-    num_layers = _positive(config, "medusa_num_layers", where, default=1)
-    tensors = _read_medusa_tensors(directory)
-    heads_in_file = sorted({int(name.split(".")[0]) for name in tensors if name.split(".")[0].isdigit()})
-    if heads_in_file and heads_in_file[-1] + 1 != num_heads:
-        raise AdapterError(f"{directory}: the weights hold heads 0..{heads_in_file[-1]} but config.json says "
-                           f"medusa_num_heads {num_heads}; fix config.json")
-    ours = _rename(tensors, medusa_name_map(num_heads, num_layers, "medusa"), directory)
-    vocab, hidden = ours["projections.0.weight"].shape
-    return _external_config(num_heads, num_layers, str(config.get("base_model_name_or_path") or ""),
-                            vocab, hidden), ours
-
-
-def _read_medusa_vllm(directory: Path, config: dict) -> tuple[dict, dict]:
-    where = directory / "config.json"
-    num_heads = _positive(config, "num_heads", where)
-    num_layers = _positive(config, "num_hidden_layers", where)
-    vocab, hidden = _positive(config, "vocab_size", where), _positive(config, "hidden_size", where)
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        for name, tensor in read_safetensors(path).items():
-            tensors[name.removeprefix("medusa_heads.")] = tensor
-    if "token_map" in tensors or config.get("truncated_vocab_size", vocab) != vocab:
-        raise AdapterError(f"{directory}: a truncated draft vocabulary (token_map, truncated_vocab_size "
-                           f"{config.get('truncated_vocab_size')}) is not supported by selfdraft's Medusa heads")
-    bias = bool(config.get("medusa_fc_bias", False))
-    if not bias and any(name.endswith(".bias") for name in tensors):
-        raise AdapterError(f"{where}: medusa_fc_bias is false (vLLM's default) but the weights hold block biases, "
-                           "which vLLM would ignore; set medusa_fc_bias: true if they are meant to be used")
-    shared = bool(config.get("original_lm_head", False))
-    names = medusa_name_map(num_heads, num_layers, "medusa-vllm", bias=bias, shared_projection=shared)
-    ours = _rename(tensors, names, directory, fill_bias=not bias)
-    if shared:  # vLLM uses lm_heads.0 for every head: one copy per head here
-        for head in range(1, num_heads):
-            ours[f"projections.{head}.weight"] = ours["projections.0.weight"]
-    if tuple(ours["projections.0.weight"].shape) != (vocab, hidden):
-        raise AdapterError(f"{directory}: lm_heads have shape {tuple(ours['projections.0.weight'].shape)}, "
-                           f"config.json says vocab_size {vocab} x hidden_size {hidden}")
-    return _external_config(num_heads, num_layers, "", vocab, hidden), ours
 
 
 def _apply_sidecar(directory: Path, config: dict, tensors: dict, model) -> tuple[dict, dict]:
@@ -350,22 +122,14 @@ def _apply_sidecar(directory: Path, config: dict, tensors: dict, model) -> tuple
     if not isinstance(sidecar, dict) or "selfdraft_adapter" not in sidecar:
         raise AdapterError(f"{path}: expected an object with 'selfdraft_adapter'")
     own = validate_config(sidecar["selfdraft_adapter"], str(path))
-    for block, key in (("drafter", "num_heads"), ("drafter", "num_layers"), ("drafter", "layout"),
-                       ("drafter", "feature_layers"), ("drafter", "draft_vocab_size"), ("target", "vocab_size"),
-                       ("target", "hidden_size")):
+    kind = kinds.get(config["kind"])
+    keys = [("drafter", key) for key in kind.sidecar_keys] + [("target", "vocab_size"), ("target", "hidden_size")]
+    for block, key in keys:
         if own[block].get(key) != config[block].get(key):
             raise AdapterError(f"{path} does not describe the checkpoint beside it: {block}.{key} is "
                                f"{own[block].get(key)!r} there, {config[block].get(key)!r} in the checkpoint")
-    if own["drafter"].get("share_lm_head"):
-        # The export copied the pinned target's output head into the projections; on that target
-        # they must equal its head (on another one, load_heads reports the mismatch).
-        head = model.get_output_embeddings().weight.detach().to("cpu")
-        projections = [name for name in tensors if name.startswith("projections.")]
-        same_target = not target_differences(own["target"], target_fingerprint(model))
-        if same_target and not all(torch.equal(tensors[name], head.to(tensors[name].dtype)) for name in projections):
-            raise AdapterError(f"{path} says the heads share the target's output head, but the checkpoint's "
-                               "projections differ from this model's output head")
-        tensors = {name: tensor for name, tensor in tensors.items() if name not in projections}
+    if kind.restore_sidecar is not None:
+        tensors = kind.restore_sidecar(own, tensors, model, path)
     return own, tensors
 
 
@@ -376,14 +140,10 @@ def read_external(directory: str | os.PathLike, fmt: str, model) -> tuple[dict, 
     checkpoint from elsewhere records no weights fingerprint (``weights_sha256`` None).
     """
     directory = Path(directory)
+    known = kinds.formats()
+    if fmt not in known:
+        raise AdapterError(f"{directory}: unknown format {fmt!r} (known: {tuple(known)})")
     config = read_json(directory / "config.json")
-    if fmt in ("eagle", "eagle3"):
-        imported, tensors = interop_eagle.read_eagle(directory, config, fmt, model)
-        imported, tensors = _apply_sidecar(directory, imported, tensors, model)
-        return validate_config(imported, f"{directory} ({fmt})", pinned=False), tensors
-    reader = {"medusa": _read_medusa, "medusa-vllm": _read_medusa_vllm}.get(fmt)
-    if reader is None:
-        raise AdapterError(f"{directory}: unknown format {fmt!r} (known: {FORMATS})")
-    imported, tensors = reader(directory, config)
+    imported, tensors = known[fmt][1].read(directory, config, fmt, model)
     imported, tensors = _apply_sidecar(directory, imported, tensors, model)
     return validate_config(imported, f"{directory} ({fmt})", pinned=False), tensors

@@ -6,8 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -16,57 +15,10 @@ from transformers import PreTrainedModel
 from tree_attention.decode import DecodeStats, SpeculativeDecoder
 from tree_attention.tree import TreeTemplate
 
+from . import kinds
 from .backbone import Backbone
-from .eagle import EagleConfig, EagleDrafter, EagleHeads
 from .generation import acceptance_rule
-from .medusa import MedusaConfig, MedusaDrafter, MedusaHeads, resolve_tree
 
-
-@dataclass(frozen=True)
-class DrafterKind:
-    """How to build one kind of drafter: its config class, its trainable module and the object
-    that proposes trees during decoding (``tree_attention.decode.Drafter``)."""
-
-    config_class: type
-    build_heads: Callable[[Backbone, object], nn.Module]
-    build_drafter: Callable[["SpeculativeModel", object], object]
-    target_view: Callable[[Backbone, object], Backbone] | None = None
-    """The view of the backbone the decode loop runs (e.g. one returning more layers as features)."""
-    policy_sizes: Callable[["SpeculativeModel"], tuple[int, ...]] = lambda spec: (2, 4, 8, 16)
-    """Tree sizes (drafted nodes) ``speculate="auto"`` chooses from."""
-
-
-def _medusa_heads(target: Backbone, config: MedusaConfig) -> nn.Module:
-    return MedusaHeads(config, target.hidden_size, target.vocab_size,
-                       None if config.share_lm_head else target.output_head)
-
-
-def _medusa_drafter(spec: "SpeculativeModel", tree) -> MedusaDrafter:
-    template = resolve_tree(tree if tree is not None else spec.config.tree, spec.config.num_heads, spec.accuracy)
-    return MedusaDrafter(spec.heads, template, spec.shared_logits if spec.config.share_lm_head else None)
-
-
-def _eagle_heads(target: Backbone, config: EagleConfig) -> nn.Module:
-    return EagleHeads(config, target)
-
-
-def _eagle_drafter(spec: "SpeculativeModel", tree) -> EagleDrafter:
-    return EagleDrafter(spec.heads, spec.target, spec.config.with_tree(tree))
-
-
-def _eagle_view(target: Backbone, config: EagleConfig) -> Backbone:
-    return target.with_feature_layers(config.feature_layers)
-
-
-def _eagle_sizes(spec: "SpeculativeModel") -> tuple[int, ...]:
-    configured = spec.config.total_tokens
-    return tuple(sorted({size for size in (2, 4, 8) if size < configured} | {configured} - {0}))
-
-
-KINDS: dict[str, DrafterKind] = {
-    "medusa": DrafterKind(MedusaConfig, _medusa_heads, _medusa_drafter),
-    "eagle": DrafterKind(EagleConfig, _eagle_heads, _eagle_drafter, _eagle_view, _eagle_sizes),
-}
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +127,9 @@ class SpeculativeModel:
 
     @property
     def tree(self) -> TreeTemplate:
-        """The static tree template (Medusa; EAGLE grows a dynamic tree per step, see ``config``)."""
-        if self.kind != "medusa":
+        """The static tree template (kinds that fill one fixed tree; others grow a tree per step,
+        see ``config``)."""
+        if not kinds.get(self.kind).static_tree:
             raise AttributeError(f"a {self.kind} drafter has no static tree; its tree shape is in spec.config")
         return self._drafter.template
 
@@ -199,7 +152,7 @@ class SpeculativeModel:
 
     def drafter_for(self, tree=None):
         """A drafter for another tree (as :meth:`set_tree` takes it), leaving this spec's own unchanged."""
-        return KINDS[self.kind].build_drafter(self, tree)
+        return kinds.get(self.kind).build_drafter(self, tree)
 
     @property
     def pad_token_id(self) -> int | None:
@@ -267,7 +220,7 @@ class SpeculativeModel:
         if self._policy is None:
             from .policy import SpeculationPolicy
 
-            self._policy = SpeculationPolicy(KINDS[self.kind].policy_sizes(self))
+            self._policy = SpeculationPolicy(kinds.get(self.kind).policy_sizes(self))
         return self._policy
 
     def _plain_generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
@@ -303,10 +256,10 @@ class SpeculativeModel:
 def build_spec(target: Backbone, kind: str, config,
                accuracy: Sequence[Sequence[float]] | None = None) -> SpeculativeModel:
     """A fresh drafter of ``kind`` on ``target``, on the backbone's device and dtype."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {tuple(KINDS)}; got {kind!r}")
-    heads = KINDS[kind].build_heads(target, config)
-    heads.to(device=target.device, dtype=target.dtype)
-    if KINDS[kind].target_view is not None:
-        target = KINDS[kind].target_view(target, config)
+    entry = kinds.get(kind)
+    heads = entry.build_heads(target, config)
+    if heads is not None:
+        heads.to(device=target.device, dtype=target.dtype)
+    if entry.target_view is not None:
+        target = entry.target_view(target, config)
     return SpeculativeModel(target, heads, kind, config, accuracy)

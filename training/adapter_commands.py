@@ -13,7 +13,7 @@ DEFAULT_CHECK_TOKENS = 64
 
 def recorded_acceptance(acceptance: dict, data_path: str) -> tuple[str, dict] | None:
     """The greedy entry recorded for the data file's stem, else the first greedy entry (None: none)."""
-    from heads.adapter_schema import acceptance_entries
+    from heads.adapter import acceptance_entries
 
     greedy = [(mix, entry) for mix, entry in acceptance_entries(acceptance) if not entry.get("temperature")]
     for mix, entry in greedy:
@@ -66,7 +66,7 @@ def _check_rows(recorded: dict | None, report, target_line: str, drop: float | N
 
 def run_check(args) -> int:
     import heads
-    from heads.adapter_schema import target_differences
+    from heads.adapter import target_differences
     from heads.backbone import target_fingerprint
     from .cli import _load_model, _write_json
     from .data import load_prompts
@@ -111,7 +111,7 @@ def run_check(args) -> int:
 
 
 def add_export_parser(commands) -> None:
-    from heads.interop import FORMATS
+    from heads.interop import format_names
 
     parser = commands.add_parser(
         "export", help="write an adapter in another layout, or a folder ready for the Hugging Face hub",
@@ -122,7 +122,7 @@ def add_export_parser(commands) -> None:
     )
     parser.add_argument("--adapter", required=True, help="selfdraft adapter directory")
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--format", choices=FORMATS, help="external checkpoint layout to write (with --out)")
+    mode.add_argument("--format", choices=format_names(), help="external checkpoint layout to write (with --out)")
     mode.add_argument("--hub-dir", help="folder to write for upload: adapter files + README.md model card")
     parser.add_argument("--out", help="output directory of --format")
     parser.add_argument("--model", default=None,

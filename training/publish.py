@@ -18,7 +18,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from heads.adapter import CONFIG_NAME, WEIGHTS_NAME, read_config, read_weights, write_directory
-from heads.adapter_schema import acceptance_entries
+from heads.adapter import acceptance_entries
 
 logger = logging.getLogger(__name__)
 

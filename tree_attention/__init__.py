@@ -2,10 +2,10 @@
 decode loop. Pure tensor logic on top of ``transformers`` ``Cache``; it knows nothing about how
 drafts are made."""
 
-from .decode import DecodeStats, Drafter, PerRowDrafter, RowDrafter, Target, speculative_generate
-from .tree import InvalidTreeError, Tree, TreeTemplate, chain, default_tree, from_choices
+from .decode import DecodeStats, DraftBatch, Drafter, PerRowDrafter, RowDrafter, Target, speculative_generate
+from .tree import InvalidTreeError, Tree, TreeBatch, TreeTemplate, chain, default_tree, from_choices
 
 __all__ = [
-    "DecodeStats", "Drafter", "PerRowDrafter", "RowDrafter", "Target", "speculative_generate", "InvalidTreeError", "Tree", "TreeTemplate",
+    "DecodeStats", "DraftBatch", "TreeBatch", "Drafter", "PerRowDrafter", "RowDrafter", "Target", "speculative_generate", "InvalidTreeError", "Tree", "TreeTemplate",
     "chain", "default_tree", "from_choices",
 ]

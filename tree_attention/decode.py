@@ -23,7 +23,8 @@ import torch
 
 from . import cache as cache_ops
 from .mask import AttentionMask, MaskLayout
-from .tree import Tree, truncate_depth
+from .mask import causal_visibility
+from .tree import Tree, TreeBatch, truncate_batch
 from .verify import AcceptanceRule, GreedyRule
 
 
@@ -38,19 +39,27 @@ class Target(Protocol):
         """Features ``[B, T, F]`` for all rows and logits ``[B, T or 1, V]`` (``logits_rows`` "all" or "last")."""
 
 
-class RowDrafter(Protocol):
-    """Proposes one tree per step for one sequence."""
+@dataclass
+class DraftBatch:
+    """What a drafter sees at one step, for the ``R`` rows still decoding (in batch order).
 
-    def reset(self) -> None:
-        """Forget any state from an earlier sequence."""
+    Attributes:
+        features: ``[R, n, F]`` the target's features at the positions each row committed since
+            the last call (the whole prompt on the first call), left-aligned: row ``r``'s are
+            ``features[r, :lengths[r]]``, the rest padding.
+        tokens: ``[R, n]`` the tokens at those positions (padding 0).
+        lengths: ``[R]`` long, valid entries per row (>= 1).
+        roots: ``[R]`` long, the token the target committed after them: each tree's node 0.
+    """
 
-    def propose(self, features: torch.Tensor, tokens: torch.Tensor, root: int) -> Tree:
-        """A tree whose node 0 holds ``root``.
+    features: torch.Tensor
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    roots: torch.Tensor
 
-        ``features`` ``[1, n, F]`` are the target's features at the ``n`` positions committed
-        since the last call (the whole prompt, padding removed, on the first call) and ``tokens``
-        ``[1, n]`` the tokens at those positions; ``root`` is the token the target committed after them.
-        """
+    @property
+    def rows(self) -> int:
+        return int(self.roots.shape[0])
 
 
 class Drafter(Protocol):
@@ -59,30 +68,54 @@ class Drafter(Protocol):
     def reset(self, batch_size: int) -> None:
         """Forget earlier sequences; ``batch_size`` rows follow (called once per ``generate``)."""
 
-    def propose(self, rows: Sequence[int], features: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor],
-                roots: Sequence[int]) -> list[Tree]:
-        """One tree per entry of ``rows`` (the rows' indices in the batch, increasing); the other
-        arguments are per row, as in :meth:`RowDrafter.propose`."""
+    def propose(self, batch: DraftBatch) -> TreeBatch:
+        """One tree per row of ``batch`` (node 0 of row ``r`` holds ``batch.roots[r]``)."""
+
+    def retire(self, keep: torch.Tensor) -> None:
+        """Rows finished: only the rows at indices ``keep`` ``[R']`` (of the current rows, in
+        order) stay in the batch."""
+
+
+class RowDrafter(Protocol):
+    """Proposes one tree per step for one sequence (wrap in :class:`PerRowDrafter` for the loop)."""
+
+    def reset(self) -> None:
+        """Forget any state from an earlier sequence."""
+
+    def propose(self, features: torch.Tensor, tokens: torch.Tensor, root: int) -> Tree:
+        """A tree whose node 0 holds ``root``; ``features`` ``[1, n, F]`` and ``tokens`` ``[1, n]``
+        as one row of :class:`DraftBatch`."""
 
 
 class PerRowDrafter:
-    """A :class:`Drafter` made of one :class:`RowDrafter` per row (drafters written for one
-    sequence, with per-sequence state); serves batches of up to ``len(drafters)`` rows."""
+    """A :class:`Drafter` made of one :class:`RowDrafter` per row, for drafters written for one
+    sequence with per-sequence state (oracles in tests, per-request lookups); serves batches of
+    up to ``len(drafters)`` rows. Calls each live row's drafter in turn."""
 
     def __init__(self, drafters: Sequence[RowDrafter]) -> None:
         if not drafters:
             raise ValueError("PerRowDrafter needs at least one row drafter")
         self.drafters = list(drafters)
+        self.live: list[int] = []
 
     def reset(self, batch_size: int) -> None:
         if batch_size > len(self.drafters):
             raise ValueError(f"PerRowDrafter holds {len(self.drafters)} row drafters; a batch of {batch_size} "
                              "needs one per row")
+        self.live = list(range(batch_size))
         for drafter in self.drafters[:batch_size]:
             drafter.reset()
 
-    def propose(self, rows, features, tokens, roots) -> list[Tree]:
-        return [self.drafters[row].propose(f, t, root) for row, f, t, root in zip(rows, features, tokens, roots)]
+    def retire(self, keep: torch.Tensor) -> None:
+        self.live = [self.live[index] for index in keep.tolist()]
+
+    def propose(self, batch: DraftBatch) -> TreeBatch:
+        lengths = batch.lengths.tolist()
+        roots = batch.roots.tolist()
+        return TreeBatch.from_trees([
+            self.drafters[row].propose(batch.features[index:index + 1, :lengths[index]],
+                                       batch.tokens[index:index + 1, :lengths[index]], roots[index])
+            for index, row in enumerate(self.live)])
 
 
 @dataclass
@@ -132,30 +165,24 @@ def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(attention_mask == 0, 1)
 
 
-def _pad_trees(trees: Sequence[Tree]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokens ``[R, N]``, depths ``[R, N]`` and ancestors ``[R, N, N]`` of trees padded to the
-    largest; a padding node sees only itself and nobody sees it."""
-    size = max(tree.size for tree in trees)
-    if all(tree.size == size for tree in trees):  # one static shape (Medusa, batch 1): no padding
-        return (torch.stack([tree.tokens for tree in trees]), torch.stack([tree.depths for tree in trees]),
-                torch.stack([tree.ancestors for tree in trees]))
-    device = trees[0].tokens.device
-    tokens = torch.zeros(len(trees), size, dtype=torch.long, device=device)
-    depths = torch.zeros(len(trees), size, dtype=torch.long, device=device)
-    ancestors = torch.eye(size, dtype=torch.bool, device=device).repeat(len(trees), 1, 1)
-    for row, tree in enumerate(trees):
-        tokens[row, :tree.size] = tree.tokens
-        depths[row, :tree.size] = tree.depths
-        ancestors[row, :tree.size, :tree.size] = tree.ancestors
-    return tokens, depths, ancestors
+def left_align(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` ``[B, T, ...]`` of left-padded rows (``mask`` ``[B, T]``, ones last) shifted so
+    that each row's valid entries come first."""
+    pad = mask.shape[1] - mask.long().sum(dim=1)  # (B,)
+    if not bool(pad.any()):
+        return values
+    index = (torch.arange(mask.shape[1], device=mask.device)[None, :] + pad[:, None]).clamp(max=mask.shape[1] - 1)
+    index = index.view(*index.shape, *([1] * (values.dim() - 2))).expand_as(values)
+    return values.gather(1, index)
 
 
 class SpeculativeDecoder:
     """State of one batched speculative generation; :meth:`run` is the whole loop.
 
     Cache row ``i`` belongs to batch row ``rows[i]`` (finished rows leave); ``cache`` is a
-    :class:`~tree_attention.cache.RaggedCache` (prompt padding and rejected slots are holes) and
-    ``lengths`` ``[R]`` each row's committed length (the position of its next root).
+    :class:`~tree_attention.cache.RaggedCache` (prompt padding and rejected slots are holes),
+    ``lengths`` ``[R]`` each row's committed length (the position of its next root) and
+    ``draft`` the :class:`DraftBatch` the next step hands the drafter.
     """
 
     def __init__(self, target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int,
@@ -195,10 +222,10 @@ class SpeculativeDecoder:
             return
         index = torch.tensor(keep, device=self.lengths.device)
         self.cache.select_rows(index)
+        self.drafter.retire(index)
         self.lengths = self.lengths[index]
-        self.features = [self.features[i] for i in keep]
-        self.tokens = [self.tokens[i] for i in keep]
-        self.roots = [self.roots[i] for i in keep]
+        draft = self.draft
+        self.draft = DraftBatch(draft.features[index], draft.tokens[index], draft.lengths[index], draft.roots[index])
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -206,51 +233,46 @@ class SpeculativeDecoder:
         ids, mask = self.input_ids, self.prompt_mask
         batch, length = ids.shape
         positions = prompt_positions(mask)
-        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril_()
-        visible = causal[None] & mask[:, None, :]  # (B, T, T)
+        visible = causal_visibility(length, ids.device) & mask[:, None, :]  # (B, T, T)
         attention = self.cache.mask(positions, visible, self.target.layout, self.target.dtype)
         self.drafter.reset(batch)
         features, logits = self.target.forward(ids, positions, attention, self.cache.cache, "last")
         self.stats.target_forwards, self.stats.row_forwards = 1, batch
         self.cache.extend(mask.clone(), positions)
         self.lengths = mask.long().sum(dim=1)
-        self.features = [features[row, mask[row]][None] for row in range(batch)]  # (1, n_b, F)
-        self.tokens = [ids[row, mask[row]][None] for row in range(batch)]
-        self.roots = [self.rule.first_token(logits[row, -1]) for row in range(batch)]
-        self._keep_rows([self._emit(row, [root]) for row, root in enumerate(self.roots)])
+        roots = self.rule.first_tokens(logits[:, -1])  # (B,)
+        self.draft = DraftBatch(left_align(features, mask), left_align(ids, mask), self.lengths.clone(), roots)
+        self._keep_rows([self._emit(row, [root]) for row, root in enumerate(roots.tolist())])
 
     def step(self) -> None:
         """One draft → verify → accept → commit step for every row still decoding."""
         draft_start = time.perf_counter()
-        trees = self.drafter.propose(self.rows, self.features, self.tokens, self.roots)
-        trees = [truncate_depth(tree, self.max_new_tokens - len(self.outputs[row]) - 1)
-                 for row, tree in zip(self.rows, trees)]
+        trees = self.drafter.propose(self.draft)
+        budget = self.max_new_tokens - 1 - torch.tensor([len(self.outputs[row]) for row in self.rows])
+        trees = truncate_batch(trees, budget.to(trees.depths.device))
         verify_start = time.perf_counter()
-        tokens, depths, ancestors = _pad_trees(trees)
-        rows, size = tokens.shape
-        query_positions = self.lengths[:, None] + depths  # (R, N)
-        mask = self.cache.mask(query_positions, ancestors, self.target.layout, self.target.dtype)
-        features, logits = self.target.forward(tokens, query_positions, mask, self.cache.cache, "all")
-        acceptances = [self.rule.accept(tree, logits[row, :tree.size]) for row, tree in enumerate(trees)]
-        lengths = [int(acceptance.path.numel()) for acceptance in acceptances]
-        longest = max(lengths)
-        paths = torch.stack([torch.cat([a.path, a.path[-1:].expand(longest - length)]) if length < longest else a.path
-                             for a, length in zip(acceptances, lengths)])  # (R, L) padded with the last kept node
-        kept = torch.arange(longest, device=paths.device)[None, :] < torch.tensor(lengths, device=paths.device)[:, None]
+        query_positions = self.lengths[:, None] + trees.depths  # (R, N)
+        mask = self.cache.mask(query_positions, trees.visibility, self.target.layout, self.target.dtype)
+        features, logits = self.target.forward(trees.tokens, query_positions, mask, self.cache.cache, "all")
+        accepted = self.rule.accept_batch(trees, logits)
+        paths, lengths = accepted.paths, accepted.lengths  # (R, L) padded with the last kept node, (R,)
+        kept = torch.arange(paths.shape[1], device=paths.device)[None, :] < lengths[:, None]
         self.cache.keep(paths, kept, query_positions)
-        self.lengths = self.lengths + torch.tensor(lengths, device=paths.device)
+        self.lengths = self.lengths + lengths
+        path_tokens = trees.tokens.gather(1, paths)  # (R, L)
+        path_features = features.gather(1, paths[..., None].expand(-1, -1, features.shape[-1]))
+        self.draft = DraftBatch(path_features, path_tokens, lengths, accepted.next_tokens)
+        rows = len(self.rows)
         self.stats.target_forwards += 1
         self.stats.row_forwards += rows
+        self.stats.tree_size = max(self.stats.tree_size, trees.width)
+        self.max_depth = max(self.max_depth, int(trees.depths.max()))
+        chunks = torch.cat([path_tokens, accepted.next_tokens[:, None]], dim=1).tolist()
         done = []
-        for index, (row, tree, acceptance) in enumerate(zip(self.rows, trees, acceptances)):
-            self.stats.accepted_lengths.append(acceptance.accepted_drafts)
-            self.stats.tree_size = max(self.stats.tree_size, tree.size)
-            self.max_depth = max(self.max_depth, int(tree.depths.max()))
-            path_tokens = tree.tokens[acceptance.path]
-            done.append(self._emit(row, path_tokens[1:].tolist() + [acceptance.next_token]))
-            self.features[index] = features[index:index + 1, acceptance.path]
-            self.tokens[index] = path_tokens[None]
-            self.roots[index] = acceptance.next_token
+        for index, (row, length) in enumerate(zip(self.rows, lengths.tolist())):
+            self.stats.accepted_lengths.append(length - 1)
+            chunk = chunks[index]
+            done.append(self._emit(row, chunk[1:length] + [chunk[-1]]))
         self.stats.draft_seconds += verify_start - draft_start
         self.stats.verify_seconds += time.perf_counter() - verify_start
         self._keep_rows(done)

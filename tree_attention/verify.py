@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from .tree import Tree
+from .tree import Tree, TreeBatch
 
 ACCEPTANCE_RULES = ("greedy", "sample", "typical")
 
@@ -58,6 +58,52 @@ class Acceptance:
     def accepted_drafts(self) -> int:
         """Drafted nodes accepted (the root was committed before this step)."""
         return int(self.path.numel()) - 1
+
+
+@dataclass(frozen=True)
+class BatchAcceptance:
+    """Outcome of verifying a :class:`~tree_attention.tree.TreeBatch`.
+
+    Attributes:
+        paths: ``[R, L]`` long node indices from the root down; row ``r``'s first ``lengths[r]``
+            entries are its path, the rest repeat its last node.
+        lengths: ``[R]`` long nodes kept per row (root included, >= 1).
+        next_tokens: ``[R]`` long bonus token after each row's path.
+    """
+
+    paths: torch.Tensor
+    lengths: torch.Tensor
+    next_tokens: torch.Tensor
+
+
+def stack_acceptances(acceptances: list[Acceptance], device) -> BatchAcceptance:
+    """Per-row :class:`Acceptance` results as one :class:`BatchAcceptance`."""
+    lengths = [int(a.path.numel()) for a in acceptances]
+    longest = max(lengths)
+    paths = torch.stack([torch.cat([a.path, a.path[-1:].expand(longest - length)]) if length < longest else a.path
+                         for a, length in zip(acceptances, lengths)])
+    return BatchAcceptance(paths.to(device), torch.tensor(lengths, device=device),
+                           torch.tensor([a.next_token for a in acceptances], device=device))
+
+
+def greedy_accept_batch(trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
+    """Greedy acceptance of every row at once, with no per-row Python: ``logits`` ``[R, N, V]``.
+    Equal to :func:`greedy_accept` row by row (ties between equally deep paths go to the lower index)."""
+    rows, width = trees.tokens.shape
+    target = logits.argmax(dim=-1)  # (R, N)
+    correct = trees.tokens == target.gather(1, trees.parents.clamp(min=0))
+    correct[:, 0] = True
+    if not trees.uniform:
+        correct &= torch.arange(width, device=correct.device)[None, :] < trees.sizes[:, None]
+    alive = ~(trees.visibility & ~correct[:, None, :]).any(dim=-1)  # (R, N) every ancestor correct
+    best = torch.where(alive, trees.depths, torch.full_like(trees.depths, -1)).argmax(dim=1)  # (R,) first maximum
+    depth = trees.depths.gather(1, best[:, None])[:, 0]  # (R,)
+    longest = int(depth.max()) + 1
+    paths = best[:, None].repeat(1, longest)
+    ancestors = trees.visibility[torch.arange(rows, device=best.device), best]  # (R, N)
+    row_index, node_index = torch.nonzero(ancestors, as_tuple=True)
+    paths[row_index, trees.depths[row_index, node_index]] = node_index
+    return BatchAcceptance(paths, depth + 1, target.gather(1, best[:, None])[:, 0])
 
 
 def deepest_path(tree: Tree, correct: torch.Tensor) -> torch.Tensor:
@@ -172,8 +218,17 @@ class AcceptanceRule:
     def first_token(self, logits: torch.Tensor) -> int:  # logits (V,)
         raise NotImplementedError
 
+    def first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """The first new token of every row: logits ``[R, V]`` → ``[R]`` long."""
+        return torch.tensor([self.first_token(row) for row in logits], dtype=torch.long, device=logits.device)
+
     def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:  # logits (N, V)
         raise NotImplementedError
+
+    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
+        """Every row of ``trees`` (logits ``[R, N, V]``), rows in order (draws stay in row order)."""
+        return stack_acceptances([self.accept(tree, logits[index, :tree.size])
+                                  for index, tree in enumerate(trees.trees())], logits.device)
 
 
 class GreedyRule(AcceptanceRule):
@@ -182,8 +237,14 @@ class GreedyRule(AcceptanceRule):
     def first_token(self, logits: torch.Tensor) -> int:
         return int(logits.argmax())
 
+    def first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1)
+
     def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
         return greedy_accept(tree, logits)
+
+    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
+        return greedy_accept_batch(trees, logits)
 
 
 class SamplingRule(AcceptanceRule):

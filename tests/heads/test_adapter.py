@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import heads
-from heads import adapter as adapter_module
+from heads.adapter import files as adapter_module
 from tests.conftest import build_model, random_prompt
 
 

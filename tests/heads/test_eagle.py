@@ -11,6 +11,7 @@ import torch
 
 import heads
 from heads.eagle import EagleConfig, unrolled_attention_mask
+from tree_attention.decode import DraftBatch
 from tests.conftest import (
     ARCHITECTURES, VOCAB, build_model, greedy_reference, left_pad, progression_batch, random_prompt,
 )
@@ -129,11 +130,15 @@ class RecordingDrafter:
         self.inner.reset(batch_size)
         self.features, self.tokens = [], []
 
-    def propose(self, rows, features, tokens, roots):
-        trees = self.inner.propose(rows, features, tokens, roots)
-        self.features.append(features[0])
-        self.tokens.append(tokens[0][0])
-        self._compare(roots[0], trees[0])
+    def retire(self, keep):
+        self.inner.retire(keep)
+
+    def propose(self, batch):
+        trees = self.inner.propose(batch)
+        length = int(batch.lengths[0])
+        self.features.append(batch.features[0:1, :length])
+        self.tokens.append(batch.tokens[0, :length])
+        self._compare(int(batch.roots[0]), trees.row(0))
         return trees
 
     def _compare(self, root: int, tree) -> None:
@@ -260,9 +265,9 @@ def test_draft_vocabulary_parity_and_token_map():
     proposed = []
     original = spec.drafter.propose
 
-    def watch(rows, features, tokens, roots):
-        trees = original(rows, features, tokens, roots)
-        proposed.extend(token for tree in trees for token in tree.tokens[1:].tolist())
+    def watch(batch):
+        trees = original(batch)
+        proposed.extend(token for tree in trees.trees() for token in tree.tokens[1:].tolist())
         return trees
 
     spec.drafter.propose = watch
@@ -435,12 +440,20 @@ class RowByRow:
                       for _ in range(batch_size)]
         for drafter in self.alone:
             drafter.reset(1)
+        self.rows = list(range(batch_size))
 
-    def propose(self, rows, features, tokens, roots):
-        trees = self.inner.propose(rows, features, tokens, roots)
-        for row, tree, row_features, row_tokens, root in zip(rows, trees, features, tokens, roots):
-            self.accepted.append(row_tokens.shape[1])
-            alone = self.alone[row].propose([0], [row_features], [row_tokens], [root])[0]
+    def retire(self, keep):
+        self.inner.retire(keep)
+        self.rows = [self.rows[index] for index in keep.tolist()]
+
+    def propose(self, batch):
+        trees = self.inner.propose(batch)
+        for index, (row, tree) in enumerate(zip(self.rows, trees.trees())):
+            length = int(batch.lengths[index])
+            self.accepted.append(length)
+            single = DraftBatch(batch.features[index:index + 1, :length], batch.tokens[index:index + 1, :length],
+                                batch.lengths[index:index + 1], batch.roots[index:index + 1])
+            alone = self.alone[row].propose(single).row(0)
             assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents)
             self.compared += 1
         return trees

@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import heads
 from heads import interop
+from heads.medusa import checkpoint as medusa_checkpoint
 from tests.conftest import _COMMON, build_model, greedy_reference, random_prompt
 from tree_attention.mask import prefill_attention_mask
 
@@ -77,11 +78,11 @@ def test_fasterdecoding_files_match_its_state_dict(model, tmp_path):
     out = interop.export_adapter(adapter, "medusa", tmp_path / "medusa")
     config = json.loads((out / "config.json").read_text())
     assert config["medusa_num_heads"] == 2 and config["medusa_num_layers"] == 1 and "model_type" not in config
-    tensors = load_file(str(out / interop.MEDUSA_TENSORS))
+    tensors = load_file(str(out / medusa_checkpoint.MEDUSA_TENSORS))
     # FasterDecoding: medusa_head[h] = Sequential(ResBlock, Linear(d, V, bias=False))
     reference = nn.ModuleList(nn.Sequential(_ResBlock(), nn.Linear(HIDDEN, VOCAB, bias=False)) for _ in range(2))
     reference.load_state_dict(tensors, strict=True)
-    pickled = torch.load(str(out / interop.MEDUSA_PICKLE), weights_only=True)
+    pickled = torch.load(str(out / medusa_checkpoint.MEDUSA_PICKLE), weights_only=True)
     assert all(torch.equal(pickled[name], tensor) for name, tensor in tensors.items()) and set(pickled) == set(tensors)
     features = torch.randn(3, HIDDEN)
     with torch.no_grad():
@@ -513,7 +514,7 @@ def test_import_refusals(model, tmp_path):
     save_file({f"{h}.0.linear.{p}": torch.zeros(HIDDEN, HIDDEN) if p == "weight" else torch.zeros(HIDDEN)
                for h in range(2) for p in ("weight", "bias")} | {f"{h}.1.weight": torch.zeros(VOCAB, HIDDEN)
                                                                 for h in range(2)},
-              str(heads_count / interop.MEDUSA_TENSORS))
+              str(heads_count / medusa_checkpoint.MEDUSA_TENSORS))
     with pytest.raises(heads.AdapterError, match="heads 0..1 but config.json says medusa_num_heads 1"):
         heads.load_heads(model, heads_count)
 
@@ -523,7 +524,7 @@ def test_import_of_another_size_is_a_target_mismatch(model, tmp_path):
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({"medusa_num_heads": 1}))
     save_file({"0.0.linear.weight": torch.zeros(64, 64), "0.0.linear.bias": torch.zeros(64),
-               "0.1.weight": torch.zeros(VOCAB, 64)}, str(directory / interop.MEDUSA_TENSORS))
+               "0.1.weight": torch.zeros(VOCAB, 64)}, str(directory / medusa_checkpoint.MEDUSA_TENSORS))
     with pytest.raises(heads.TargetMismatchError, match="hidden size: adapter has 64, model has 32"):
         heads.load_heads(model, directory)
 

@@ -9,7 +9,8 @@ import zlib
 import pytest
 import torch
 
-from tree_attention.tree import Expansion, InvalidTreeError, best_nodes, dynamic_tree
+from tree_attention.dynamic import Expansion, best_nodes, dynamic_tree
+from tree_attention.tree import InvalidTreeError
 from tree_attention.verify import greedy_accept
 
 VOCAB = 23

@@ -49,21 +49,16 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from .adapter import FORMAT_VERSION, AdapterError, TargetMismatchError, json_writer, read_safetensors
-from .adapter_schema import target_differences
-from .backbone import target_fingerprint
-from .eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
+from ..adapter import FORMAT_VERSION, AdapterError, TargetPin, json_writer, read_safetensors
+from ..families import is_llama, llama_config, llama_config_differences
+from ..kind import CheckpointFormat
+from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
 
 logger = logging.getLogger(__name__)
 
 EAGLE_TENSORS = "model.safetensors"
 EAGLE1_ARCHITECTURES = ["LlamaForCausalLMEagle", "LlamaForCausalLM"]
 EAGLE3_ARCHITECTURES = ["LlamaForCausalLMEagle3"]
-_LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "hidden_act", "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias", "vocab_size",
-               "bos_token_id", "eos_token_id", "pad_token_id")
-_CHECKED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "hidden_act", "rms_norm_eps", "vocab_size", "attention_bias", "mlp_bias", "rope_theta")
 _LABEL = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
 _LAYOUT = {"eagle": "eagle1", "eagle3": "eagle3"}
 
@@ -76,7 +71,7 @@ def eagle_refusals(config: dict, fmt: str, target_layers: int | None = None) -> 
     drafter, family = config["drafter"], config["target"].get("model_type")
     label, layout = _LABEL[fmt], drafter.get("layout", "native")
     reasons = []
-    if family != "llama":
+    if not is_llama(family):
         reasons.append(f"{label} loaders build Llama decoder layers; the target is {family!r} "
                        "(train on a Llama target)")
     layers = drafter.get("feature_layers")
@@ -111,32 +106,11 @@ def _pinned_model(model, config: dict, adapter_dir, fmt: str):
         raise AdapterError(f"{adapter_dir}: an {_LABEL[fmt]} checkpoint holds the target's Llama config"
                            + (" and output-head rows (lm_head)" if fmt == "eagle3" else "")
                            + ", which the adapter does not: pass --model TARGET_DIR (the adapter's target)")
-    differences = target_differences(config["target"], target_fingerprint(model))
-    if differences:
-        raise TargetMismatchError(f"{adapter_dir}: --model is not this adapter's target: " + "; ".join(differences))
+    TargetPin(config["target"]).check(model, where=adapter_dir, purpose="its config goes into the export")
     return model
 
 
 # ----------------------------------------------------------------------------- export
-
-def _rope_theta(config) -> float | None:
-    parameters = getattr(config, "rope_parameters", None) or {}
-    return parameters.get("rope_theta", getattr(config, "rope_theta", None))
-
-
-def _llama_config(model, num_layers: int, architectures: list[str], dtype: str) -> dict:
-    """The Llama ``config.json`` of a drafter of ``num_layers`` layers on ``model``'s width."""
-    source = model.config
-    data = {key: getattr(source, key) for key in _LLAMA_KEYS if getattr(source, key, None) is not None}
-    parameters = dict(getattr(source, "rope_parameters", None) or {})
-    data.update(architectures=architectures, model_type="llama", num_hidden_layers=num_layers,
-                tie_word_embeddings=False, torch_dtype=dtype, rope_theta=_rope_theta(source))
-    if parameters.get("rope_type", "default") != "default":  # older loaders read rope_scaling
-        data["rope_scaling"] = {key: value for key, value in parameters.items() if key != "rope_theta"}
-    if parameters:
-        data["rope_parameters"] = parameters
-    return data
-
 
 def eagle_name_map(tensor_names, fmt: str) -> dict[str, str]:
     """``{selfdraft name: external name}`` of an ``eagle1``/``eagle3`` drafter's tensors."""
@@ -180,14 +154,14 @@ def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model
     if fmt == "eagle":
         logger.warning("vLLM's EagleLlamaForCausalLM (00da923) builds fc without bias and drops fc.bias; "
                        "SafeAILab EAGLE and SGLang use it")
-        payload = _llama_config(model, drafter["num_layers"], EAGLE1_ARCHITECTURES, dtype)
+        payload = llama_config(model, drafter["num_layers"], EAGLE1_ARCHITECTURES, dtype)
     else:
         head = model.get_output_embeddings()
         if head.bias is not None:
             raise AdapterError(f"{adapter_dir}: the target's output head has a bias, which EAGLE-3's lm_head lacks")
         ids, d2t, t2d = vocabulary_maps(tensors.get("token_map"), head.out_features)
         external.update({"lm_head.weight": head.weight.detach().to("cpu")[ids].contiguous(), "d2t": d2t, "t2d": t2d})
-        payload = _llama_config(model, 1, EAGLE3_ARCHITECTURES, dtype)
+        payload = llama_config(model, 1, EAGLE3_ARCHITECTURES, dtype)
         payload.update(draft_vocab_size=int(ids.numel()), target_hidden_size=int(head.in_features), eagle_config={
             "eagle_aux_hidden_state_layer_ids": [index - 1 for index in drafter["feature_layers"]],
             "use_aux_hidden_state": True})
@@ -210,13 +184,8 @@ def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 def _check_llama_config(config: dict, model, where: Path) -> None:
     """The checkpoint's layer sizes must be the target's: the drafter is built from the target's config."""
-    ours = {key: getattr(model.config, key, None) for key in _CHECKED_KEYS}
-    ours["rope_theta"] = _rope_theta(model.config)
-    theirs = dict(config)
-    theirs.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
-    differences = [f"{key} {theirs[key]!r} (target {ours[key]!r})" for key in _CHECKED_KEYS
-                   if theirs.get(key) is not None and ours[key] is not None and theirs[key] != ours[key]]
-    if model.config.model_type != "llama" or differences:
+    differences = llama_config_differences(config, model)
+    if differences:
         raise AdapterError(f"{where}: selfdraft builds the drafter's layer from the target's config, which must match "
                            f"the checkpoint's: target {model.config.model_type!r}; differences: {differences}")
     if config.get("bias") or config.get("norm_before_residual") or config.get("fc_norm"):
@@ -295,3 +264,19 @@ def read_eagle(directory: Path, config: dict, fmt: str, model) -> tuple[dict, di
     drafter = {"num_layers": 1, "layout": "eagle3", "feature_layers": [i + 1 for i in ids],
                "draft_vocab_size": None if token_ids is None else int(token_ids.numel())}
     return _imported_config(drafter, config, vocab, hidden), ours
+
+
+def _is_eagle3(config: dict, architectures: list[str], names) -> bool:
+    return ("eagle_config" in config or "draft_vocab_size" in config or any("Eagle3" in a for a in architectures)
+            or any(name.startswith("midlayer.") for name in names()))
+
+
+def _is_eagle1(config: dict, architectures: list[str], names) -> bool:
+    return any("Eagle" in a for a in architectures) or ("fc.weight" in names()
+                                                        and any(n.startswith("layers.0.") for n in names()))
+
+
+FORMATS = (
+    CheckpointFormat("eagle3", _is_eagle3, export_files, read_eagle, ("config.json", EAGLE_TENSORS)),
+    CheckpointFormat("eagle", _is_eagle1, export_files, read_eagle, ("config.json", EAGLE_TENSORS)),
+)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from numbers import Real
 
-from .backbone import EAGLE_LAYOUT_FAMILIES
 
 FORMAT_VERSION = 1
 """Version of the adapter layout this selfdraft writes and the newest it reads."""
@@ -131,18 +130,10 @@ def check_acceptance(acceptance: object, where: str) -> None:
             raise AdapterError(f"{name}.acceptance_by_position must be a list of numbers in [0, 1]; got {rates!r}")
 
 
-def check_drafter(kind: str, drafter: dict, where: str) -> None:
-    """The drafter fields loaders branch on: an EAGLE drafter's ``layout`` (absent in adapters
-    written before layouts existed: ``native``)."""
-    if kind == "eagle":
-        layout = drafter.get("layout", "native")
-        if layout not in EAGLE_LAYOUT_FAMILIES:
-            raise AdapterError(f"{where}: drafter.layout {layout!r} is not one of {list(EAGLE_LAYOUT_FAMILIES)}")
-
-
 def validate_config(config: object, where: str, pinned: bool = True) -> dict:
     """Check every field of an adapter config; return it. Raises :class:`AdapterError` naming
-    ``where`` (a file) and the field."""
+    ``where`` (a file) and the field. The drafter block's own fields are the kind's to check
+    (``DrafterKind.check_drafter``, asked by :mod:`heads.loading`)."""
     if not isinstance(config, dict):
         raise AdapterError(f"{where}: an adapter config is a JSON object; got {type(config).__name__}")
     check_version(config, where)
@@ -159,7 +150,6 @@ def validate_config(config: object, where: str, pinned: bool = True) -> dict:
         raise AdapterError(f"{where}: field 'kind' must be a string; got {config['kind']!r}")
     if not isinstance(config["drafter"], dict):
         raise AdapterError(f"{where}: field 'drafter' must be an object; got {config['drafter']!r}")
-    check_drafter(config["kind"], config["drafter"], where)
     check_target(config["target"], where, pinned)
     check_tree_accuracy(config.get("tree_accuracy"), where)
     if not isinstance(config.get("training", {}), dict):

@@ -1,0 +1,63 @@
+"""EAGLE (Li et al. 2024; EAGLE-2's dynamic tree, EAGLE-3's fused features): an autoregressive
+drafter in the backbone's feature space. Registered as ``KIND`` (see :mod:`heads.kinds`)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ..adapter import AdapterError
+from ..kind import DrafterKind, refuse_options
+from .checkpoint import FORMATS
+from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, LAYOUTS, EagleConfig
+from .drafter import EagleDrafter
+from .modules import Eagle3Midlayer, EagleHeads, unrolled_attention_mask
+
+__all__ = ["KIND", "EagleConfig", "EagleDrafter", "EagleHeads", "Eagle3Midlayer", "unrolled_attention_mask",
+           "DEFAULT_DEPTH", "DEFAULT_TOP_K", "DEFAULT_TOTAL_TOKENS", "LAYOUTS"]
+
+OPTIONS = ("num_layers", "depth", "top_k", "total_tokens", "feature_layers", "draft_vocab_size", "layout")
+
+
+def make_config(num_layers: int | None = None, depth: int | None = None, top_k: int | None = None,
+                total_tokens: int | None = None, feature_layers=None, draft_vocab_size: int | None = None,
+                layout: str | None = None, **others) -> EagleConfig:
+    """The config ``attach_heads(kind="eagle", ...)`` builds; a lone ``total_tokens`` lowers the
+    default depth to fit it."""
+    refuse_options("eagle", OPTIONS, others)
+    shape = {name: value for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens))
+             if value is not None}
+    return EagleConfig(num_layers=1 if num_layers is None else num_layers, feature_layers=feature_layers,
+                       draft_vocab_size=draft_vocab_size, layout=layout or "native",
+                       **EagleConfig().with_tree(shape).tree)
+
+
+def build_heads(target, config: EagleConfig) -> EagleHeads:
+    return EagleHeads(config, target)
+
+
+def build_drafter(spec, tree) -> EagleDrafter:
+    return EagleDrafter(spec.heads, spec.target, spec.config.with_tree(tree))
+
+
+def target_view(target, config: EagleConfig):
+    return target.with_feature_layers(config.feature_layers)
+
+
+def policy_sizes(spec) -> tuple[int, ...]:
+    configured = spec.config.total_tokens
+    return tuple(sorted({size for size in (2, 4, 8) if size < configured} | {configured} - {0}))
+
+
+def check_drafter(drafter: Mapping, where: str) -> None:
+    """An EAGLE drafter's ``layout`` (absent in adapters written before layouts existed: ``native``)."""
+    layout = drafter.get("layout", "native")
+    if layout not in LAYOUTS:
+        raise AdapterError(f"{where}: drafter.layout {layout!r} is not one of {list(LAYOUTS)}")
+
+
+KIND = DrafterKind(
+    name="eagle", config_class=EagleConfig, make_config=make_config, build_heads=build_heads,
+    build_drafter=build_drafter, options=OPTIONS, target_view=target_view, policy_sizes=policy_sizes,
+    check_drafter=check_drafter, formats=FORMATS,
+    sidecar_keys=("num_layers", "layout", "feature_layers", "draft_vocab_size"),
+)

@@ -1,0 +1,120 @@
+"""Hyper-parameters of an EAGLE drafter and its dynamic draft tree."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Mapping, Sequence
+
+from ..families import EAGLE_LAYOUT_FAMILIES
+
+# Defaults of the dynamic tree: the wall-clock optimum (highest speedup over model.generate, averaged over
+# the code and prose mixes) of benchmarks/bench_speedup.py on the demo target, 2-core CPU, 1 thread, in two
+# runs (results/speedup.json 1.10x, speedup_run1.json 1.11x): a chain (top_k 1) of 4. Chains win on code
+# (1.27-1.29x) and lose on prose (0.91-0.95x); wider trees (top_k 2-10, 8-60 nodes) accept more (tau up to
+# 3.6 against 2.8) but each drafting level costs about 3 ms here, a third of a target forward, so depth
+# and width cost more than they gain. Where verification is nearly free (a GPU at batch 1), start from
+# EAGLE-2's depth 7, top_k 10, 60 tokens. A node count alone (``with_tree(n)``) changes only the budget;
+# widen the tree with ``top_k``.
+DEFAULT_DEPTH = 4
+DEFAULT_TOP_K = 1
+DEFAULT_TOTAL_TOKENS = 4
+_TREE_FIELDS = ("depth", "top_k", "total_tokens")
+LAYOUTS = tuple(EAGLE_LAYOUT_FAMILIES)
+
+
+def _positive_int(value: object, name: str, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"EagleConfig.{name} must be an int >= {low}; got {value!r}")
+
+
+@dataclass
+class EagleConfig:
+    """Hyper-parameters of an EAGLE drafter and its dynamic draft tree."""
+
+    num_layers: int = 1
+    """Decoder layers of the drafter (EAGLE uses 1)."""
+    depth: int = DEFAULT_DEPTH
+    """Deepest level of the draft tree: drafter forwards per step beyond the first."""
+    top_k: int = DEFAULT_TOP_K
+    """Children per expanded node, and nodes expanded per level (EAGLE-2)."""
+    total_tokens: int = DEFAULT_TOTAL_TOKENS
+    """Drafted nodes verified per step (the best by path probability; root excluded). At least
+    ``depth``; 0 drafts nothing (every step verifies the root alone: plain decoding, tau 1)."""
+    feature_layers: Sequence[int] | None = None
+    """Backbone hidden states fused as the drafter's input (EAGLE-3): 0 is the embedding output,
+    i the output of decoder layer i, num_hidden_layers the top-layer features. None: top only."""
+    draft_vocab_size: int | None = None
+    """Size of a reduced draft vocabulary (EAGLE-3); None: the backbone's whole vocabulary."""
+    layout: str = "native"
+    """Drafter architecture: ``native`` (selfdraft's, any family), ``eagle1`` (the EAGLE-1 layer:
+    no first input layernorm, no final norm) or ``eagle3`` (the EAGLE-3 midlayer; needs three
+    ``feature_layers``). The last two export to the EAGLE/EAGLE-3 checkpoint layouts."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"EagleConfig.layout must be one of {LAYOUTS}; got {self.layout!r}")
+        _positive_int(self.num_layers, "num_layers")
+        _positive_int(self.depth, "depth")
+        _positive_int(self.top_k, "top_k")
+        _positive_int(self.total_tokens, "total_tokens", low=0)
+        if 0 < self.total_tokens < self.depth:
+            raise ValueError(f"EagleConfig.total_tokens ({self.total_tokens}) must be >= depth ({self.depth}): a "
+                             f"tree of {self.total_tokens} drafted nodes is at most {self.total_tokens} deep "
+                             f"(total_tokens=0: no drafting)")
+        if self.feature_layers is not None:
+            if isinstance(self.feature_layers, (str, bytes)) or not isinstance(self.feature_layers, Sequence):
+                raise ValueError(f"EagleConfig.feature_layers must be a list of layer indices; got "
+                                 f"{self.feature_layers!r}")
+            layers = tuple(self.feature_layers)
+            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+                raise ValueError(f"EagleConfig.feature_layers must be non-negative layer indices; got {list(layers)}")
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"EagleConfig.feature_layers has repeated layers: {list(layers)}")
+            self.feature_layers = layers
+        if self.draft_vocab_size is not None:
+            _positive_int(self.draft_vocab_size, "draft_vocab_size")
+            if self.draft_vocab_size < self.top_k:
+                raise ValueError(f"EagleConfig.draft_vocab_size ({self.draft_vocab_size}) must be >= "
+                                 f"top_k ({self.top_k})")
+        if self.layout == "eagle3":
+            if self.feature_layers is None or len(self.feature_layers) != 3:
+                raise ValueError("EagleConfig.layout 'eagle3' fuses exactly three backbone layers (fc: 3d -> d); "
+                                 f"give feature_layers of length 3, got {self.feature_layers!r}")
+            if self.num_layers != 1:
+                raise ValueError(f"EagleConfig.layout 'eagle3' has one midlayer; num_layers must be 1, "
+                                 f"got {self.num_layers}")
+
+    @property
+    def tree(self) -> dict:
+        """The configured dynamic tree shape (what ``SpeculativeModel.set_tree(None)`` uses)."""
+        return {name: getattr(self, name) for name in _TREE_FIELDS}
+
+    def with_tree(self, tree: int | Mapping[str, int] | None) -> "EagleConfig":
+        """This config with another tree shape: a total node count, or a mapping of
+        ``depth``/``top_k``/``total_tokens`` overrides (None: unchanged).
+
+        A shape that sets ``total_tokens`` (>= 1) but not ``depth`` lowers ``depth`` to fit it:
+        ``with_tree(4)`` of a depth-6 config gives depth 4. An explicit ``depth`` deeper than
+        ``total_tokens`` is a ValueError, as in the constructor."""
+        if tree is None:
+            return self
+        if isinstance(tree, Mapping):
+            unknown = set(tree) - set(_TREE_FIELDS)
+            if unknown:
+                raise ValueError(f"EAGLE tree options are {_TREE_FIELDS}; got unknown {sorted(unknown)}")
+            shape = dict(tree)
+        elif isinstance(tree, bool) or not isinstance(tree, int):
+            raise ValueError(f"an EAGLE tree is a node count (total_tokens) or a mapping of {_TREE_FIELDS}; "
+                             f"got {tree!r}")
+        else:
+            shape = {"total_tokens": tree}
+        total = shape.get("total_tokens")
+        if "depth" not in shape and isinstance(total, int) and not isinstance(total, bool) and total >= 1:
+            shape["depth"] = min(self.depth, total)
+        return replace(self, **shape)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        if self.feature_layers is not None:
+            data["feature_layers"] = list(self.feature_layers)
+        return data

@@ -1,0 +1,140 @@
+"""The EAGLE drafter: all rows' dynamic trees grown in lockstep, one drafter forward per level."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tree_attention import cache as cache_ops
+from tree_attention.decode import DraftBatch
+from tree_attention.mask import causal_visibility
+from tree_attention.dynamic import grow_dynamic_tree
+from tree_attention.tree import Tree, TreeBatch
+
+from ..backbone import Backbone
+from .config import EagleConfig
+from .modules import EagleHeads, check_against_target
+
+
+class EagleDrafter:
+    """Proposes one dynamic tree per row and step (``tree_attention.decode.Drafter``), all rows
+    of a batch in one drafter forward per tree level.
+
+    Keeps its own batch cache (:class:`~tree_attention.cache.RaggedCache`) in step with each
+    row's accepted path: a row's live entries are its committed pairs, entry ``i`` written by
+    (target feature at ``i``, token at ``i + 1``); the last tree expansion sits past the
+    bookkeeping's width. Each :meth:`propose` crops the expansion away, appends every row's newly
+    committed pairs (ragged: shorter rows leave holes) and grows all rows' trees in lockstep
+    (:func:`tree_attention.tree.grow_dynamic_tree`).
+    """
+
+    def __init__(self, heads: EagleHeads, target: Backbone, config: EagleConfig) -> None:
+        check_against_target(config, target)
+        self.heads = heads
+        self.target = target
+        self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
+        self.reset(1)
+
+    def reset(self, batch_size: int) -> None:
+        """Forget earlier sequences: an empty cache for ``batch_size`` rows."""
+        device = next(self.heads.parameters()).device
+        self.cache = cache_ops.RaggedCache(batch_size, device)
+        self.committed = torch.zeros(batch_size, dtype=torch.long, device=device)  # pairs per row
+
+    def _children(self, hidden: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k next tokens (target ids) and their log-probabilities ``[m, top_k]`` from predicted
+        features ``[m, d]``."""
+        log_probs = torch.log_softmax(self.target.logits(hidden, rows).float(), dim=-1)  # (m, V')
+        best = torch.topk(log_probs, self.top_k, dim=-1)
+        return self.heads.target_ids(best.indices), best.values
+
+    def retire(self, keep: torch.Tensor) -> None:
+        """Drop the cache rows of sequences that left the batch."""
+        self.cache.select_rows(keep)
+        self.committed = self.committed[keep]
+
+    def _commit(self, batch: DraftBatch) -> torch.Tensor:
+        """Append each row's pairs (features[i], tokens[i + 1]) and (features[-1], root); return
+        the predicted features at the roots' positions ``[R, d]``."""
+        self.cache.crop()
+        counts = batch.lengths.to(self.committed.device)
+        rows, width = batch.tokens.shape
+        device, dtype = self.committed.device, self.target.dtype
+        last = counts - 1
+        row_index = torch.arange(rows, device=device)
+        next_tokens = torch.cat([batch.tokens[:, 1:], batch.tokens.new_zeros(rows, 1)], dim=1).to(device)
+        next_tokens[row_index, last] = batch.roots.to(device)
+        columns = torch.arange(width, device=device)
+        valid = columns[None, :] < counts[:, None]  # (R, n)
+        visible = causal_visibility(width, device) & (valid[:, None, :] | torch.eye(width, dtype=torch.bool,
+                                                                                    device=device)[None])
+        positions = self.committed[:, None] + columns[None, :]
+        mask = self.cache.mask(positions, visible, self.heads.layout, dtype)
+        embeddings = self.target.input_embeddings(next_tokens)  # (R, n, d)
+        features = self.heads.fuse(batch.features.to(device=device, dtype=dtype))
+        predicted = self.heads.step(features, embeddings, positions, mask, self.cache.cache)
+        self.cache.extend(valid, positions)
+        self.committed = self.committed + counts
+        return predicted[row_index, last]  # (R, d)
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> TreeBatch:
+        """One dynamic tree per row of ``batch``."""
+        root_features = self._commit(batch)  # (R, d)
+        roots = batch.roots.tolist()
+        self.cache.compact()
+        draft_rows = self.heads.draft_rows(self.target)
+        child_tokens, child_log_probs = self._children(root_features, draft_rows)
+        count, device = len(roots), root_features.device
+        growths = [grow_dynamic_tree(root, (child_tokens[row], child_log_probs[row]), self.depth, self.top_k,
+                                     self.total_tokens) for row, root in enumerate(roots)]
+        trees: list[Tree | None] = [None] * count
+        requests = [self._advance(growth, None, trees, row) for row, growth in enumerate(growths)]
+        outputs = [root_features[row:row + 1] for row in range(count)]  # per row: the root's, then each expanded node's
+        columns: list[list[int]] = [[] for _ in range(count)]  # per row: expansion slot of each expanded node
+        expansion_positions = torch.zeros(count, 0, dtype=torch.long, device=device)
+        while any(request is not None for request in requests):
+            width = max(request.tokens.numel() if request is not None else 0 for request in requests) or 1
+            grown = expansion_positions.shape[1]
+            parents = torch.zeros(count, width, root_features.shape[-1], dtype=root_features.dtype, device=device)
+            query_tokens = torch.zeros(count, width, dtype=torch.long, device=device)
+            query_positions = (self.committed - 1)[:, None].repeat(1, width)
+            visible = torch.zeros(count, width, grown + width, dtype=torch.bool, device=device)
+            visible[:, :, grown:] = torch.eye(width, dtype=torch.bool, device=device)
+            for row, request in enumerate(requests):
+                if request is None:
+                    continue
+                size = request.tokens.numel()
+                parents[row, :size] = outputs[row][request.parents + 1]
+                query_tokens[row, :size] = request.tokens
+                query_positions[row, :size] += request.depth
+                columns[row] = columns[row] + [grown + i for i in range(size)]
+                # request.ancestors[i, j]: expanded node j (expansion order) is node i or its ancestor
+                visible[row, :size, torch.tensor(columns[row], device=device)] = request.ancestors
+            keys = torch.cat([expansion_positions, query_positions], dim=1)
+            mask = self.cache.mask(query_positions, visible, self.heads.layout, parents.dtype, keys)
+            embeddings = self.target.input_embeddings(query_tokens)  # (R, m, d)
+            predicted = self.heads.step(parents, embeddings, query_positions, mask, self.cache.cache)  # (R, m, d)
+            expansion_positions = keys
+            sizes = [request.tokens.numel() if request is not None else 0 for request in requests]
+            flat = torch.cat([predicted[row, :size] for row, size in enumerate(sizes) if size])
+            flat_tokens, flat_log_probs = self._children(flat, draft_rows)
+            start = 0
+            for row, size in enumerate(sizes):
+                if not size:
+                    continue
+                outputs[row] = torch.cat([outputs[row], predicted[row, :size]])
+                children = (flat_tokens[start:start + size], flat_log_probs[start:start + size])
+                start += size
+                requests[row] = self._advance(growths[row], children, trees, row)
+        return TreeBatch.from_trees(trees)
+
+    @staticmethod
+    def _advance(growth, children, trees: list, row: int):
+        """Send ``children`` to a row's growing tree; its next request, or None once it is done."""
+        try:
+            return next(growth) if children is None else growth.send(children)
+        except StopIteration as finished:
+            trees[row] = finished.value
+            return None

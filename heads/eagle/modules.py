@@ -1,0 +1,234 @@
+"""EAGLE drafter: autoregressive drafting in the backbone's feature space.
+
+At position ``t`` the drafter reads the backbone's top-layer feature ``f_t`` (after the final
+norm, what :meth:`~heads.backbone.Backbone.features` returns) and the embedding ``e_{t+1}`` of
+the next token (the backbone's own frozen input embeddings), projects ``[e_{t+1}; f_t]``
+(``2d -> d``), runs it through a small decoder of the backbone's family and width and predicts
+``f_{t+1}``; the backbone's frozen output head (with the family's soft-capping) turns that into
+token logits. Drafting deeper feeds the predicted feature back in place of ``f_{t+1}``
+(EAGLE-1), growing a dynamic tree (EAGLE-2, :func:`tree_attention.tree.dynamic_tree`).
+
+The decoder is a ``num_layers``-layer copy of the backbone's own base model
+(:func:`heads.backbone.decoder_copy`) run through its public forward with ``inputs_embeds``,
+``position_ids``, a 4D mask and its own ``Cache``; there is no forked modeling code. Its token
+embedding table is removed, so the adapter holds only drafter tensors.
+
+Options (EAGLE-3 style):
+
+* ``feature_layers=(low, mid, high)``: the drafter reads a linear fusion (``k·d -> d``) of those
+  backbone layers' hidden states instead of ``f_t`` alone. Deeper drafting steps feed back the
+  drafter's own output, so train with ``unroll_steps > 1`` (training-time test) for this option.
+* ``draft_vocab_size``: logits over a reduced vocabulary, the rows of the frozen output head for
+  the most frequent target tokens of the training data; the ``token_map`` buffer maps draft ids
+  back to target ids and travels in the adapter. Until training sets it, the map is the first
+  ``draft_vocab_size`` ids.
+
+Layouts (``EagleConfig.layout``):
+
+* ``native`` (default, any family that passes the probe). Deviations from EAGLE-1, all for a
+  family-agnostic build: the family's input layernorm of the first decoder layer is kept (EAGLE-1
+  drops it); the copy's final norm is kept and trained, so the prediction lives in the post-norm
+  space of ``f``; absolute-position families (GPT-2) keep the copy's own trainable position table.
+  The projection has a bias, as in EAGLE-1 (EAGLE-3's fc has none).
+* ``eagle1`` (llama, mistral, qwen2): exactly the EAGLE-1 layer (SafeAILab ``cnets1.py``, vLLM
+  ``EagleLlamaForCausalLM``, SGLang ``LlamaForCausalLMEagle``): ``fc`` (the projection, with bias)
+  over ``[e_{t+1}; f_t]``, the copy's first input layernorm and final norm replaced by identities,
+  so the layer's residual output goes straight into the output head and is regressed onto the
+  post-norm ``f``, as EAGLE-1 does.
+* ``eagle3`` (llama; three ``feature_layers``): the EAGLE-3 midlayer (SpecForge
+  ``llama3_eagle.py``, SGLang/vLLM ``llama_eagle3.py``), :class:`Eagle3Midlayer`: ``fusion`` is
+  ``fc``; no projection; attention over ``[input_layernorm(e); hidden_norm(h)]`` with ``2d``-input
+  q/k/v and residual ``h``; the pre-norm output is fed back at deeper steps and the drafter's
+  ``norm`` is applied before the output head (through :meth:`EagleHeads.draft_rows`). The output
+  head stays the target's frozen one (its draft-vocabulary rows), where an EAGLE-3 checkpoint holds
+  its own ``lm_head`` (exported as those rows); training keeps the feature regression, on
+  ``norm(output)`` (EAGLE-3 has none: set ``feature_weight=0`` for its recipe).
+
+The two external layouts export to those checkpoint formats (:mod:`heads.interop_eagle`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tree_attention import cache as cache_ops
+from tree_attention.mask import AttentionMask, layout_masks
+
+from ..backbone import Backbone, attention_layout
+from ..families import check_eagle_layout, decoder_copy, eagle3_parts, rotary_attention
+from .config import EagleConfig
+
+
+def unrolled_attention_mask(length: int, step: int, layout, dtype: torch.dtype,
+                            device: torch.device | str) -> AttentionMask:
+    """Mask of drafting step ``step`` (>= 1) over a sequence of ``length`` origins, for training.
+
+    Keys are ``step`` blocks of ``length`` entries: block 1 holds the teacher-forced pairs,
+    block ``i`` the pairs of unrolled step ``i``. The query of origin ``t`` at step ``step`` sits at
+    position ``t + step - 1`` and sees block-1 entries ``<= t`` and its own chain's entries in
+    blocks 2..step, exactly what a node at that depth of a draft tree sees at decode time.
+    Returns ``[1, 1, length, step * length]`` (or a dict per layer type).
+    """
+    origins = torch.arange(length, device=device)
+    blocks = [torch.ones(length, length, dtype=torch.bool, device=device).tril_()]
+    blocks += [torch.eye(length, dtype=torch.bool, device=device)] * (step - 1)
+    visible = torch.cat(blocks, dim=1).unsqueeze(0)  # (1, T, step*T)
+    key_positions = torch.cat([origins + block for block in range(step)]).unsqueeze(0)
+    return layout_masks(visible, (origins + step - 1).unsqueeze(0), key_positions, layout, dtype)
+
+
+def _expand_batch(mask: AttentionMask, batch: int) -> AttentionMask:
+    if isinstance(mask, dict):
+        return {kind: value.expand(batch, -1, -1, -1) for kind, value in mask.items()}
+    return mask.expand(batch, -1, -1, -1)
+
+
+class Eagle3Midlayer(nn.Module):
+    """The EAGLE-3 midlayer, assembled from the family's own modules (:func:`heads.families.eagle3_parts`).
+
+    ``residual = h``; attention over ``[input_layernorm(e); hidden_norm(h)]`` (``2d``, q/k/v take
+    ``2d`` inputs); ``+ residual``; ``post_attention_layernorm`` and ``mlp`` with a residual. Returns
+    the pre-norm output, which deeper drafting steps feed back; ``norm`` (applied by
+    :meth:`EagleHeads.draft_rows` through ``Backbone.logits``) maps it to the output head.
+    """
+
+    def __init__(self, target: Backbone) -> None:
+        super().__init__()
+        parts = eagle3_parts(target)
+        self.config = parts.pop("config")
+        for name, module in parts.items():
+            setattr(self, name, module)
+        self._cache_keyword = cache_ops.cache_keyword(self.self_attn)
+
+    def forward(self, hidden: torch.Tensor, token_embeddings: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: AttentionMask, cache) -> torch.Tensor:
+        """``hidden`` and ``token_embeddings`` ``[B, T, d]`` at ``position_ids`` ``[B, T]`` → ``[B, T, d]``
+        (pre-norm); appends ``T`` entries to ``cache`` (layer 0)."""
+        inputs = torch.cat([self.input_layernorm(token_embeddings), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2d)
+        attended = rotary_attention(self.self_attn, self.rotary_emb, inputs, position_ids, attention_mask,
+                                    self._cache_keyword, cache)
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class EagleHeads(nn.Module):
+    """The trainable drafter: fusion (option), projection and decoder copy (``native``/``eagle1``
+    layouts) or fusion and :class:`Eagle3Midlayer` (``eagle3``); the only tensors in the adapter
+    (plus ``token_map`` with a reduced vocabulary)."""
+
+    def __init__(self, config: EagleConfig, target: Backbone) -> None:
+        super().__init__()
+        check_against_target(config, target)
+        self.config = config
+        hidden = target.hidden_size
+        self.hidden_size = hidden
+        layers = config.feature_layers
+        self.feature_size = hidden * (len(layers) if layers else 1)
+        self.fusion = nn.Linear(self.feature_size, hidden, bias=False) if layers else None
+        if config.layout == "eagle3":
+            self.projection = None
+            self.decoder = Eagle3Midlayer(target)
+        else:
+            self.projection = nn.Linear(2 * hidden, hidden)
+            self.decoder = decoder_copy(target, config.num_layers, config.layout)
+            self._cache_keyword = cache_ops.cache_keyword(self.decoder)
+        self.layout = attention_layout(self.decoder.config)
+        if config.draft_vocab_size is not None:
+            self.register_buffer("token_map", torch.arange(config.draft_vocab_size))
+        else:
+            self.token_map = None
+
+    @property
+    def output_norm(self) -> nn.Module | None:
+        """The drafter's final norm between its output and the output head (``eagle3`` only)."""
+        return self.decoder.norm if self.projection is None else None
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        return None if self.token_map is None else int(self.token_map.numel())
+
+    def set_token_map(self, token_ids: torch.Tensor) -> None:
+        """Use ``token_ids`` ``[V']`` (distinct target ids) as the draft vocabulary."""
+        if self.token_map is None:
+            raise ValueError("set_token_map: this drafter has no reduced vocabulary (draft_vocab_size=None)")
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if token_ids.shape != self.token_map.shape or token_ids.unique().numel() != token_ids.numel():
+            raise ValueError(f"token_map must hold {self.token_map.numel()} distinct ids; got shape "
+                             f"{tuple(token_ids.shape)}")
+        self.token_map.copy_(token_ids)
+
+    def draft_rows(self, target: Backbone):
+        """What ``target.logits`` turns predicted features into logits with: the output-head rows
+        of the draft vocabulary, after the drafter's own final norm (``eagle3``); None for the
+        plain output head (whole vocabulary, no norm)."""
+        if self.token_map is None and self.output_norm is None:
+            return None
+        return target.output_rows(self.token_map, self.output_norm)
+
+    def head_features(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Predicted features ``[..., d]`` as the output head reads them (after ``eagle3``'s final
+        norm; the features themselves otherwise), comparable with the backbone's top features."""
+        return predicted if self.output_norm is None else self.output_norm(predicted)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft-vocabulary ids (the identity without a reduced vocabulary)."""
+        return draft_ids if self.token_map is None else self.token_map[draft_ids]
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``[B, T, F]`` backbone features → ``[B, T, d]`` drafter input (fusion or identity)."""
+        if features.shape[-1] != self.feature_size:
+            raise ValueError(f"features must have {self.feature_size} channels; got {features.shape[-1]}")
+        return features if self.fusion is None else self.fusion(features)
+
+    def step(self, features: torch.Tensor, token_embeddings: torch.Tensor, position_ids: torch.Tensor,
+             attention_mask: AttentionMask, cache) -> torch.Tensor:
+        """One drafter application: features ``[B, T, d]`` and next-token embeddings ``[B, T, d]`` at
+        positions ``[B, T]`` → predicted next features ``[B, T, d]``; appends ``T`` entries to ``cache``.
+        (``eagle3``: the midlayer's pre-norm output; see :meth:`draft_rows`.)"""
+        if self.projection is None:
+            return self.decoder(features, token_embeddings, position_ids, attention_mask, cache)
+        inputs = self.projection(torch.cat([token_embeddings, features], dim=-1))  # (B, T, d)
+        outputs = self.decoder(inputs_embeds=inputs, position_ids=position_ids, attention_mask=attention_mask,
+                               use_cache=cache is not None, **{self._cache_keyword: cache})
+        return outputs.last_hidden_state
+
+    def forward(self, features: torch.Tensor, token_embeddings: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
+        """Training forward, unrolled ``steps`` drafting steps over whole sequences.
+
+        Args:
+            features: ``[B, T, F]`` the backbone's features at every position (noise already added).
+            token_embeddings: ``[B, T, d]`` embeddings of the tokens at every position.
+        Returns ``steps`` tensors ``[B, T, d]``; entry ``j - 1`` at origin ``t`` is the prediction of
+        the feature at ``t + j`` after ``j - 1`` steps on the drafter's own predicted features
+        (rows with ``t + j >= T`` are padding).
+        """
+        batch, length, _ = features.shape
+        cache = cache_ops.new_cache()
+        inputs = self.fuse(features)
+        positions = torch.arange(length, device=features.device).expand(batch, length)
+        padded = torch.cat([token_embeddings, token_embeddings.new_zeros(batch, steps, self.hidden_size)], dim=1)
+        outputs = []
+        for step in range(1, steps + 1):
+            mask = unrolled_attention_mask(length, step, self.layout, inputs.dtype, features.device)
+            inputs = self.step(inputs, padded[:, step:step + length], positions + step - 1,
+                               _expand_batch(mask, batch), cache)  # (B, T, d)
+            outputs.append(inputs)
+        return outputs
+
+
+def check_against_target(config: EagleConfig, target: Backbone) -> None:
+    check_eagle_layout(target, config.layout)
+    if config.feature_layers is not None:
+        bad = [index for index in config.feature_layers if index > target.num_layers]
+        if bad:
+            raise ValueError(
+                f"EagleConfig.feature_layers {list(config.feature_layers)}: {bad} out of range 0..{target.num_layers} "
+                f"for this {target.num_layers}-layer {target.model_type} (0: embeddings, {target.num_layers}: top layer)"
+            )
+    vocab = config.draft_vocab_size or target.vocab_size
+    if config.draft_vocab_size is not None and config.draft_vocab_size > target.vocab_size:
+        raise ValueError(f"EagleConfig.draft_vocab_size ({config.draft_vocab_size}) exceeds the backbone's "
+                         f"vocabulary ({target.vocab_size})")
+    if config.top_k > vocab:
+        raise ValueError(f"EagleConfig.top_k ({config.top_k}) exceeds the draft vocabulary ({vocab})")

@@ -1,0 +1,78 @@
+"""What a drafter kind is: the one object each ``heads/<kind>/`` package registers
+(:mod:`heads.kinds` holds the registry). Everything outside a kind's folder asks this object
+instead of comparing the kind's name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+from torch import nn
+
+Writer = Callable[[Path], None]
+
+
+def default_policy_sizes(spec) -> tuple[int, ...]:
+    return (2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """Another project's checkpoint layout for a kind: how to recognise, write and read it."""
+
+    name: str
+    detect: Callable[[dict, list[str], Callable[[], list[str]]], bool]
+    """``(config.json, its architectures, a function listing the tensor names)`` → is this layout."""
+    export: Callable[[dict, dict, str, object, object], dict[str, Writer]]
+    """``(adapter config, tensors, format, target model or None, adapter dir)`` → files to write."""
+    read: Callable[[Path, dict, str, object], tuple[dict, dict]]
+    """``(directory, config.json, format, target model)`` → (adapter config, ``{name: tensor}``)."""
+    files: tuple[str, ...] = ()
+    """File names an export writes (an older export of them may be replaced)."""
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One kind of drafter, as every generic part of selfdraft sees it.
+
+    ``make_config(**options)`` turns ``attach_heads`` keyword options into the kind's config
+    (raising ValueError for an option it does not take); ``build_heads`` builds the trainable
+    module (None for kinds with nothing to train); ``build_drafter(spec, tree)`` the object that
+    proposes trees (``tree_attention.decode.Drafter``).
+    """
+
+    name: str
+    config_class: type
+    make_config: Callable[..., object]
+    build_heads: Callable[[object, object], nn.Module | None]
+    build_drafter: Callable[[object, object], object]
+    options: tuple[str, ...] = ()
+    """The ``attach_heads`` keyword options of this kind (``make_config``'s arguments)."""
+    target_view: Callable[[object, object], object] | None = None
+    """The view of the backbone the decode loop runs (e.g. one returning more layers as features)."""
+    policy_sizes: Callable[[object], tuple[int, ...]] = default_policy_sizes
+    """Tree sizes (drafted nodes) ``speculate="auto"`` chooses from."""
+    static_tree: bool = False
+    """The drafter fills one fixed tree template (``spec.tree``)."""
+    trainable: bool = True
+    """Whether the kind has tensors to train and save as an adapter."""
+    check_drafter: Callable[[Mapping, str], None] | None = None
+    """Checks of an adapter config's ``drafter`` block beyond the config class's own."""
+    formats: tuple[CheckpointFormat, ...] = ()
+    sidecar_keys: tuple[str, ...] = ()
+    """Drafter fields an export's sidecar must agree on with the checkpoint beside it."""
+    restore_sidecar: Callable[[dict, dict, object, Path], dict] | None = None
+    """``(own config, tensors, model, sidecar path)`` → tensors, after a sidecar restored the config."""
+    loss: Callable[..., object] | None = None
+    """The training hook (``heads/<kind>/loss.py``) the generic trainer calls."""
+    cli: object | None = None
+    """The kind's command-line options: ``add_arguments(parser)`` and ``options(args)``."""
+    extra: dict = field(default_factory=dict)
+
+
+def refuse_options(kind: str, allowed: tuple[str, ...], options: Mapping[str, object]) -> None:
+    """ValueError naming the options ``kind`` does not take."""
+    unknown = sorted(name for name, value in options.items() if name not in allowed and value is not None)
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not option(s) of kind={kind!r} (its options: {list(allowed)})")

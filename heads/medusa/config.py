@@ -1,0 +1,31 @@
+"""Hyper-parameters of Medusa heads."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+
+@dataclass
+class MedusaConfig:
+    """Hyper-parameters of a set of Medusa heads."""
+
+    num_heads: int = 4
+    """Number of heads K; head k predicts the token k + 2 positions ahead."""
+    num_layers: int = 1
+    """Residual blocks per head."""
+    share_lm_head: bool = False
+    """Use the backbone's frozen output head instead of one trainable projection per head."""
+    tree: Sequence[Sequence[int]] | int | None = None
+    """Verification tree: a choice list of rank paths, or a node count for a default tree (None: 16)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MedusaConfig.{name} must be a positive int; got {value!r}")
+        if self.tree is not None and not isinstance(self.tree, int):
+            self.tree = [list(path) for path in self.tree]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
