@@ -1,0 +1,103 @@
+"""The lookup drafter: trees of continuations found in the text itself, no model at all.
+
+Each row keeps its own :class:`~heads.lookup.index.SuffixIndex` over its prompt and output;
+a :class:`LookupMemory` shared by a ``SpeculativeModel`` holds the corpus and the text of earlier
+requests (cross-request history, bounded). Every step the row's committed tokens are appended to
+its index and :func:`~heads.lookup.index.propose` matches the longest suffix (root included)
+against both, returning up to ``budget`` nodes chosen best-first by estimated acceptance.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tree_attention.decode import DraftBatch
+from tree_attention.tree import TreeBatch
+
+from .config import LookupConfig
+from .index import Proposal, SuffixIndex, pad_proposals, propose
+
+
+class LookupMemory(nn.Module):
+    """What a lookup drafter remembers across ``generate`` calls: the corpus and earlier requests'
+    text, in one bounded :class:`SuffixIndex` (oldest requests evicted first). No parameters."""
+
+    def __init__(self, config: LookupConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.history = None
+        if config.history_tokens:
+            self.history = SuffixIndex(config.max_ngram, 1, config.max_occurrences, config.history_tokens)
+            for sequence in config.corpus:
+                self.history.add_stream(sequence)
+
+    def remember(self, sequences: list[list[int]]) -> None:
+        """Add finished requests' text to the history."""
+        if self.history is not None:
+            for sequence in sequences:
+                if sequence:
+                    self.history.add_stream(sequence)
+
+    def add_corpus(self, sequences) -> None:
+        """Add token sequences (ids) to match against."""
+        if self.history is None:
+            raise ValueError("this lookup drafter keeps no history (history_tokens=0): nowhere to put a corpus")
+        self.remember([[int(token) for token in sequence] for sequence in sequences])
+
+
+class LookupDrafter:
+    """Proposes lookup trees for every row (``tree_attention.decode.Drafter``)."""
+
+    def __init__(self, config: LookupConfig, memory: LookupMemory | None = None) -> None:
+        self.config = config
+        self.memory = memory
+        self.rows: list[SuffixIndex] = []
+        self.pending: list[int] = []
+
+    def _new_row(self) -> SuffixIndex:
+        return SuffixIndex(self.config.max_ngram, 1, self.config.max_occurrences)
+
+    def reset(self, batch_size: int) -> None:
+        """Earlier rows' text goes to the history; ``batch_size`` fresh rows."""
+        self._remember()
+        self.rows = [self._new_row() for _ in range(batch_size)]
+        for index in self.rows:
+            index.add_stream()
+
+    def _remember(self) -> None:
+        if self.memory is not None and self.rows:
+            self.memory.remember([index.tokens(0) for index in self.rows])
+        self.rows = []
+
+    def retire(self, keep: torch.Tensor) -> None:
+        kept = set(keep.tolist())
+        if self.memory is not None:
+            self.memory.remember([index.tokens(0) for number, index in enumerate(self.rows) if number not in kept])
+        self.rows = [self.rows[number] for number in keep.tolist()]
+
+    def proposals(self, batch: DraftBatch, budget: int | None = None) -> list[Proposal]:
+        """Append each row's newly committed tokens to its index and match its text (root included)."""
+        config = self.config
+        budget = config.budget if budget is None else budget
+        lengths = batch.lengths.tolist()
+        tokens = batch.tokens.tolist()
+        roots = batch.roots.tolist()
+        history = None if self.memory is None else self.memory.history
+        found = []
+        for index, row_tokens, length, root in zip(self.rows, tokens, lengths, roots):
+            index.extend(0, row_tokens[:length])
+            sources = [(index, 1.0)]
+            if history is not None and len(history):
+                sources.append((history, config.history_confidence))
+            context = index.tokens(0)[-config.max_ngram:] + [root]
+            found.append(propose(context, sources, budget, config.max_depth, config.min_match))
+        return found
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> TreeBatch:
+        proposals = self.proposals(batch)
+        fields = pad_proposals(batch.roots.tolist(), proposals, batch.roots.device)
+        uniform = bool((fields["sizes"] == fields["tokens"].shape[1]).all())
+        return TreeBatch(fields["tokens"], fields["parents"], fields["depths"], fields["visibility"],
+                         fields["sizes"], uniform=uniform)
