@@ -248,7 +248,11 @@ class SpeculativeModel:
 
     def save_pretrained(self, directory: str, **metadata) -> None:
         """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (atomically)."""
-        from .adapter import save_adapter
+        from .adapter import AdapterError, save_adapter
+
+        if not kinds.get(self.kind).trainable:
+            raise AdapterError(f"a {self.kind!r} drafter has no trained tensors to save as an adapter; "
+                               f"attach it again with attach_heads(model, kind={self.kind!r}, ...)")
 
         save_adapter(self, directory, **metadata)
 

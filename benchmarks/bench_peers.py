@@ -1,0 +1,257 @@
+"""selfdraft against what users already have for free, side by side on the shipped targets.
+
+Methods, per target and traffic mix, on the same held-out prompts in one process, in rotating order:
+plain ``model.generate``; transformers' prompt lookup (``prompt_lookup_num_tokens`` = 3, 5, 10; the
+best is reported as ``prompt_lookup``); selfdraft's ``lookup`` kind (no training) at a few tree
+budgets; and every trained selfdraft adapter given with ``--adapter NAME=TARGET:DIR``, alone and as
+a hybrid with lookup when the kind supports it. Greedy (outputs checked identical to ``generate``)
+and sampled at ``--temperature`` (top_k 0).
+
+Per method: speedup (median over prompts of t_generate / t_method), tau, and for selfdraft the
+**efficiency** = speedup / bound, bound = tau x t_generate_step / (t_draft + t_verify_bare): the
+draft time per step as measured, and the bare forward cost of a tree of the measured mean size on a
+cache of the prompt's length (measured in the same run), so an efficiency near 1 means the loop adds
+nothing beyond the two forwards. Writes ``results/peers.json``
+(``{target: {mix: {"peers": {name: {speedup, tau}}, "selfdraft": {name: {speedup, tau, efficiency}}}}}``,
+sampled mixes keyed ``"<mix>@T<temperature>"``) and ``results/peers.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import heads  # noqa: E402
+from benchmarks.common import PROMPTS, RESULTS, write_json  # noqa: E402
+from tree_attention import cache as cache_ops  # noqa: E402
+from tree_attention.mask import prefill_attention_mask  # noqa: E402
+
+TARGETS = {
+    "demo-llama": {"path": ROOT / "benchmarks/targets/demo-llama", "mixes": {"code": "code.jsonl",
+                                                                             "prose": "prose.jsonl"}},
+    "stories260K": {"path": ROOT / "benchmarks/targets/stories260K", "mixes": {"stories": "stories.jsonl"}},
+}
+PLD_SIZES = (3, 5, 10)
+LOOKUP_BUDGETS = (6, 10, 16)
+
+
+def load_target(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def prompts_of(tokenizer, file: str, count: int) -> list[torch.Tensor]:
+    lines = (PROMPTS / file).read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in lines if line.strip()][:count]
+    return [tokenizer(text, return_tensors="pt").input_ids for text in texts]
+
+
+@torch.no_grad()
+def bare_verify_ms(spec, prompt_length: int, sizes=(1, 2, 4, 8, 12, 16, 24, 32), repeats: int = 5) -> dict:
+    """Bare forward cost (ms) of ``n`` new tokens on a cache of ``prompt_length`` (a chain: the
+    mask's shape, not its content, sets the cost)."""
+    target = heads.inspect_backbone(spec.backbone)
+    vocab = target.vocab_size
+    prompt = torch.randint(0, vocab, (1, prompt_length))
+    cache = cache_ops.new_cache()
+    target.forward(prompt, torch.arange(prompt_length)[None],
+                   prefill_attention_mask(prompt_length, target.layout, target.dtype, "cpu"), cache, "last")
+    costs = {}
+    for size in sizes:
+        tokens = torch.randint(0, vocab, (1, size))
+        positions = torch.arange(prompt_length, prompt_length + size)[None]
+        visible = torch.ones(1, size, prompt_length + size, dtype=torch.bool).tril_(prompt_length)
+        from tree_attention.mask import additive_mask
+
+        mask = additive_mask(visible, target.dtype)
+        if isinstance(target.layout, dict):
+            mask = {kind: mask for kind in target.layout}
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            target.forward(tokens, positions, mask, cache, "all")
+            times.append(time.perf_counter() - start)
+            cache_ops.crop(cache, prompt_length)
+        costs[size] = 1000 * statistics.median(times[1:])
+    return costs
+
+
+def interpolate(costs: dict, size: float) -> float:
+    sizes = sorted(costs)
+    if size <= sizes[0]:
+        return costs[sizes[0]]
+    for low, high in zip(sizes, sizes[1:]):
+        if size <= high:
+            return costs[low] + (costs[high] - costs[low]) * (size - low) / (high - low)
+    return costs[sizes[-1]] * size / sizes[-1]
+
+
+def methods_for(model, target_name: str, adapters: dict, sample: bool) -> dict:
+    """``{name: (group, callable(prompt, max_new) -> (output, stats or None))}``."""
+    options = dict(do_sample=True, temperature=args_temperature[0], top_k=0) if sample else dict(do_sample=False)
+    pad = model.generation_config.pad_token_id
+    methods = {"generate": ("peers", lambda p, n: (model.generate(p, max_new_tokens=n, pad_token_id=pad,
+                                                                  **options), None))}
+    for size in PLD_SIZES:
+        methods[f"prompt_lookup_n{size}"] = ("peers", lambda p, n, size=size: (model.generate(
+            p, max_new_tokens=n, prompt_lookup_num_tokens=size, pad_token_id=pad, **options), None))
+    specs = {f"lookup_{budget}": heads.attach_heads(model, kind="lookup", tree=budget, history_tokens=0)
+             for budget in LOOKUP_BUDGETS}
+    for name, (target, directory) in adapters.items():
+        if target == target_name:
+            specs[name] = heads.load_heads(model, directory)
+    sampling = dict(do_sample=True, temperature=args_temperature[0], top_k=0) if sample else {}
+    for name, spec in specs.items():
+        methods[name] = ("selfdraft", lambda p, n, spec=spec: (spec.generate(p, max_new_tokens=n, **sampling),
+                                                              spec.last_stats))
+    return methods
+
+
+args_temperature = [0.7]
+
+
+def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, sample: bool) -> dict:
+    methods = methods_for(model, target_name, adapters, sample)
+    names = list(methods)
+    times = {name: [] for name in names}
+    taus = {name: [] for name in names}
+    drafts = {name: [] for name in names}
+    sizes = {name: [] for name in names}
+    steps = {name: [] for name in names}
+    identical = {name: True for name in names}
+    for index, prompt in enumerate(prompts):
+        torch.manual_seed(index)
+        reference = None
+        order = names[index % len(names):] + names[:index % len(names)]  # rotate
+        for name in order:
+            methods[name][1](prompt, 4)  # warm-up of this method on this prompt length
+        for name in order:
+            torch.manual_seed(1000 + index)
+            start = time.perf_counter()
+            output, stats = methods[name][1](prompt, max_new)
+            times[name].append(time.perf_counter() - start)
+            if name == "generate":
+                reference = output
+            elif not sample and reference is not None:
+                identical[name] &= torch.equal(output, reference)
+            if stats is not None:
+                taus[name].append(stats.mean_accepted)
+                forwards = max(1, stats.target_forwards - 1)
+                drafts[name].append(stats.draft_seconds / forwards)
+                sizes[name].append(stats.tree_size)
+                steps[name].append(forwards)
+        if not sample:  # the reference may have been timed after others: recheck the others against it
+            pass
+    return {"times": times, "taus": taus, "drafts": drafts, "sizes": sizes, "steps": steps, "identical": identical}
+
+
+def summarise(raw: dict, prompts, max_new: int, verify_costs: dict) -> dict:
+    times = raw["times"]
+    plain = times["generate"]
+    result = {"peers": {}, "selfdraft": {}}
+    step_ms = 1000 * statistics.median(t / max_new for t in plain)
+    for name, values in times.items():
+        speedup = statistics.median(p / t for p, t in zip(plain, values))
+        if name in ("generate",) or name.startswith("prompt_lookup"):
+            result["peers"][name] = {"speedup": speedup, "tau": None}
+            continue
+        tau = statistics.median(raw["taus"][name])
+        draft_ms = 1000 * statistics.median(raw["drafts"][name])
+        verify_ms = interpolate(verify_costs, statistics.median(raw["sizes"][name]))
+        bound = tau * step_ms / (draft_ms + verify_ms)
+        result["selfdraft"][name] = {"speedup": speedup, "tau": tau, "efficiency": speedup / bound, "bound": bound,
+                                     "draft_ms": draft_ms, "verify_bare_ms": verify_ms,
+                                     "identical": raw["identical"][name]}
+    pld = {name: entry for name, entry in result["peers"].items() if name.startswith("prompt_lookup")}
+    best = max(pld, key=lambda name: pld[name]["speedup"])
+    result["peers"]["prompt_lookup"] = {**pld[best], "best_of": best}
+    result["generate_step_ms"] = step_ms
+    return result
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(target, mix) for target, mixes in results.items() for mix in mixes]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
+    for axis, (target, mix) in zip(axes[0], panels):
+        entry = results[target][mix]
+        names = ["prompt_lookup"] + list(entry["selfdraft"])
+        values = [entry["peers"]["prompt_lookup"]["speedup"]] + [v["speedup"] for v in entry["selfdraft"].values()]
+        axis.bar(range(len(names)), values, color=["grey"] + ["tab:blue"] * (len(names) - 1))
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+        axis.set_title(f"{target} / {mix}", fontsize=9)
+        axis.set_ylabel("speedup over generate")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="4 prompts x 64 tokens per mix (under 10 minutes)")
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampled runs (0: greedy only)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--adapter", action="append", default=[], metavar="NAME=TARGET:DIR",
+                        help="a trained selfdraft adapter to include, e.g. medusa=stories260K:/tmp/a")
+    parser.add_argument("--out", default="peers.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.prompts, args.max_new_tokens = 4, 64
+    torch.set_num_threads(args.threads)
+    args_temperature[0] = args.temperature
+    adapters = {}
+    for item in args.adapter:
+        name, _, rest = item.partition("=")
+        target, _, directory = rest.partition(":")
+        if not name or target not in TARGETS or not Path(directory).is_dir():
+            raise SystemExit(f"--adapter {item!r}: expected NAME=TARGET:DIR with TARGET in {list(TARGETS)} "
+                             "and an existing adapter directory")
+        adapters[name] = (target, directory)
+    results: dict = {}
+    for target_name in args.targets:
+        model, tokenizer = load_target(TARGETS[target_name]["path"])
+        results[target_name] = {}
+        for mix, file in TARGETS[target_name]["mixes"].items():
+            prompts = prompts_of(tokenizer, file, args.prompts)
+            length = int(statistics.median(p.shape[1] for p in prompts)) + args.max_new_tokens // 2
+            spec = heads.attach_heads(model, kind="lookup")
+            costs = bare_verify_ms(spec, length)
+            modes = [False] + ([True] if args.temperature > 0 else [])
+            for sample in modes:
+                raw = run_mix(model, target_name, prompts, args.max_new_tokens, adapters, sample)
+                key = f"{mix}@T{args.temperature}" if sample else mix
+                results[target_name][key] = summarise(raw, prompts, args.max_new_tokens, costs)
+                results[target_name][key]["verify_bare_ms"] = costs
+                entry = results[target_name][key]
+                line = ", ".join(f"{n} {v['speedup']:.2f}x" for n, v in entry["peers"].items())
+                line += " | " + ", ".join(f"{n} {v['speedup']:.2f}x tau {v['tau']:.2f} eff {v['efficiency']:.2f}"
+                                          + ("" if v["identical"] or sample else " NOT IDENTICAL")
+                                          for n, v in entry["selfdraft"].items())
+                print(f"{target_name} / {key}: {line}", flush=True)
+    settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "threads": args.threads, "adapters": {k: list(v) for k, v in adapters.items()}}
+    path = write_json(args.out, {"settings": settings, **results})
+    plot(results, RESULTS / Path(args.out).with_suffix(".png").name)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
