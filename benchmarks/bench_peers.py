@@ -42,6 +42,7 @@ TARGETS = {
 }
 PLD_SIZES = (3, 5, 10)
 LOOKUP_BUDGETS = (6, 10, 16)
+HYBRID_LOOKUP_BUDGET = 6
 
 
 def load_target(path: Path):
@@ -111,6 +112,8 @@ def methods_for(model, target_name: str, adapters: dict, sample: bool) -> dict:
     for name, (target, directory) in adapters.items():
         if target == target_name:
             specs[name] = heads.load_heads(model, directory)
+            specs[f"{name}+lookup"] = heads.load_heads(model, directory)
+            specs[f"{name}+lookup"].set_lookup(budget=HYBRID_LOOKUP_BUDGET, history_tokens=0)
     sampling = dict(do_sample=True, temperature=args_temperature[0], top_k=0) if sample else {}
     for name, spec in specs.items():
         methods[name] = ("selfdraft", lambda p, n, spec=spec: (spec.generate(p, max_new_tokens=n, **sampling),

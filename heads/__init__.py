@@ -42,7 +42,7 @@ def _refuse_foreign_options(entry, options: dict) -> None:
     raise ValueError(f"{', '.join(foreign)}: {whose}, not of kind={entry.name!r} (its options: {list(entry.options)})")
 
 
-def attach_heads(model: PreTrainedModel, kind: str = "medusa", **options) -> SpeculativeModel:
+def attach_heads(model: PreTrainedModel, kind: str = "medusa", lookup=None, **options) -> SpeculativeModel:
     """Freeze ``model`` and attach a fresh (untrained) drafter of ``kind`` to it.
 
     Args:
@@ -56,6 +56,9 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", **options) -> Spe
             ``layout`` (see :class:`MedusaConfig` and :class:`EagleConfig`). An option the kind
             does not take is a ValueError naming it.
 
+        lookup: add lookup drafting to the kind's trees (a hybrid, see
+            :meth:`SpeculativeModel.set_lookup`): True, a dict of lookup options or a ``LookupConfig``.
+
     The backbone's parameters get ``requires_grad=False``; its outputs are unchanged.
     """
     entry = kinds.get(kind)
@@ -63,4 +66,7 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", **options) -> Spe
     config = entry.make_config(**options)
     target = inspect_backbone(model)
     model.requires_grad_(False)
-    return build_spec(target, kind, config)
+    spec = build_spec(target, kind, config)
+    if lookup:
+        spec.set_lookup(lookup)
+    return spec

@@ -123,6 +123,8 @@ class SpeculativeModel:
         self.last_stats: DecodeStats | None = None
         self.metadata: dict = {}
         self._policy = None
+        self.lookup = None
+        self._lookup_memory = None
         self.set_tree(config.tree)
 
     @property
@@ -152,7 +154,31 @@ class SpeculativeModel:
 
     def drafter_for(self, tree=None):
         """A drafter for another tree (as :meth:`set_tree` takes it), leaving this spec's own unchanged."""
-        return kinds.get(self.kind).build_drafter(self, tree)
+        drafter = kinds.get(self.kind).build_drafter(self, tree)
+        if self.lookup is None:
+            return drafter
+        from .lookup import HybridDrafter, LookupDrafter
+
+        return HybridDrafter(drafter, LookupDrafter(self.lookup, self._lookup_memory))
+
+    def set_lookup(self, lookup=True, **options) -> None:
+        """Add lookup drafting to this drafter's trees (a hybrid; ``False``/None: remove it).
+
+        ``lookup``: True (default lookup settings), a :class:`heads.lookup.LookupConfig`, or
+        options as ``attach_heads(kind="lookup", ...)`` takes them (``budget``/``tree``, ``corpus``, ...).
+        Outputs are unchanged (lossless); each step's tree grows by at most the lookup budget where
+        the text repeats itself.
+        """
+        from .lookup import LookupConfig, LookupMemory, make_config
+
+        if lookup is None or lookup is False:
+            self.lookup = self._lookup_memory = None
+        else:
+            config = lookup if isinstance(lookup, LookupConfig) else make_config(
+                **(dict(lookup) if isinstance(lookup, dict) else {}), **options)
+            self.lookup, self._lookup_memory = config, LookupMemory(config)
+        self._policy = None
+        self.set_tree(None)
 
     @property
     def pad_token_id(self) -> int | None:

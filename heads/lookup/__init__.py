@@ -7,10 +7,11 @@ from __future__ import annotations
 from ..kind import DrafterKind, refuse_options
 from .config import LookupConfig
 from .drafter import LookupDrafter, LookupMemory
+from .hybrid import HybridDrafter, merge_proposal
 from .index import Proposal, SuffixIndex, pad_proposals, propose
 
 __all__ = ["KIND", "LookupConfig", "LookupDrafter", "LookupMemory", "SuffixIndex", "Proposal", "propose",
-           "pad_proposals", "encode_corpus"]
+           "pad_proposals", "encode_corpus", "HybridDrafter", "merge_proposal", "make_config"]
 
 OPTIONS = ("tree", "budget", "max_depth", "max_ngram", "min_match", "max_occurrences", "history_tokens",
            "history_confidence", "corpus", "tokenizer")
