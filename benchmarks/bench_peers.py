@@ -152,7 +152,7 @@ def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, samp
                 taus[name].append(stats.mean_accepted)
                 forwards = max(1, stats.target_forwards - 1)
                 drafts[name].append(stats.draft_seconds / forwards)
-                sizes[name].append(stats.tree_size)
+                sizes[name].append(stats.verified_nodes / forwards)  # mean tree width per verify step
                 steps[name].append(forwards)
         if not sample:  # the reference may have been timed after others: recheck the others against it
             pass

@@ -128,6 +128,7 @@ class DecodeStats:
     row_forwards: int = 0  # sum over forwards of the rows they served (= target_forwards at batch 1)
     batch_size: int = 1
     tree_size: int = 0
+    verified_nodes: int = 0  # tree nodes (padding included) over all verify forwards, root included
     accepted_lengths: list[int] = field(default_factory=list)  # drafted tokens accepted per row and verify step
     acceptance_by_position: list[float] = field(default_factory=list)
     draft_seconds: float = 0.0
@@ -152,7 +153,7 @@ class DecodeStats:
         return {
             "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
             "row_forwards": self.row_forwards, "batch_size": self.batch_size,
-            "tau": self.mean_accepted, "tree_size": self.tree_size,
+            "tau": self.mean_accepted, "tree_size": self.tree_size, "verified_nodes": self.verified_nodes,
             "acceptance_by_position": self.acceptance_by_position,
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds, "speculation": self.speculation,
@@ -266,6 +267,7 @@ class SpeculativeDecoder:
         self.stats.target_forwards += 1
         self.stats.row_forwards += rows
         self.stats.tree_size = max(self.stats.tree_size, trees.width)
+        self.stats.verified_nodes += trees.width
         self.max_depth = max(self.max_depth, int(trees.depths.max()))
         chunks = torch.cat([path_tokens, accepted.next_tokens[:, None]], dim=1).tolist()
         done = []
