@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 from heads.lookup.index import Proposal, Source, SuffixIndex, pad_proposals, propose
 
 VOCAB = 5
-SETTINGS = settings(deadline=None, max_examples=80)
+SETTINGS = settings(deadline=None, max_examples=100)
 tokens = st.lists(st.integers(0, VOCAB - 1), max_size=40)
 
 
@@ -129,7 +129,7 @@ def paths(proposal: Proposal) -> list[tuple[int, ...]]:
 @st.composite
 def scenarios(draw):
     max_ngram = draw(st.integers(1, 5))
-    options = dict(max_ngram=max_ngram, min_ngram=draw(st.integers(1, max_ngram)),
+    options = dict(max_ngram=max_ngram, min_ngram=draw(st.sampled_from([1, 1, 1, min(2, max_ngram), max_ngram])),
                    max_occurrences=draw(st.integers(1, 8)))
     row = draw(st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=40))
     own_history = draw(st.lists(tokens, max_size=2))
@@ -141,7 +141,7 @@ def scenarios(draw):
         sources.insert(draw(st.integers(0, 1)), build(draw(st.lists(tokens, min_size=1, max_size=3)), confidence,
                                                       **corpus_options))
     return dict(context=row, sources=sources, budget=draw(st.integers(1, 20)), max_depth=draw(st.integers(1, 6)),
-                min_match=draw(st.sampled_from([1, 1, 2, 3])),
+                min_match=draw(st.sampled_from([1, 1, 1, 2, 3])),
                 exclude=draw(st.sets(st.integers(0, VOCAB - 1), max_size=1)),
                 backoff=draw(st.sampled_from([0.0, 0.0, 0.25, 0.6])))
 
@@ -212,6 +212,18 @@ def test_counts_scores_and_tie_rule():
     # after 0: 3, 4, 3, 4, 5 -> counts 2, 2, 1 of N = 5; 3 and 4 tie, 4 occurred most recently
     assert proposal.tokens == [4, 3, 5]
     assert proposal.scores == [2 / 5, 2 / 5, 1 / 5]
+
+
+def test_backoff_interpolates_only_when_short_of_budget():
+    index = SuffixIndex(max_ngram=2)
+    row = index.add_stream([1, 2, 3, 1, 2, 4, 9, 2, 5, 1, 2])
+    context, sources = index.tokens(row), [(index, 1.0)]
+    # (1, 2) -> 3, 4 (N = 2); (2,) -> 3, 4, 5 (N = 3)
+    assert propose(context, sources, 2, 1, backoff=0.25) == propose(context, sources, 2, 1)  # full: no backoff
+    proposal = propose(context, sources, 8, 1, backoff=0.25)
+    both = 0.0 + 1 * 0.75 / 2 + 1 * 0.25 / 3
+    assert proposal == Proposal([4, 3, 5], [-1, -1, -1], [both, both, 0.0 + 1 * 0.25 / 3], 2)
+    assert propose(context, sources, 8, 1, min_match=2, backoff=0.25).tokens == [4, 3]
 
 
 def test_sources_merge_at_the_longest_length_only():
@@ -316,6 +328,8 @@ def test_drop_stream_and_clear():
         index.drop_stream(middle)
     with pytest.raises(KeyError):
         index.extend(middle, [1])
+    index.extend(last, index.tokens(last))  # a stream extended by itself doubles once
+    assert index.tokens(last) == streams[2] * 2 and len(index) == len(streams[0]) + 2 * len(streams[2])
     index.clear()
     assert len(index) == 0 and index.streams == [] and index._table == {}
     assert index.add_stream([1]) == last + 1  # ids are never reused
