@@ -141,13 +141,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import heads
-    from training.cli import _load_model
-    from training.data import load_prompts
+    from training.commands.common import load_model
+    from training.prompts import load_prompts
     from training.evaluate import encode_prompts
 
     given = dict(item.split("=", 1) for item in args.adapter)
     adapters = {kind: Path(given[kind]) if kind in given else train_adapter(kind, args) for kind in args.kinds}
-    model, tokenizer = _load_model(str(TARGET))
+    model, tokenizer = load_model(str(TARGET))
     specs = {kind: heads.load_heads(model, adapter) for kind, adapter in adapters.items()}
     pad = specs[args.kinds[0]].pad_token_id
     per_mix = max(args.batches) * args.repeats // 2 + 1

@@ -48,15 +48,15 @@ def main() -> None:
         raise SystemExit(f"the shipped demo target is missing: {TARGET}")
 
     import heads
-    from training.cli import _load_model
-    from training.data import load_prompts
+    from training.commands.common import load_model
+    from training.prompts import load_prompts
     from training.evaluate import encode_prompts, measure
 
     data = mixed_training_file(RESULTS / "cache" / "train_mixed.jsonl", args.train_prompts)
     adapter = train_adapter("eagle-mixed", data, args.steps, 2 * args.train_prompts, kind="eagle", retrain=args.retrain,
                             max_new_tokens=128, max_length=192, lr=args.lr,
                             options=["--unroll-steps", str(args.unroll_steps)])
-    model, tokenizer = _load_model(str(TARGET))
+    model, tokenizer = load_model(str(TARGET))
     prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / f"{mix}.jsonl"), args.prompts) for mix in MIXES}
     spec = heads.load_heads(model, adapter)
     rows = []

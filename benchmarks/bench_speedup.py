@@ -170,8 +170,8 @@ def main() -> None:
         raise SystemExit(f"the shipped demo target is missing: {TARGET}")
 
     import heads
-    from training.cli import _load_model
-    from training.data import load_prompts
+    from training.commands.common import load_model
+    from training.prompts import load_prompts
     from training.evaluate import encode_prompts
 
     started = time.perf_counter()
@@ -182,7 +182,7 @@ def main() -> None:
         adapters[f"eagle-u{unroll}"] = train_adapter(f"eagle-mixed-u{unroll}", data, kind="eagle",
                                                      options=["--unroll-steps", str(unroll)], **budget)
     training_seconds = time.perf_counter() - started
-    model, tokenizer = _load_model(str(TARGET))
+    model, tokenizer = load_model(str(TARGET))
     prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / f"{mix}.jsonl"), args.prompts) for mix in MIXES}
     specs = {name: heads.load_heads(model, adapter) for name, adapter in adapters.items()}
 

@@ -133,8 +133,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import heads
-    from training.cli import _load_model
-    from training.data import load_prompts
+    from training.commands.common import load_model
+    from training.prompts import load_prompts
     from training.evaluate import encode_prompts, measure
 
     started = time.perf_counter()
@@ -146,7 +146,7 @@ def main() -> None:
             adapters[kind, recipe], training[f"{kind}/{recipe}"] = train(kind, recipe, data, args)
             print(f"{kind}/{recipe}: {json.dumps(training[f'{kind}/{recipe}'])}", flush=True)
     torch.set_num_threads(args.threads)
-    model, tokenizer = _load_model(str(TARGET))
+    model, tokenizer = load_model(str(TARGET))
     prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / f"{mix}.jsonl"), args.prompts) for mix in MIXES}
     rows = []
     for (kind, recipe), adapter in adapters.items():

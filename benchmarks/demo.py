@@ -62,8 +62,9 @@ def main() -> None:
         raise SystemExit(f"the shipped demo target is missing: {TARGET}")
 
     import heads
-    from training.cli import _load_model, main as selfdraft
-    from training.data import load_prompts
+    from training.cli import main as selfdraft
+    from training.commands.common import load_model
+    from training.prompts import load_prompts
     from training.evaluate import encode_prompts, measure
 
     out = Path(args.out)
@@ -79,7 +80,7 @@ def main() -> None:
         "--max-length", "128", "--cache-dir", str(out / "cache"), "--eval-prompts", "0",
         "--json", str(out / "train.json"),
     ])
-    model, tokenizer = _load_model(str(TARGET))
+    model, tokenizer = load_model(str(TARGET))
     spec = heads.load_heads(model, adapter)
     results = {}
     for mix in MIXES:

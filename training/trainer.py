@@ -1,21 +1,30 @@
 """Self-distillation of a drafter against its frozen backbone, on accelerate.
 
 One loop serves every drafter kind (:class:`DistillationTrainer`): each optimizer step takes
-``batch_size`` sequences (the target's own continuations of prompts, or original text), runs
-**one** backbone forward over them without gradients to get the features and the target's
-distribution at every position, and asks the kind's loss hook (``micro_loss``) for the loss.
-Only the drafter gets gradients and optimizer state (the backbone is frozen). Warm-up + cosine
-schedule, gradient accumulation, clipping, checkpoints with exact resume and a progress bar are
-shared; :func:`make_trainer` picks the trainer of ``spec.kind``.
+``batch_size`` sequences (the target's own continuations of prompts, or original text), and the
+kind's **loss hook** runs one backbone forward over them without gradients (features and the
+target's distribution at every position) and returns the loss. Only the drafter gets gradients and
+optimizer state (the backbone is frozen). Warm-up + cosine schedule, gradient accumulation,
+clipping, checkpoints with exact resume, on-policy mixing and a progress bar are shared.
 
-:class:`MedusaTrainer` trains head ``k`` at position ``t`` towards the target's distribution for
-token ``t + k + 2`` (the target's logits at ``t + k + 1``) with the chosen divergence at the
-chosen temperature, weighted ``decay ** k`` (Medusa-1). The EAGLE loss lives in
-:mod:`training.eagle_trainer`.
+The loss hook is the kind's ``loss`` in the registry (:mod:`heads.kinds`; e.g.
+``heads/medusa/loss.py``, ``heads/eagle/loss.py``). ``heads`` never imports ``training``, so the
+trainer hands the hook what it needs in a :class:`LossContext` (the divergences of
+:mod:`training.losses` among it). The protocol, duck-typed::
+
+    hook = kind.loss(context)      # ValueError for a TrainConfig the kind cannot train
+    hook.description               # progress-bar label, e.g. "distilling heads"
+    hook.prepare()                 # before the optimizer is built (e.g. EAGLE-3's draft vocabulary)
+    hook.micro_loss(heads, input_ids, attention_mask, indices, step) -> (loss, agreement)
+        # heads: the (possibly DDP-wrapped) drafter; input_ids, attention_mask [B, T] on the device;
+        # indices: the sequences' keys (see DistillationTrainer.batch); step: the optimizer step;
+        # loss: a scalar to back-propagate; agreement: per head (drafting step) top-1 agreement
+    hook.rank_accuracy(max_rank=10, ...) -> [[float]]  # per head (step), per rank, held out
+    hook.finish(accuracy)          # after training, with rank_accuracy()'s table (e.g. Medusa's tree)
 
 On-policy data (DistillSpec): with ``on_policy_ratio > 0`` that share of every batch comes from a
 pool of sequences that speculative generation with the *current* drafter produces from training
-prompts at the serving temperature (:func:`training.data.generate_on_policy_data`); the pool is
+prompts at the serving temperature (:func:`training.on_policy.generate_on_policy_data`); the pool is
 regenerated every ``on_policy_refresh`` steps. Both kinds of sequence go through the same
 backbone forward and loss, so the target re-scores the contexts the drafter will visit.
 
@@ -28,25 +37,28 @@ uninterrupted run sees.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import resource
 import time
-from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
-
-from torch import nn
+from types import ModuleType
+from typing import Callable, Sequence
 
 import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from .data import _load_sequences, _save_sequences, collate, generate_on_policy_data
-from .losses import DIVERGENCES, divergence, hard_cross_entropy, head_loss_weights, masked_mean
+from heads import kinds
+
+from . import losses
+from .losses import DIVERGENCES
+from .on_policy import generate_on_policy_data
+from .sequences import collate, load_sequences, save_sequences
 
 logger = logging.getLogger(__name__)
 _STATE_FILE = "trainer_state.json"
@@ -181,51 +193,47 @@ def batch_indices(step: int, batch_size: int, count: int, seed: int) -> list[int
     return indices
 
 
-def head_losses(head_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor,
-                attention_mask: torch.Tensor, config: TrainConfig) -> tuple[torch.Tensor, list[float]]:
-    """Weighted loss over heads and each head's top-1 agreement with the target.
+@dataclass(frozen=True)
+class LossContext:
+    """What a kind's loss hook gets from the trainer (see the module docstring for the protocol)."""
 
-    ``head_logits`` ``[K, B, T, V]``, ``teacher_logits`` ``[B, T, V]``: head k at t against the
-    target at t + k + 1 (both predict token t + k + 2).
-    """
-    weights = head_loss_weights(head_logits.shape[0], config.head_decay)
-    total = head_logits.new_zeros((), dtype=torch.float32)
-    agreement = []
-    length = input_ids.shape[1]
-    for k, weight in enumerate(weights):
-        shift = k + 1
-        if length <= shift:
-            agreement.append(0.0)
-            continue
-        student = head_logits[k][:, : length - shift]
-        teacher = teacher_logits[:, shift:]
-        valid = attention_mask[:, shift:].bool()
-        loss = divergence(config.divergence, student, teacher, config.temperature, config.jsd_beta, valid)
-        if config.hard_label_weight and length > shift + 1:
-            labels = input_ids[:, shift + 1:].masked_fill(~attention_mask[:, shift + 1:].bool(), -100)
-            hard = hard_cross_entropy(student[:, :-1], labels)
-            loss = loss + config.hard_label_weight * masked_mean(hard, labels != -100)
-        total = total + weight * loss
-        with torch.no_grad():
-            agree = (student.argmax(-1) == teacher.argmax(-1)).float()
-            agreement.append(float(masked_mean(agree, valid)))
-    return total, agreement
+    spec: object
+    """The ``heads.SpeculativeModel`` being trained: ``spec.heads`` (the drafter), ``spec.target``
+    (the backbone's view: features, logits), ``spec.config`` (the kind's config)."""
+    config: TrainConfig
+    accelerator: Accelerator
+    """For ``autocast()`` and ``unwrap_model``; its device is the batches' device."""
+    losses: ModuleType
+    """:mod:`training.losses`: ``divergence``, ``feature_regression``, ``masked_mean``,
+    ``hard_cross_entropy``, ``head_loss_weights``."""
+    train_sequences: list[torch.Tensor]
+    validation_sequences: list[torch.Tensor]
+    """Held-out 1D token sequences, for ``rank_accuracy``."""
+    collate: Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+    """Sequences -> right-padded ``(input_ids, attention_mask)`` ``[B, T]`` on the accelerator's device."""
 
 
-class DistillationTrainer(ABC):
-    """The shared loop; subclasses supply the loss (:meth:`micro_loss`) and optional hooks
-    :meth:`prepare` (before the optimizer is built) and :meth:`finish` (after the last step).
+class DistillationTrainer:
+    """The training loop of every kind; the loss comes from the hook ``kinds.get(spec.kind).loss``
+    builds (ValueError for a kind with nothing to train).
 
     Trains ``spec.heads`` against ``spec.backbone`` on token sequences ``[L]``; the last
-    ``validation_fraction`` of them are held out for :meth:`finish`. ``prompts`` (1D token ids of
-    training prompts) feed on-policy generation and are needed when ``config.on_policy_ratio > 0``.
+    ``validation_fraction`` of them are held out for :meth:`rank_accuracy`. ``prompts`` (1D token
+    ids of training prompts) feed on-policy generation and are needed when
+    ``config.on_policy_ratio > 0``.
     """
 
-    description = "distilling drafter"
+    kind: str | None = None
+    """Set on the classes of :func:`kind_trainer`: the one kind they accept (None: any)."""
 
     def __init__(self, spec, sequences: Sequence[torch.Tensor], config: TrainConfig, pad_id: int = 0,
                  checkpoint_dir: str | Path | None = None, progress: bool = True,
                  accelerator: Accelerator | None = None, prompts: Sequence[torch.Tensor] | None = None) -> None:
+        if self.kind is not None and spec.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} trains kind {self.kind!r}; got a {spec.kind!r} drafter")
+        make_hook = kinds.get(spec.kind).loss
+        if make_hook is None:
+            raise ValueError(f"kind {spec.kind!r} has nothing to train")
         if len(sequences) < 2:
             raise ValueError(f"need at least 2 training sequences; got {len(sequences)}")
         self.prompts = _check_prompts(prompts, config)
@@ -236,7 +244,8 @@ class DistillationTrainer(ABC):
         self.pad_id = pad_id
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.progress = progress
-        self.accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+        self.accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision,
+                                                      cpu=not torch.cuda.is_available())
         held_out = max(1, int(len(sequences) * config.validation_fraction))
         self.train_sequences = list(sequences[:-held_out])
         self.validation_sequences = list(sequences[-held_out:])
@@ -246,18 +255,14 @@ class DistillationTrainer(ABC):
                 f"batch_size {config.batch_size} must be divisible by processes ({world}) x "
                 f"gradient_accumulation ({config.gradient_accumulation})"
             )
+        self.hook = make_hook(LossContext(
+            spec=spec, config=config, accelerator=self.accelerator, losses=losses,
+            train_sequences=self.train_sequences, validation_sequences=self.validation_sequences,
+            collate=self._collate))
 
-    def prepare(self) -> None:
-        """Hook: set up the drafter from the training data before the optimizer is built."""
-
-    @abstractmethod
-    def micro_loss(self, heads: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   indices: list[int], step: int) -> tuple[torch.Tensor, list[float]]:
-        """Hook: loss of one micro-batch ``[B, T]`` (sequences ``indices`` of optimizer step ``step``)
-        and the per-head (per-step) top-1 agreement with the target."""
-
-    def finish(self, result: TrainResult) -> None:
-        """Hook: after training (``spec.heads`` unwrapped and in eval mode)."""
+    def rank_accuracy(self, max_rank: int = 10, **options) -> list[list[float]]:
+        """The hook's held-out accuracy table: per head (drafting step), per rank ``< max_rank``."""
+        return self.hook.rank_accuracy(max_rank, **options)
 
     def _collate(self, sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, attention_mask = collate(list(sequences), self.pad_id)
@@ -319,7 +324,8 @@ class DistillationTrainer(ABC):
             context = accelerator.no_sync(heads) if not last else nullcontext()
             with context:
                 input_ids, attention_mask = self._collate([sequence for _, sequence in chunk])
-                loss, agreement = self.micro_loss(heads, input_ids, attention_mask, [key for key, _ in chunk], step)
+                keys = [key for key, _ in chunk]
+                loss, agreement = self.hook.micro_loss(heads, input_ids, attention_mask, keys, step)
                 accelerator.backward(loss / config.gradient_accumulation)
             tokens += int(attention_mask.sum())
             step_loss += float(loss.detach()) / config.gradient_accumulation
@@ -333,7 +339,7 @@ class DistillationTrainer(ABC):
         torch.manual_seed(config.seed)
         self.spec.backbone.to(accelerator.device)
         self.spec.backbone.eval()
-        self.prepare()
+        self.hook.prepare()
         parameters = [p for p in self.spec.heads.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
@@ -344,7 +350,7 @@ class DistillationTrainer(ABC):
         result = TrainResult()
         end_step = config.steps if stop_after is None else min(stop_after, config.steps)
         bar = tqdm(range(start_step, end_step), disable=not (self.progress and accelerator.is_main_process),
-                   desc=self.description, initial=start_step, total=config.steps)
+                   desc=self.hook.description, initial=start_step, total=config.steps)
         tokens, started = 0, time.perf_counter()
         for step in bar:
             if config.on_policy_count and (not self.pool or step % config.on_policy_refresh == 0):
@@ -368,7 +374,8 @@ class DistillationTrainer(ABC):
         result.peak_memory_mb = _peak_memory_mb()
         self.spec.heads = accelerator.unwrap_model(heads)
         self.spec.heads.eval()
-        self.finish(result)
+        result.accuracy = self.hook.rank_accuracy()
+        self.hook.finish(result.accuracy)
         return result
 
     def _save_checkpoint(self, step: int) -> None:
@@ -378,7 +385,7 @@ class DistillationTrainer(ABC):
             state = {"step": step, "config": asdict(self.config), "on_policy_refreshed_at": self.pool_refreshed_at,
                      "on_policy_sequences": len(self.pool)}
             if self.pool:
-                _save_sequences(directory / _POOL_FILE, self.pool, {"refreshed_at": self.pool_refreshed_at})
+                save_sequences(directory / _POOL_FILE, self.pool, {"refreshed_at": self.pool_refreshed_at})
             (directory / _STATE_FILE).write_text(json.dumps(state))
             (self.checkpoint_dir / "latest").write_text(directory.name)
         self.accelerator.wait_for_everyone()
@@ -391,70 +398,13 @@ class DistillationTrainer(ABC):
         state = json.loads((directory / _STATE_FILE).read_text())
         step = state["step"]
         if self.config.on_policy_count and state.get("on_policy_sequences"):
-            self.pool = _load_sequences(directory / _POOL_FILE, state["on_policy_sequences"])
+            self.pool = load_sequences(directory / _POOL_FILE, state["on_policy_sequences"])
             self.pool_refreshed_at = state["on_policy_refreshed_at"]
         elif self.config.on_policy_count and step % self.config.on_policy_refresh:
             logger.warning("checkpoint %s holds no on-policy pool: regenerating it at step %d (not exact)",
                            directory, step)
         logger.info("resumed from %s at step %d", directory, step)
         return step
-
-
-class MedusaTrainer(DistillationTrainer):
-    """Distils Medusa heads; afterwards measures per-head, per-rank accuracy on held-out
-    sequences and rebuilds the default tree from it."""
-
-    description = "distilling heads"
-
-    def _features_and_teacher(self, input_ids, attention_mask):
-        target = self.spec.target
-        with torch.no_grad():
-            outputs = target.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            features = outputs.last_hidden_state
-            teacher = target.logits(features).float()
-        return features, teacher
-
-    def micro_loss(self, heads, input_ids, attention_mask, indices, step):
-        features, teacher = self._features_and_teacher(input_ids, attention_mask)
-        shared = self.spec.shared_logits if self.spec.config.share_lm_head else None
-        with self.accelerator.autocast():
-            head_logits = heads(features, shared)
-        return head_losses(head_logits.float(), teacher, input_ids, attention_mask, self.config)
-
-    def finish(self, result: TrainResult) -> None:
-        result.accuracy = self.rank_accuracy()
-        self.spec.accuracy = result.accuracy
-        self.spec.set_tree(None)
-
-    @torch.no_grad()
-    def rank_accuracy(self, max_rank: int = 10) -> list[list[float]]:
-        """On held-out sequences: per head, the share of positions where the target's token is
-        the head's rank-r candidate, r < ``max_rank`` (the table default trees are built from)."""
-        heads = self.spec.heads
-        counts = None
-        total = 0
-        shared = self.spec.shared_logits if self.spec.config.share_lm_head else None
-        for start in range(0, len(self.validation_sequences), 4):
-            input_ids, attention_mask = self._collate(self.validation_sequences[start:start + 4])
-            features, teacher = self._features_and_teacher(input_ids, attention_mask)
-            logits = heads(features, shared).float()  # (K, B, T, V)
-            K, _, T, _ = logits.shape
-            if counts is None:
-                counts = torch.zeros(K, max_rank)
-            target_token = teacher.argmax(-1)  # (B, T) the target's greedy token after t
-            for k in range(K):
-                shift = k + 1
-                if T <= shift:
-                    continue
-                valid = attention_mask[:, shift:].bool()
-                top = logits[k][:, : T - shift].topk(max_rank, dim=-1).indices  # (B, T', R)
-                hits = top == target_token[:, shift:, None]
-                counts[k] += hits[valid].float().sum(0).cpu()
-                if k == 0:
-                    total += int(valid.sum())
-        if counts is None or total == 0:
-            return []
-        return (counts / total).tolist()
 
 
 def _check_prompts(prompts: Sequence[torch.Tensor] | None, config: TrainConfig) -> list[torch.Tensor]:
@@ -472,15 +422,20 @@ def _check_prompts(prompts: Sequence[torch.Tensor] | None, config: TrainConfig) 
     return prompts
 
 
-def make_trainer(spec, sequences: Sequence[torch.Tensor], config: TrainConfig, **options) -> DistillationTrainer:
-    """The trainer for ``spec.kind`` (``options``: those of :class:`DistillationTrainer`)."""
-    if spec.kind == "medusa":
-        return MedusaTrainer(spec, sequences, config, **options)
-    if spec.kind == "eagle":
-        from .eagle_trainer import EagleTrainer
+@functools.cache
+def kind_trainer(kind: str) -> type[DistillationTrainer]:
+    """The :class:`DistillationTrainer` subclass that trains only drafters of ``kind`` (named after it,
+    e.g. ``EagleTrainer``); :func:`make_trainer` builds one, so a caller can tell which it got."""
+    name = kinds.get(kind).name
+    class_name = f"{name.capitalize()}Trainer"
+    return type(class_name, (DistillationTrainer,), {"kind": name, "__module__": __name__,
+                                                     "__qualname__": class_name})
 
-        return EagleTrainer(spec, sequences, config, **options)
-    raise ValueError(f"no trainer for drafter kind {spec.kind!r}")
+
+def make_trainer(spec, sequences: Sequence[torch.Tensor], config: TrainConfig, **options) -> DistillationTrainer:
+    """The trainer of ``spec.kind`` with the kind's loss hook (``options``: those of
+    :class:`DistillationTrainer`); ValueError for a kind that has nothing to train."""
+    return kind_trainer(spec.kind)(spec, sequences, config, **options)
 
 
 def _peak_memory_mb() -> float:

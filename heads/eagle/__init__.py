@@ -7,9 +7,11 @@ from typing import Mapping
 
 from ..adapter import AdapterError
 from ..kind import DrafterKind, refuse_options
+from . import cli
 from .checkpoint import FORMATS
 from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, LAYOUTS, EagleConfig
 from .drafter import EagleDrafter
+from .loss import EagleLoss
 from .modules import Eagle3Midlayer, EagleHeads, unrolled_attention_mask
 
 __all__ = ["KIND", "EagleConfig", "EagleDrafter", "EagleHeads", "Eagle3Midlayer", "unrolled_attention_mask",
@@ -59,5 +61,5 @@ KIND = DrafterKind(
     name="eagle", config_class=EagleConfig, make_config=make_config, build_heads=build_heads,
     build_drafter=build_drafter, options=OPTIONS, target_view=target_view, policy_sizes=policy_sizes,
     check_drafter=check_drafter, formats=FORMATS,
-    sidecar_keys=("num_layers", "layout", "feature_layers", "draft_vocab_size"),
+    sidecar_keys=("num_layers", "layout", "feature_layers", "draft_vocab_size"), loss=EagleLoss, cli=cli,
 )

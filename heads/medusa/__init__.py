@@ -4,9 +4,11 @@ top-layer features, verified as a static tree. Registered as ``KIND`` (see :mod:
 from __future__ import annotations
 
 from ..kind import DrafterKind, refuse_options
+from . import cli
 from .checkpoint import FORMATS, restore_sidecar
 from .config import MedusaConfig
 from .drafter import MedusaDrafter, resolve_tree
+from .loss import MedusaLoss
 from .modules import MedusaHeads, ResidualBlock
 
 __all__ = ["KIND", "MedusaConfig", "MedusaDrafter", "MedusaHeads", "ResidualBlock", "resolve_tree"]
@@ -36,5 +38,5 @@ def build_drafter(spec, tree) -> MedusaDrafter:
 KIND = DrafterKind(
     name="medusa", config_class=MedusaConfig, make_config=make_config, build_heads=build_heads,
     build_drafter=build_drafter, options=OPTIONS, static_tree=True, formats=FORMATS,
-    sidecar_keys=("num_heads", "num_layers"), restore_sidecar=restore_sidecar,
+    sidecar_keys=("num_heads", "num_layers"), restore_sidecar=restore_sidecar, loss=MedusaLoss, cli=cli,
 )

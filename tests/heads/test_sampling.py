@@ -19,9 +19,11 @@ import torch
 import heads
 from heads.generation import resolve_sampling, warper
 from tests.conftest import greedy_reference, left_pad, progression_batch, train_toy_target
-from training.trainer import MedusaTrainer, TrainConfig, make_trainer
+from training.trainer import TrainConfig, kind_trainer, make_trainer
 from tests.stats import FALSE_ALARM, chi_square_pvalue
 from tree_attention.verify import SamplingRule
+
+MedusaTrainer = kind_trainer("medusa")  # what make_trainer builds for a Medusa spec
 
 VOCAB = 16
 PROMPT = torch.tensor([[3, 5, 7, 9]])

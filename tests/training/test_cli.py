@@ -111,3 +111,24 @@ def test_help_explains_every_flag(capsys):
 def test_missing_data_file(model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing.jsonl"):
         main(_train_args(model_dir, tmp_path / "nothing.jsonl", tmp_path / "a", tmp_path / "c", tmp_path / "s.json"))
+
+
+def test_train_flags_come_from_the_registry():
+    import argparse
+
+    from heads import kinds
+    from training.cli import build_parser
+    from training.commands.train import _KindArguments, drafter_options
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    kind = next(action for action in train._actions if action.dest == "kind")
+    assert tuple(kind.choices) == kinds.trainable() and "lookup" not in kind.choices
+    args = train.parse_args(["--model", "m", "--data", "d", "--out", "o", "--kind", "eagle", "--num-heads", "3"])
+    assert drafter_options(args)["num_heads"] == 3  # another kind's flag reaches attach_heads, which refuses it
+    # a flag two kinds declare alike is added once, with both helps; declared differently, it is an error
+    parser, added = argparse.ArgumentParser(), {}
+    _KindArguments(parser, added).add_argument("--num-layers", type=int, default=1, help="blocks per head")
+    _KindArguments(parser, added).add_argument("--num-layers", type=int, default=1, help="drafter layers")
+    assert added["--num-layers"].help == "blocks per head; drafter layers"
+    with pytest.raises(ValueError, match="declare it differently"):
+        _KindArguments(parser, added).add_argument("--num-layers", type=int, default=2)

@@ -5,15 +5,21 @@ and EAGLE-3 variants train and stay greedy-exact, adapters round-trip, resume is
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
 
 import heads
+from heads.eagle.loss import eagle_losses as _eagle_losses
+from heads.eagle.loss import frequent_tokens
 from tests.conftest import VOCAB, greedy_reference, progression_batch
+from training import losses as training_losses
 from training.cli import main
-from training.eagle_trainer import EagleTrainer, eagle_losses, frequent_tokens
-from training.trainer import TrainConfig, make_trainer
+from training.trainer import TrainConfig, kind_trainer, make_trainer
+
+EagleTrainer = kind_trainer("eagle")  # what make_trainer builds for an EAGLE spec
+eagle_losses = partial(_eagle_losses, losses=training_losses)  # the trainer injects training.losses the same way
 
 FAST = dict(batch_size=8, learning_rate=1e-2, warmup_steps=5, token_weight=1.0, validation_fraction=0.25)
 TREE = dict(depth=6, top_k=2, total_tokens=12)  # siblings: briefly trained drafters get accepted off their top-1

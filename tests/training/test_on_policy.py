@@ -13,7 +13,7 @@ import torch
 import heads
 from tests.conftest import greedy_reference, progression_batch, train_toy_target
 from training.cli import main
-from training.data import generate_on_policy_data
+from training.on_policy import generate_on_policy_data
 from training.trainer import TrainConfig, make_trainer
 
 ON_POLICY = dict(on_policy_ratio=0.5, on_policy_refresh=4, on_policy_prompts=6, on_policy_max_new_tokens=12)

@@ -7,7 +7,9 @@ import torch
 
 import heads
 from tests.conftest import greedy_reference, progression_batch
-from training.trainer import MedusaTrainer, TrainConfig, batch_indices
+from training.trainer import TrainConfig, batch_indices, kind_trainer, make_trainer
+
+MedusaTrainer = kind_trainer("medusa")  # what make_trainer builds for a Medusa spec
 
 
 def _sequences(model, count: int, seed: int = 7) -> list[torch.Tensor]:
@@ -99,3 +101,9 @@ def test_batch_must_split_across_accumulation(model, sequences):
     spec = heads.attach_heads(model, num_heads=2)
     with pytest.raises(ValueError, match="divisible"):
         MedusaTrainer(spec, sequences, TrainConfig(batch_size=5, gradient_accumulation=2), progress=False)
+
+
+def test_a_kind_with_nothing_to_train_is_refused(model, sequences):
+    spec = heads.attach_heads(model, kind="lookup")
+    with pytest.raises(ValueError, match="kind 'lookup' has nothing to train"):
+        make_trainer(spec, sequences, TrainConfig(steps=1, batch_size=4), progress=False)

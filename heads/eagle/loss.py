@@ -1,4 +1,4 @@
-"""Self-distillation of an EAGLE drafter (:mod:`heads.eagle`) in the shared training loop.
+"""EAGLE's training hook: what the generic distillation trainer (:mod:`training.trainer`) calls.
 
 Per micro-batch, **one** backbone forward without gradients gives the top-layer features ``f``
 (regression targets), the drafter's input features (``f`` itself, or the fused layers of
@@ -14,6 +14,9 @@ the target's distribution at ``t + j``::
 with ``D`` the configured divergence (EAGLE-1: cross entropy, i.e. forward KL up to a constant;
 weights 1.0 and 0.1). With a reduced draft vocabulary the teacher distribution is restricted to
 it and positions whose target token lies outside it are skipped (EAGLE-3).
+
+The divergences come from the trainer (``context.losses``): this package does not import
+``training``.
 """
 
 from __future__ import annotations
@@ -21,9 +24,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-
-from .losses import divergence, feature_regression, masked_mean
-from .trainer import DistillationTrainer, TrainConfig, TrainResult
 
 
 def frequent_tokens(sequences: Sequence[torch.Tensor], vocab_size: int, count: int) -> torch.Tensor:
@@ -40,7 +40,8 @@ def frequent_tokens(sequences: Sequence[torch.Tensor], vocab_size: int, count: i
 
 def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor, teacher_logits: torch.Tensor,
                  attention_mask: torch.Tensor, student_logits, config,
-                 token_map: torch.Tensor | None = None, head_features=None) -> tuple[torch.Tensor, list[float]]:
+                 token_map: torch.Tensor | None = None, head_features=None, *,
+                 losses) -> tuple[torch.Tensor, list[float]]:
     """Weighted EAGLE loss over unrolled steps and each step's top-1 agreement with the target.
 
     Args:
@@ -48,9 +49,11 @@ def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor
         top_features: ``[B, T, d]`` the target's top-layer features; ``teacher_logits`` ``[B, T, V]``.
         attention_mask: ``[B, T]`` 1 at real tokens.
         student_logits: maps predicted features ``[..., d]`` to the drafter's logits ``[..., V']``.
+        config: the trainer's ``TrainConfig`` (weights, divergence, temperature, decay).
         token_map: ``[V']`` target ids of the draft vocabulary (None: the whole vocabulary).
         head_features: maps predictions to what the output head reads (the ``eagle3`` layout's final
             norm), the space of ``top_features`` that the regression compares in (None: identity).
+        losses: the namespace of divergences (``training.losses``).
     """
     length = top_features.shape[1]
     in_draft = None
@@ -71,33 +74,34 @@ def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor
         features = predicted[:, :length - step].float()
         logits = student_logits(features).float()
         regressed = features if head_features is None else head_features(features)
-        loss = config.feature_weight * feature_regression(regressed, top_features[:, step:], valid)
-        loss = loss + config.token_weight * divergence(config.divergence, logits, teacher, config.temperature,
-                                                       config.jsd_beta, valid)
+        loss = config.feature_weight * losses.feature_regression(regressed, top_features[:, step:], valid)
+        loss = loss + config.token_weight * losses.divergence(config.divergence, logits, teacher, config.temperature,
+                                                              config.jsd_beta, valid)
         total = total + config.head_decay ** (step - 1) * loss
         with torch.no_grad():
-            agreement.append(float(masked_mean((logits.argmax(-1) == teacher.argmax(-1)).float(), valid)))
+            agreement.append(float(losses.masked_mean((logits.argmax(-1) == teacher.argmax(-1)).float(), valid)))
     return total, agreement
 
 
-class EagleTrainer(DistillationTrainer):
-    """Distils an EAGLE drafter; afterwards measures per-step, per-rank accuracy on held-out data."""
+class EagleLoss:
+    """The EAGLE training hook (``KIND.loss``); ``context``: see :class:`training.trainer.LossContext`.
+    Refuses a config it cannot train (``hard_label_weight`` belongs to Medusa)."""
 
     description = "distilling EAGLE drafter"
 
-    def __init__(self, spec, sequences: Sequence[torch.Tensor], config: TrainConfig, **options) -> None:
-        if spec.kind != "eagle":
-            raise ValueError(f"EagleTrainer trains kind 'eagle'; got a {spec.kind!r} drafter")
-        if config.hard_label_weight:
+    def __init__(self, context) -> None:
+        if context.config.hard_label_weight:
             raise ValueError("hard_label_weight applies to Medusa training only; EAGLE uses feature_weight and "
                              "token_weight")
-        super().__init__(spec, sequences, config, **options)
+        self.context = context
+        self.spec = context.spec
+        self.config = context.config
 
     def prepare(self) -> None:
         """With a reduced draft vocabulary: its most frequent target tokens in the training data."""
         heads = self.spec.heads
         if heads.token_map is not None:
-            heads.set_token_map(frequent_tokens(self.train_sequences, self.spec.target.vocab_size,
+            heads.set_token_map(frequent_tokens(self.context.train_sequences, self.spec.target.vocab_size,
                                                 heads.draft_vocab_size))
 
     @torch.no_grad()
@@ -125,27 +129,29 @@ class EagleTrainer(DistillationTrainer):
               noise_indices: list[int] | None = None, step: int = 0):
         """Loss and agreement of ``steps`` unrolled steps; also the predictions, the drafter's logits
         function and the teacher logits (for :meth:`rank_accuracy`). Noise only with ``noise_indices``."""
+        accelerator = self.context.accelerator
         top, inputs, teacher, embeddings = self._targets(input_ids, attention_mask)
         if noise_indices is not None and self.config.feature_noise:
             inputs = inputs + self._noise(inputs, attention_mask, noise_indices, step)
-        with self.accelerator.autocast():
+        with accelerator.autocast():
             predictions = heads(inputs, embeddings, steps)
-        drafter = self.accelerator.unwrap_model(heads)
+        drafter = accelerator.unwrap_model(heads)
         rows = drafter.draft_rows(self.spec.target)
 
         def logits(features: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., V') through the frozen head
             return self.spec.target.logits(features.to(top.dtype), rows)
 
         loss, agreement = eagle_losses(predictions, top, teacher, attention_mask, logits, self.config,
-                                       drafter.token_map, drafter.head_features)
+                                       drafter.token_map, drafter.head_features, losses=self.context.losses)
         return loss, agreement, predictions, logits, teacher
 
-    def micro_loss(self, heads, input_ids, attention_mask, indices, step):
+    def micro_loss(self, heads, input_ids: torch.Tensor, attention_mask: torch.Tensor, indices: list[int],
+                   step: int) -> tuple[torch.Tensor, list[float]]:
         loss, agreement, *_ = self._loss(heads, input_ids, attention_mask, self.config.unroll_steps, indices, step)
         return loss, agreement
 
-    def finish(self, result: TrainResult) -> None:
-        result.accuracy = self.rank_accuracy()
+    def finish(self, accuracy: list[list[float]]) -> None:
+        """Nothing to update: EAGLE's tree is built dynamically."""
 
     @torch.no_grad()
     def rank_accuracy(self, max_rank: int = 10, steps: int | None = None) -> list[list[float]]:
@@ -155,8 +161,9 @@ class EagleTrainer(DistillationTrainer):
         heads = self.spec.heads
         steps = steps or max(self.config.unroll_steps, 3)
         counts, total = torch.zeros(steps, max_rank), 0
-        for start in range(0, len(self.validation_sequences), 4):
-            input_ids, attention_mask = self._collate(self.validation_sequences[start:start + 4])
+        validation = self.context.validation_sequences
+        for start in range(0, len(validation), 4):
+            input_ids, attention_mask = self.context.collate(validation[start:start + 4])
             _, _, predictions, logits, teacher = self._loss(heads, input_ids, attention_mask, steps)
             length = input_ids.shape[1]
             for index, predicted in enumerate(predictions):

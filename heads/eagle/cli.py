@@ -1,0 +1,55 @@
+"""EAGLE's ``selfdraft train`` flags: how they are declared and what they become (``attach_heads``
+options and ``TrainConfig`` fields). The train command adds every trainable kind's flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import LAYOUTS
+
+
+def layer_list(text: str) -> list[int]:
+    """``"2,6,11"`` -> ``[2, 6, 11]`` (an argparse type)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices such as 2,6,11; got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("EAGLE drafter (--kind eagle)")
+    group.add_argument("--num-layers", type=int, default=1, help="decoder layers of the EAGLE drafter")
+    group.add_argument("--depth", type=int, default=None, help="deepest level of the dynamic draft tree")
+    group.add_argument("--top-k", type=int, default=None, help="children per expanded node of the dynamic tree")
+    group.add_argument("--total-tokens", type=int, default=None, help="drafted nodes verified per step")
+    group.add_argument("--feature-layers", type=layer_list, default=None,
+                       help="EAGLE-3: comma-separated backbone hidden states to fuse as input (0: embeddings, "
+                            "num_hidden_layers: top layer), e.g. 2,6,11")
+    group.add_argument("--draft-vocab-size", type=int, default=None,
+                       help="EAGLE-3: reduced draft vocabulary of the most frequent target tokens in the data")
+    group.add_argument("--eagle-layout", choices=LAYOUTS, default=None,
+                       help="drafter architecture: native (default; selfdraft's, any family), eagle1 (the EAGLE-1 "
+                            "layer, exportable with --format eagle) or eagle3 (the EAGLE-3 midlayer, needs three "
+                            "--feature-layers, exportable with --format eagle3); Llama-family targets only")
+    group.add_argument("--feature-weight", type=float, default=1.0,
+                       help="weight of the smooth-L1 next-feature regression (default 1.0)")
+    group.add_argument("--token-weight", type=float, default=0.1,
+                       help="weight of the token divergence to the target (default 0.1)")
+    group.add_argument("--feature-noise", type=float, default=0.1,
+                       help="half-width of the uniform noise added to input features (default 0.1)")
+    group.add_argument("--unroll-steps", type=int, default=1,
+                       help="drafting steps unrolled on the drafter's own features in training (training-time "
+                            "test; default 1)")
+
+
+def options(args: argparse.Namespace) -> dict:
+    """The ``attach_heads(kind="eagle", ...)`` options; None where a flag was not given."""
+    return {"num_layers": args.num_layers, "depth": args.depth, "top_k": args.top_k,
+            "total_tokens": args.total_tokens, "feature_layers": args.feature_layers,
+            "draft_vocab_size": args.draft_vocab_size, "layout": args.eagle_layout}
+
+
+def train_options(args: argparse.Namespace) -> dict:
+    """The ``TrainConfig`` fields EAGLE's flags set."""
+    return {"feature_weight": args.feature_weight, "token_weight": args.token_weight,
+            "feature_noise": args.feature_noise, "unroll_steps": args.unroll_steps}

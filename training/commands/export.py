@@ -1,0 +1,59 @@
+"""``selfdraft export``: an adapter in another project's checkpoint layout, or a folder ready for the
+Hugging Face hub (adapter files + model card)."""
+
+from __future__ import annotations
+
+from .common import load_model
+
+
+def add_parser(commands) -> None:
+    from heads.interop import format_names
+
+    parser = commands.add_parser(
+        "export", help="write an adapter in another layout, or a folder ready for the Hugging Face hub",
+        description="--format/--out: write the checkpoint layout that FasterDecoding Medusa (medusa), vLLM Medusa "
+                    "(medusa-vllm) or the EAGLE loaders (eagle, eagle3) load; refuses when the layout cannot hold "
+                    "the drafter exactly (EAGLE: train with --eagle-layout eagle1/eagle3). --hub-dir: copy the "
+                    "adapter and write a model card (README.md) for `selfdraft push`.",
+    )
+    parser.add_argument("--adapter", required=True, help="selfdraft adapter directory")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--format", choices=format_names(), help="external checkpoint layout to write (with --out)")
+    mode.add_argument("--hub-dir", help="folder to write for upload: adapter files + README.md model card")
+    parser.add_argument("--out", help="output directory of --format")
+    parser.add_argument("--model", default=None,
+                        help="the target model directory; needed for --format eagle/eagle3 (its config and "
+                             "output-head rows go into the checkpoint) and for Medusa adapters that share its head")
+    parser.add_argument("--repo-id", default=None, help="hub repository id, for the model card's loading snippet")
+    parser.add_argument("--license", default="other",
+                        help="licence id for the model card (default 'other': that of the target model)")
+    parser.add_argument("--license-name", default=None, help="licence name when --license is 'other'")
+    parser.add_argument("--license-link", default=None, help="link to the licence text")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from heads.adapter import AdapterError
+    from heads.interop import export_adapter
+    from ..publish import write_hub_folder
+
+    if args.hub_dir:
+        try:
+            path = write_hub_folder(args.adapter, args.hub_dir, args.repo_id, args.license, args.license_name,
+                                    args.license_link)
+        except AdapterError as error:
+            raise SystemExit(f"selfdraft export: {error}") from None
+        print(f"wrote {path} (adapter files + README.md); upload it with "
+              f"`selfdraft push --hub-dir {path} --repo-id {args.repo_id or 'OWNER/NAME'}`")
+        return 0
+    if not args.out:
+        raise SystemExit("selfdraft export: --format needs --out DIR")
+    model = None
+    if args.model:
+        model, _ = load_model(args.model)
+    try:
+        path = export_adapter(args.adapter, args.format, args.out, model=model)
+    except AdapterError as error:
+        raise SystemExit(f"selfdraft export: {error}") from None
+    print(f"wrote {args.format} checkpoint to {path}: {', '.join(sorted(p.name for p in path.iterdir()))}")
+    return 0

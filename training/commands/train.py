@@ -1,0 +1,236 @@
+"""``selfdraft train``: distil a drafter against a frozen model and save the adapter.
+
+``--kind`` takes any trainable kind of the registry (:mod:`heads.kinds`); every trainable kind
+adds its own flags (``heads/<kind>/cli.py``) and turns them into ``attach_heads`` options and
+``TrainConfig`` fields. A flag of another kind that was given reaches ``attach_heads`` too, which
+refuses it by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from heads import kinds
+
+from ..losses import DIVERGENCES
+from .common import load_model, logger, write_json
+
+
+class _KindArguments:
+    """What a kind's ``cli.add_arguments`` sees of the parser: ``add_argument_group`` and
+    ``add_argument``. A flag an earlier kind already added (e.g. ``--num-layers``) is shared when
+    it means the same thing (dest, type, default, action); its help gains the later kind's text."""
+
+    def __init__(self, container, added: dict[str, argparse.Action]) -> None:
+        self.container = container
+        self.added = added
+
+    def add_argument_group(self, *args, **kwargs) -> "_KindArguments":
+        return _KindArguments(self.container.add_argument_group(*args, **kwargs), self.added)
+
+    def add_argument(self, *flags: str, **settings) -> argparse.Action:
+        existing = self.added.get(flags[0])
+        if existing is None:
+            action = self.container.add_argument(*flags, **settings)
+            self.added.update(dict.fromkeys(flags, action))
+            return action
+        probe = argparse.ArgumentParser(add_help=False).add_argument(*flags, **settings)
+        fields = ("dest", "type", "default", "nargs", "const", "choices", "option_strings")
+        if any(getattr(probe, name) != getattr(existing, name) for name in fields) or type(probe) is not type(existing):
+            raise ValueError(f"{flags[0]}: two drafter kinds declare it differently; give one of them another name")
+        if probe.help and probe.help not in (existing.help or ""):
+            existing.help = f"{existing.help}; {probe.help}" if existing.help else probe.help
+        return existing
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "train", help="distil draft heads against a frozen model",
+        description="Distil a drafter (Medusa heads or an EAGLE drafter) against a frozen causal LM on its own "
+                    "continuations of the given prompts (self-distillation), evaluate tau on held-out prompts and "
+                    "save the adapter.",
+    )
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory (or hub id)")
+    parser.add_argument("--kind", choices=kinds.trainable(), default="medusa", help="drafter kind")
+    parser.add_argument("--data", required=True,
+                        help="prompts: jsonl ({'prompt'}, {'text'} or ShareGPT {'conversations'}) or plain text")
+    parser.add_argument("--out", required=True, help="adapter directory to write")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step, all processes")
+    parser.add_argument("--gradient-accumulation", type=int, default=1, help="micro-steps per optimizer step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of AdamW (default 1e-3)")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps before cosine decay")
+    parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="fp32 or bf16 autocast")
+    parser.add_argument("--divergence", choices=DIVERGENCES, default="fkl",
+                        help="divergence between head and target distributions (default forward KL)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="temperature of both distributions in the divergence; match the serving temperature")
+    added: dict[str, argparse.Action] = {}
+    for name in kinds.trainable():
+        kinds.get(name).cli.add_arguments(_KindArguments(parser, added))
+    parser.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="length of the target's continuation generated per prompt (distillation data)")
+    parser.add_argument("--data-temperature", type=float, default=0.0,
+                        help="temperature of the target's continuations (0: greedy, for greedy serving)")
+    _add_on_policy_arguments(parser)
+    parser.add_argument("--original-text", action="store_true",
+                        help="train on the prompts' original text instead of the target's continuations")
+    parser.add_argument("--max-length", type=int, default=256, help="token length of each training sequence")
+    parser.add_argument("--generation-batch-size", type=int, default=8, help="prompts per generate call")
+    parser.add_argument("--cache-dir", default=".selfdraft-cache", help="where generated data is cached")
+    parser.add_argument("--checkpoint-dir", default=None, help="directory for resumable checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    parser.add_argument("--eval-data", default=None, help="held-out prompts for the final tau evaluation")
+    parser.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts to evaluate (0: skip)")
+    parser.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens per evaluation prompt")
+    parser.add_argument("--seed", type=int, default=0, help="seed of batches and sampled data")
+    parser.add_argument("--revision", default=None,
+                        help="commit of the target checkpoint (hub ids: loaded at it); recorded in the adapter's pin")
+    parser.add_argument("--json", default=None, help="write the training summary to this JSON file")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(handler=run)
+
+
+def _add_on_policy_arguments(parser) -> None:
+    group = parser.add_argument_group("on-policy data (DistillSpec)")
+    group.add_argument("--on-policy", action="store_true",
+                       help="mix in sequences that speculative generation with the current drafter produces from the "
+                            "training prompts at the serving temperature, re-scored by the target (ratio 0.5 unless "
+                            "--on-policy-ratio is given)")
+    group.add_argument("--on-policy-ratio", type=float, default=None,
+                       help="share of each batch taken from on-policy data, in [0, 1] (> 0 implies --on-policy)")
+    group.add_argument("--on-policy-refresh", type=int, default=50,
+                       help="regenerate the on-policy data with the current drafter every N steps (default 50)")
+    group.add_argument("--on-policy-temperature", type=float, default=None,
+                       help="temperature of on-policy generation (the serving temperature; 0: greedy; "
+                            "default: --temperature)")
+    group.add_argument("--on-policy-prompts", type=int, default=32,
+                       help="training prompts generated from at each refresh (default 32)")
+
+
+def _on_policy_ratio(args) -> float:
+    if args.on_policy_ratio is None:
+        return 0.5 if args.on_policy else 0.0
+    if args.on_policy and args.on_policy_ratio == 0:
+        raise ValueError("--on-policy with --on-policy-ratio 0: give a ratio in (0, 1] or drop --on-policy")
+    return args.on_policy_ratio
+
+
+def train_config(args):
+    """The ``TrainConfig`` of the flags (every trainable kind's loss fields included)."""
+    from ..trainer import TrainConfig
+
+    kind_fields = {}
+    for name in kinds.trainable():
+        kind_fields.update(kinds.get(name).cli.train_options(args))
+    return TrainConfig(
+        on_policy_ratio=_on_policy_ratio(args), on_policy_refresh=args.on_policy_refresh,
+        on_policy_temperature=args.on_policy_temperature, on_policy_prompts=args.on_policy_prompts,
+        on_policy_max_new_tokens=args.max_new_tokens,
+        steps=args.steps, batch_size=args.batch_size, gradient_accumulation=args.gradient_accumulation,
+        learning_rate=args.lr, warmup_steps=args.warmup_steps, mixed_precision=args.mixed_precision,
+        divergence=args.divergence, temperature=args.temperature, seed=args.seed,
+        checkpoint_every=args.checkpoint_every, **kind_fields,
+    )
+
+
+def drafter_options(args) -> dict:
+    """The ``attach_heads`` options of ``--kind``, plus every other kind's flag that was given (not
+    None), so that ``attach_heads`` refuses a flag of the wrong kind by name."""
+    options = {}
+    for name in kinds.trainable():
+        options.update({key: value for key, value in kinds.get(name).cli.options(args).items() if value is not None})
+    options.update(kinds.get(args.kind).cli.options(args))
+    return options
+
+
+def _sequences(args, model, tokenizer, prompts, accelerator):
+    """The training sequences: the target's continuations of the prompts (cached), or their text."""
+    import heads
+    from ..distill_data import generate_distillation_data
+    from ..prompts import text_sequences
+
+    target_id = heads.backbone.target_fingerprint(model)["weights_sha256"]
+    with accelerator.main_process_first():  # main generates and caches, the others read the cache
+        if args.original_text:
+            sequences = text_sequences(tokenizer, prompts, args.max_length)
+        else:
+            sequences = generate_distillation_data(
+                model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, temperature=args.data_temperature,
+                seed=args.seed, cache_dir=args.cache_dir, target_id=target_id,
+                batch_size=args.generation_batch_size, progress=not args.no_progress and accelerator.is_main_process,
+                max_prompt_tokens=max(1, args.max_length - args.max_new_tokens), truncate=True,
+            )
+    return [sequence[: args.max_length] for sequence in sequences if sequence.numel() > 2]
+
+
+def _held_out_acceptance(args, spec, tokenizer, config) -> dict:
+    """``{data stem: entry}`` (or a list of entries, one per temperature) measured on held-out prompts."""
+    from ..evaluate import encode_prompts, measure
+    from ..prompts import load_prompts
+
+    eval_path = args.eval_data or args.data
+    eval_prompts = encode_prompts(tokenizer, load_prompts(eval_path, tokenizer), args.eval_prompts)
+    # greedy, and the serving temperature an on-policy run was matched to
+    temperatures = sorted({0.0, config.serving_temperature if config.on_policy_ratio else 0.0})
+    entries = []
+    for temperature in temperatures:
+        report = measure(spec, eval_prompts, args.eval_max_new_tokens, plain=False, temperature=temperature,
+                         seed=args.seed)
+        entry = {"tau": report.tau, "acceptance_by_position": report.acceptance_by_position,
+                 "prompts": report.prompts, "max_new_tokens": args.eval_max_new_tokens,
+                 "tokens_per_s_spec": report.tokens_per_s_spec}
+        entries.append({**entry, "temperature": temperature} if temperature else entry)
+        logger.info("held-out tau %.3f on %s at temperature %g", report.tau, eval_path, temperature)
+    return {Path(eval_path).stem: entries[0] if len(entries) == 1 else entries}
+
+
+def _recipe(args, config, prompts, accelerator) -> dict:
+    return {
+        "data": str(args.data), "prompts": len(prompts), "divergence": args.divergence,
+        "temperature": args.temperature, "data_temperature": args.data_temperature,
+        "on_policy": config.on_policy_ratio > 0, "on_policy_ratio": config.on_policy_ratio,
+        "on_policy_refresh": config.on_policy_refresh if config.on_policy_ratio else None,
+        "on_policy_temperature": config.serving_temperature if config.on_policy_ratio else None,
+        "original_text": args.original_text, "steps": args.steps,
+        "config": config.__dict__, "processes": accelerator.num_processes,
+    }
+
+
+def run(args) -> int:
+    import torch
+    from accelerate import Accelerator
+
+    import heads
+    from ..prompts import load_prompts, tokenize_prompts, tokenizer_pad_id
+    from ..trainer import make_trainer
+
+    config = train_config(args)
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    model, tokenizer = load_model(args.model, revision=args.revision)
+    prompts = load_prompts(args.data, tokenizer)[: args.max_prompts]
+    sequences = _sequences(args, model, tokenizer, prompts, accelerator)
+    torch.manual_seed(args.seed)  # drafters initialised at random (EAGLE) start alike in every run and process
+    spec = heads.attach_heads(model, kind=args.kind, **drafter_options(args))
+    prompt_ids = None
+    if config.on_policy_ratio:  # the training share of the prompts (the last ones' sequences are held out)
+        prompt_ids = tokenize_prompts(tokenizer, prompts, max(1, args.max_length - args.max_new_tokens), truncate=True)
+        prompt_ids = prompt_ids[: max(1, len(prompt_ids) - max(1, int(len(sequences) * config.validation_fraction)))]
+    trainer = make_trainer(spec, sequences, config, pad_id=tokenizer_pad_id(tokenizer),
+                           checkpoint_dir=args.checkpoint_dir, progress=not args.no_progress,
+                           accelerator=accelerator, prompts=prompt_ids)
+    result = trainer.train(resume=args.resume)
+    summary = {"final_loss": result.losses[-1] if result.losses else None, **result.to_dict()}
+    if accelerator.is_main_process:
+        acceptance = _held_out_acceptance(args, spec, tokenizer, config) if args.eval_prompts else {}
+        if args.eval_prompts:
+            summary["eval"] = acceptance
+        spec.save_pretrained(args.out, training=_recipe(args, config, prompts, accelerator), acceptance=acceptance,
+                             revision=args.revision)
+        write_json(args.json, summary)
+        print(f"saved adapter to {args.out}; final loss {summary['final_loss']:.4f}")
+    accelerator.wait_for_everyone()
+    return 0
