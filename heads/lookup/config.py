@@ -52,6 +52,9 @@ class LookupConfig:
             if any(token < 0 for token in ids):
                 raise ValueError(f"LookupConfig.corpus[{number}] holds negative token ids")
             corpus.append(ids)
+        if corpus and not self.history_tokens:
+            raise ValueError("LookupConfig.corpus is kept in the cross-request history, which history_tokens=0 "
+                             "turns off: the corpus would be ignored; give history_tokens > 0 or no corpus")
         self.corpus = corpus
 
     @property
