@@ -135,6 +135,8 @@ class DecodeStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     speculation: dict | None = None  # the setting an adaptive policy chose, and why
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of the loop (:data:`PHASES`); contiguous laps, so they sum to ``total_seconds``."""
 
     @property
     def mean_accepted(self) -> float:
@@ -156,8 +158,16 @@ class DecodeStats:
             "tau": self.mean_accepted, "tree_size": self.tree_size, "verified_nodes": self.verified_nodes,
             "acceptance_by_position": self.acceptance_by_position,
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
-            "total_seconds": self.total_seconds, "speculation": self.speculation,
+            "total_seconds": self.total_seconds, "speculation": self.speculation, "phases": dict(self.phases),
         }
+
+
+PHASES = ("prefill", "draft", "tree", "mask", "forward", "accept", "cache", "commit", "result")
+"""Where a ``generate`` call's time goes: the prefill forward (with its mask and first tokens); per
+step the drafter's ``propose`` (its forwards and tree building), cutting trees to the token budget,
+the verification mask, the backbone forward, the acceptance rule, the cache (keeping accepted
+slots, compaction), committing (features for the next draft, emitted tokens, finished rows); and
+assembling the output."""
 
 
 def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -200,6 +210,8 @@ class SpeculativeDecoder:
         self.cache = cache_ops.RaggedCache(batch, input_ids.device)
         self.rows: list[int] = list(range(batch))
         self.max_depth = 0
+        self.stats.phases = dict.fromkeys(PHASES, 0.0)
+        self._stamp = time.perf_counter()
 
     # -- state per row ------------------------------------------------------------------------
 
@@ -245,20 +257,30 @@ class SpeculativeDecoder:
         self.draft = DraftBatch(left_align(features, mask), left_align(ids, mask), self.lengths.clone(), roots)
         self._keep_rows([self._emit(row, [root]) for row, root in enumerate(roots.tolist())])
 
+    def _lap(self, phase: str) -> None:
+        """Charge the time since the last lap to ``phase``."""
+        now = time.perf_counter()
+        self.stats.phases[phase] += now - self._stamp
+        self._stamp = now
+
     def step(self) -> None:
         """One draft → verify → accept → commit step for every row still decoding."""
-        draft_start = time.perf_counter()
         trees = self.drafter.propose(self.draft)
+        self._lap("draft")
         budget = self.max_new_tokens - 1 - torch.tensor([len(self.outputs[row]) for row in self.rows])
         trees = truncate_batch(trees, budget.to(trees.depths.device))
-        verify_start = time.perf_counter()
+        self._lap("tree")
         query_positions = self.lengths[:, None] + trees.depths  # (R, N)
         mask = self.cache.mask(query_positions, trees.visibility, self.target.layout, self.target.dtype)
+        self._lap("mask")
         features, logits = self.target.forward(trees.tokens, query_positions, mask, self.cache.cache, "all")
+        self._lap("forward")
         accepted = self.rule.accept_batch(trees, logits)
         paths, lengths = accepted.paths, accepted.lengths  # (R, L) padded with the last kept node, (R,)
+        self._lap("accept")
         kept = torch.arange(paths.shape[1], device=paths.device)[None, :] < lengths[:, None]
         self.cache.keep(paths, kept, query_positions)
+        self._lap("cache")
         self.lengths = self.lengths + lengths
         path_tokens = trees.tokens.gather(1, paths)  # (R, L)
         path_features = features.gather(1, paths[..., None].expand(-1, -1, features.shape[-1]))
@@ -275,11 +297,11 @@ class SpeculativeDecoder:
             self.stats.accepted_lengths.append(length - 1)
             chunk = chunks[index]
             done.append(self._emit(row, chunk[1:length] + [chunk[-1]]))
-        self.stats.draft_seconds += verify_start - draft_start
-        self.stats.verify_seconds += time.perf_counter() - verify_start
         self._keep_rows(done)
+        self._lap("commit")
         if self.rows:
             self.cache.compact()
+        self._lap("cache")
 
     def result(self) -> torch.Tensor:
         """Prompts plus new tokens, rows that stopped early filled with ``pad_token_id`` (as ``generate``)."""
@@ -291,16 +313,21 @@ class SpeculativeDecoder:
         return torch.cat([self.input_ids, new], dim=1)
 
     def run(self) -> tuple[torch.Tensor, DecodeStats]:
-        start = time.perf_counter()
+        start = self._stamp = time.perf_counter()
         if self.max_new_tokens == 0:
             return self.input_ids.clone(), self.stats
         self.prefill()
+        self._lap("prefill")
         while self.rows:
             self.step()
         self.stats.new_tokens = sum(len(output) for output in self.outputs)
         self.stats.finish(self.max_depth)
         output = self.result()
-        self.stats.total_seconds = time.perf_counter() - start
+        self._lap("result")
+        phases = self.stats.phases
+        self.stats.draft_seconds = phases["draft"] + phases["tree"]
+        self.stats.verify_seconds = sum(phases[name] for name in ("mask", "forward", "accept", "cache", "commit"))
+        self.stats.total_seconds = self._stamp - start
         return output, self.stats
 
 
