@@ -6,6 +6,13 @@
    one-token decode step, for a tiny model and a ~110M-parameter random Llama. This curve bounds
    every speedup: speedup <= tau x cost(1) / (cost(verify N) + cost(draft)).
 
+3. Split and efficiency (``--split``): on the shipped targets, where a speculative step's time
+   goes (``DecodeStats.phases``: draft, tree, mask, forward, accept, cache, commit), the work
+   outside the backbone and drafter forwards as a share of a plain ``generate`` step, and the
+   efficiency = speedup / (tau x t_generate_step / (t_draft + t_verify_bare)) with the bare
+   verify cost measured in the same run at the mean tree width, for the lookup kind and every
+   adapter given with ``--adapter NAME=TARGET:DIR`` (alone and with lookup).
+
 Writes ``benchmarks/results/overhead.json`` and prints tables.
 """
 
@@ -22,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import heads  # noqa: E402
-from benchmarks.common import median_seconds, table, write_json  # noqa: E402
+from benchmarks.common import PROMPTS, bare_verify_ms, interpolate, median_seconds, table, write_json  # noqa: E402
 from tree_attention import cache as cache_ops  # noqa: E402
 from tree_attention.mask import prefill_attention_mask, tree_attention_mask, tree_position_ids  # noqa: E402
 from tree_attention.tree import default_tree  # noqa: E402
@@ -89,6 +96,60 @@ def verify_cost(model, prefix_length: int, repeats: int) -> dict:
     }
 
 
+SPLIT_TARGETS = {"demo-llama": "code.jsonl", "stories260K": "stories.jsonl"}
+OUTSIDE = ("tree", "mask", "accept", "cache", "commit")
+
+
+def split_specs(model, target_name: str, adapters: dict) -> dict:
+    specs = {"lookup": heads.attach_heads(model, kind="lookup", tree=10, history_tokens=0)}
+    for name, (target, directory) in adapters.items():
+        if target == target_name:
+            specs[name] = heads.load_heads(model, directory)
+            specs[f"{name}+lookup"] = heads.load_heads(model, directory)
+            specs[f"{name}+lookup"].set_lookup(budget=6, history_tokens=0)
+    return specs
+
+
+def loop_split(target_name: str, adapters: dict, prompt_count: int, new_tokens: int, repeats: int) -> dict:
+    """Per method: speedup, tau, per-step phase times, the share of a plain step spent outside the
+    forwards, and the efficiency against the bare-forward bound."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(__file__).resolve().parent / "targets" / target_name
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    lines = (PROMPTS / SPLIT_TARGETS[target_name]).read_text().splitlines()[:prompt_count]
+    prompts = [tokenizer(json.loads(line)["prompt"], return_tensors="pt").input_ids for line in lines]
+    specs = split_specs(model, target_name, adapters)
+    length = int(statistics.median(p.shape[1] for p in prompts)) + new_tokens // 2
+    verify = bare_verify_ms(specs["lookup"], length)
+    pad = model.generation_config.pad_token_id
+    rows = {}
+    plain_times = [median_seconds(lambda: model.generate(p, do_sample=False, max_new_tokens=new_tokens,
+                                                         pad_token_id=pad), repeats) for p in prompts]
+    step_ms = 1000 * statistics.median(t / new_tokens for t in plain_times)
+    for name, spec in specs.items():
+        speedups, taus, phases, widths = [], [], [], []
+        for prompt, plain in zip(prompts, plain_times):
+            seconds = median_seconds(lambda: spec.generate(prompt, max_new_tokens=new_tokens), repeats)
+            stats = spec.last_stats
+            steps = max(1, stats.target_forwards - 1)
+            speedups.append(plain / seconds)
+            taus.append(stats.mean_accepted)
+            phases.append({key: 1000 * value / steps for key, value in stats.phases.items()})
+            widths.append(stats.verified_nodes / steps)
+        per_step = {key: statistics.median(p[key] for p in phases) for key in phases[0]}
+        tau, speedup = statistics.median(taus), statistics.median(speedups)
+        draft = per_step["draft"]
+        bound = tau * step_ms / (draft + interpolate(verify, statistics.median(widths)))
+        rows[name] = {"speedup": speedup, "tau": tau, "efficiency": speedup / bound, "bound": bound,
+                      "phases_ms_per_step": per_step, "mean_tree_width": statistics.median(widths),
+                      "outside_share_of_generate_step": sum(per_step[key] for key in OUTSIDE) / step_ms}
+    return {"generate_step_ms": step_ms, "verify_bare_ms": verify, "methods": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
@@ -96,8 +157,29 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--split", action="store_true", help="only the step split and efficiency on the shipped targets")
+    parser.add_argument("--adapter", action="append", default=[], metavar="NAME=TARGET:DIR",
+                        help="--split: a trained adapter to include, e.g. medusa=demo-llama:DIR")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.split:
+        adapters = {}
+        for item in args.adapter:
+            name, _, rest = item.partition("=")
+            target, _, directory = rest.partition(":")
+            if target not in SPLIT_TARGETS or not Path(directory).is_dir():
+                raise SystemExit(f"--adapter {item!r}: expected NAME=TARGET:DIR, TARGET in {list(SPLIT_TARGETS)}")
+            adapters[name] = (target, directory)
+        split = {name: loop_split(name, adapters, args.prompts, args.new_tokens, args.repeats) for name in SPLIT_TARGETS}
+        for target, entry in split.items():
+            rows = [{"method": name, **{k: v for k, v in row.items() if not isinstance(v, dict)},
+                     **{f"{k} ms": v for k, v in row["phases_ms_per_step"].items() if k not in ("prefill", "result")}}
+                    for name, row in entry["methods"].items()]
+            print(f"\n{target}: generate step {entry['generate_step_ms']:.2f} ms")
+            print(table(rows, ["method", "speedup", "tau", "efficiency", "outside_share_of_generate_step",
+                               "draft ms", "tree ms", "mask ms", "forward ms", "accept ms", "cache ms", "commit ms"]))
+        print(f"\nwrote {write_json('overhead_split.json', {'threads': args.threads, 'split': split})}")
+        return
     results = {"threads": args.threads, "overhead": {}, "verify_cost": {}}
     for name in args.models:
         model = build(name)

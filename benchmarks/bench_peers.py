@@ -31,9 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import heads  # noqa: E402
-from benchmarks.common import PROMPTS, RESULTS, write_json  # noqa: E402
-from tree_attention import cache as cache_ops  # noqa: E402
-from tree_attention.mask import prefill_attention_mask  # noqa: E402
+from benchmarks.common import PROMPTS, RESULTS, bare_verify_ms, interpolate, write_json  # noqa: E402
 
 TARGETS = {
     "demo-llama": {"path": ROOT / "benchmarks/targets/demo-llama", "mixes": {"code": "code.jsonl",
@@ -56,46 +54,6 @@ def prompts_of(tokenizer, file: str, count: int) -> list[torch.Tensor]:
     lines = (PROMPTS / file).read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines if line.strip()][:count]
     return [tokenizer(text, return_tensors="pt").input_ids for text in texts]
-
-
-@torch.no_grad()
-def bare_verify_ms(spec, prompt_length: int, sizes=(1, 2, 4, 8, 12, 16, 24, 32), repeats: int = 5) -> dict:
-    """Bare forward cost (ms) of ``n`` new tokens on a cache of ``prompt_length`` (a chain: the
-    mask's shape, not its content, sets the cost)."""
-    target = heads.inspect_backbone(spec.backbone)
-    vocab = target.vocab_size
-    prompt = torch.randint(0, vocab, (1, prompt_length))
-    cache = cache_ops.new_cache()
-    target.forward(prompt, torch.arange(prompt_length)[None],
-                   prefill_attention_mask(prompt_length, target.layout, target.dtype, "cpu"), cache, "last")
-    costs = {}
-    for size in sizes:
-        tokens = torch.randint(0, vocab, (1, size))
-        positions = torch.arange(prompt_length, prompt_length + size)[None]
-        visible = torch.ones(1, size, prompt_length + size, dtype=torch.bool).tril_(prompt_length)
-        from tree_attention.mask import additive_mask
-
-        mask = additive_mask(visible, target.dtype)
-        if isinstance(target.layout, dict):
-            mask = {kind: mask for kind in target.layout}
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            target.forward(tokens, positions, mask, cache, "all")
-            times.append(time.perf_counter() - start)
-            cache_ops.crop(cache, prompt_length)
-        costs[size] = 1000 * statistics.median(times[1:])
-    return costs
-
-
-def interpolate(costs: dict, size: float) -> float:
-    sizes = sorted(costs)
-    if size <= sizes[0]:
-        return costs[sizes[0]]
-    for low, high in zip(sizes, sizes[1:]):
-        if size <= high:
-            return costs[low] + (costs[high] - costs[low]) * (size - low) / (high - low)
-    return costs[sizes[-1]] * size / sizes[-1]
 
 
 def methods_for(model, target_name: str, adapters: dict, sample: bool) -> dict:

@@ -111,3 +111,45 @@ def speed_row(report, **labels) -> dict:
         "verify ms/step": 1000 * report.verify_seconds / steps, "draft ms/step": 1000 * report.draft_seconds / steps,
         "plain ms/token": 1000 * report.plain_seconds / max(1, report.new_tokens), "identical": report.identical,
     }
+
+
+@torch.no_grad()
+def bare_verify_ms(spec, prompt_length: int, sizes=(1, 2, 4, 8, 12, 16, 24, 32), repeats: int = 5) -> dict:
+    """Bare forward cost (ms) of ``n`` new tokens on a cache of ``prompt_length`` (a chain: the
+    mask's shape, not its content, sets the cost)."""
+    from heads.backbone import inspect_backbone
+    from tree_attention import cache as cache_ops
+    from tree_attention.mask import additive_mask, prefill_attention_mask
+
+    target = inspect_backbone(spec.backbone)
+    vocab = target.vocab_size
+    prompt = torch.randint(0, vocab, (1, prompt_length))
+    cache = cache_ops.new_cache()
+    target.forward(prompt, torch.arange(prompt_length)[None],
+                   prefill_attention_mask(prompt_length, target.layout, target.dtype, "cpu"), cache, "last")
+    costs = {}
+    for size in sizes:
+        tokens = torch.randint(0, vocab, (1, size))
+        positions = torch.arange(prompt_length, prompt_length + size)[None]
+        visible = torch.ones(1, size, prompt_length + size, dtype=torch.bool).tril_(prompt_length)
+        mask = additive_mask(visible, target.dtype)
+        if isinstance(target.layout, dict):
+            mask = {kind: mask for kind in target.layout}
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            target.forward(tokens, positions, mask, cache, "all")
+            times.append(time.perf_counter() - start)
+            cache_ops.crop(cache, prompt_length)
+        costs[size] = 1000 * statistics.median(times[1:])
+    return costs
+
+
+def interpolate(costs: dict, size: float) -> float:
+    sizes = sorted(costs)
+    if size <= sizes[0]:
+        return costs[sizes[0]]
+    for low, high in zip(sizes, sizes[1:]):
+        if size <= high:
+            return costs[low] + (costs[high] - costs[low]) * (size - low) / (high - low)
+    return costs[sizes[-1]] * size / sizes[-1]
