@@ -30,13 +30,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; its exit code. A user mistake (:class:`~training.commands.common.UsageError`,
+    a bad adapter, checkpoint or data file) is printed as one line and gives exit code 2."""
+    from heads.adapter import AdapterError
+
+    from .checkpoint import CheckpointError
+    from .commands.common import UsageError
+    from .prompts import DataFormatError
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except (UsageError, AdapterError, CheckpointError, DataFormatError) as error:
+        print(f"selfdraft {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -105,10 +105,15 @@ def measure(spec, prompts: Sequence[torch.Tensor], max_new_tokens: int, plain: b
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str], limit: int | None = None) -> list[torch.Tensor]:
-    """Token ids ``[1, L]`` per prompt text (at most ``limit`` prompts, empty encodings dropped)."""
+    """Token ids ``[1, L]`` per prompt text (at most ``limit`` prompts, None: all; empty encodings
+    dropped). A chat template's own BOS is not doubled (:func:`training.prompts.encode_text`)."""
+    from .prompts import encode_text
+
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be None or >= 1; got {limit!r}")
     encoded = []
-    for text in prompts[: limit or len(prompts)]:
-        ids = tokenizer(text, return_tensors="pt").input_ids
-        if ids.shape[1]:
-            encoded.append(ids)
+    for text in prompts[:limit]:
+        ids = encode_text(tokenizer, text)
+        if ids.numel():
+            encoded.append(ids[None])
     return encoded

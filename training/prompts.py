@@ -2,7 +2,8 @@
 
 - `load_prompts` reads jsonl (``{"prompt"}``, ``{"text"}``, ShareGPT ``{"conversations"}`` or
   OpenAI ``{"messages"}`` records), a JSON array of such records, or plain text.
-- `tokenize_prompts` / `text_sequences` turn texts into 1D token tensors.
+- `tokenize_prompts` / `text_sequences` turn texts into 1D token tensors (`encode_text`: one
+  text, never with two BOS tokens when a chat template wrote one).
 - `tokenizer_pad_id`: the id batches of a tokenizer's sequences are padded with.
 """
 
@@ -178,8 +179,15 @@ def load_prompts(path: str | os.PathLike[str], tokenizer: Any | None = None) -> 
     return prompts
 
 
-def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> torch.Tensor:
-    ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> torch.Tensor:
+    """``text``'s token ids ``[L]``. When the text already starts with the BOS token (a chat
+    template that writes ``bos_token``) and the tokenizer adds one as well, the added one is
+    dropped: the sequence starts with one BOS, as the model saw in training."""
+    ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    bos, bos_text = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "bos_token", None)
+    if (add_special_tokens and bos is not None and bos_text and text.startswith(bos_text)
+            and ids[:2] == [bos, bos]):
+        ids = ids[1:]
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -207,7 +215,7 @@ def tokenize_prompts(
     limit = min(bounds) if bounds else None
     sequences = []
     for index, prompt in enumerate(prompts):
-        ids = _encode(tokenizer, prompt, add_special_tokens)
+        ids = encode_text(tokenizer, prompt, add_special_tokens)
         if ids.numel() == 0:
             raise ValueError(f"prompt {index} tokenizes to no tokens")
         if limit is not None and ids.numel() > limit:
@@ -231,7 +239,7 @@ def text_sequences(
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     sequences = []
     for index, text in enumerate(texts):
-        ids = _encode(tokenizer, text, add_special_tokens)
+        ids = encode_text(tokenizer, text, add_special_tokens)
         if ids.numel() == 0:
             raise ValueError(f"text {index} tokenizes to no tokens")
         sequences.append(ids[:max_length])

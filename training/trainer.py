@@ -33,6 +33,10 @@ processes and gradients are averaged; each process generates its share of the on
 all processes gather the whole pool. Batches are a pure function of ``(seed, step)`` and the
 pool, which checkpoints save, so a run resumed from a checkpoint sees exactly the batches an
 uninterrupted run sees.
+
+Checkpoints are safetensors and JSON only (:mod:`training.checkpoint`). Resuming refuses pickles
+and a checkpoint written by another recipe, naming what changed; resuming a finished run trains
+no further step and returns the recorded history.
 """
 
 from __future__ import annotations
@@ -51,18 +55,17 @@ from typing import Callable, Sequence
 
 import torch
 from accelerate import Accelerator
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from heads import kinds
 
-from . import losses
+from . import checkpoint, losses
 from .losses import DIVERGENCES
 from .on_policy import generate_on_policy_data
 from .sequences import collate, load_sequences, save_sequences
 
 logger = logging.getLogger(__name__)
-_STATE_FILE = "trainer_state.json"
-_POOL_FILE = "on_policy_pool.safetensors"
 
 
 @dataclass
@@ -127,6 +130,16 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int; got {value!r}")
+        for name in ("warmup_steps", "checkpoint_every", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0; got {value!r}")
+        for name in ("learning_rate", "max_grad_norm"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0; got {value!r}")
+        if not 0 < self.validation_fraction < 1:
+            raise ValueError(f"validation_fraction must lie in (0, 1); got {self.validation_fraction!r}")
         for name in ("feature_weight", "token_weight", "feature_noise", "hard_label_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -157,14 +170,18 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
+    """What a run did. The per-step lists cover the whole run from step 0: a resumed run's start
+    with the checkpoint's history; ``seconds`` and ``tokens_per_second`` are this call's."""
+
     losses: list[float] = field(default_factory=list)
     agreement: list[list[float]] = field(default_factory=list)  # per step, per head (draft step) top-1 agreement
     accuracy: list[list[float]] = field(default_factory=list)  # per head (draft step), per rank (validation)
     tokens_per_second: float = 0.0
     peak_memory_mb: float = 0.0
     seconds: float = 0.0
-    on_policy_refreshes: list[int] = field(default_factory=list)  # steps at which this run regenerated the pool
+    on_policy_refreshes: list[int] = field(default_factory=list)  # steps at which the pool was regenerated
     on_policy_tau: list[float] = field(default_factory=list)  # the drafter's tau while generating each pool
+    start_step: int = 0  # the step this call started from (> 0 when resumed)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -334,7 +351,11 @@ class DistillationTrainer:
         return step_loss, [a / config.gradient_accumulation for a in step_agreement], tokens
 
     def train(self, resume: bool = False, stop_after: int | None = None) -> TrainResult:
-        """Run to ``config.steps`` (or stop after step ``stop_after``, e.g. to test resuming)."""
+        """Run to ``config.steps`` (or stop after step ``stop_after``, e.g. to test resuming).
+
+        ``resume``: continue from the latest checkpoint under ``checkpoint_dir`` (CheckpointError
+        when there is none, when it holds pickles or was written by another recipe); the result's
+        per-step history then starts at step 0, the checkpoint's part included."""
         config, accelerator = self.config, self.accelerator
         torch.manual_seed(config.seed)
         self.spec.backbone.to(accelerator.device)
@@ -344,10 +365,9 @@ class DistillationTrainer:
         optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
         heads, optimizer = accelerator.prepare(self.spec.heads, optimizer)
-        accelerator.register_for_checkpointing(scheduler)
-        start_step = self._resume() if resume else 0
-        heads.train()
         result = TrainResult()
+        start_step = result.start_step = self._resume(heads, optimizer, scheduler, result) if resume else 0
+        heads.train()
         end_step = config.steps if stop_after is None else min(stop_after, config.steps)
         bar = tqdm(range(start_step, end_step), disable=not (self.progress and accelerator.is_main_process),
                    desc=self.hook.description, initial=start_step, total=config.steps)
@@ -367,7 +387,7 @@ class DistillationTrainer:
             result.agreement.append(step_agreement)
             bar.set_postfix(loss=f"{mean_loss:.3f}", top1="/".join(f"{a:.2f}" for a in step_agreement))
             if config.checkpoint_every and self.checkpoint_dir and (step + 1) % config.checkpoint_every == 0:
-                self._save_checkpoint(step + 1)
+                self._save_checkpoint(step + 1, heads, optimizer, scheduler, result)
         bar.close()
         result.seconds = time.perf_counter() - started
         result.tokens_per_second = tokens * accelerator.num_processes / result.seconds if result.seconds else 0.0
@@ -378,32 +398,67 @@ class DistillationTrainer:
         self.hook.finish(result.accuracy)
         return result
 
-    def _save_checkpoint(self, step: int) -> None:
-        directory = self.checkpoint_dir / f"step-{step:07d}"
-        self.accelerator.save_state(str(directory))
-        if self.accelerator.is_main_process:
-            state = {"step": step, "config": asdict(self.config), "on_policy_refreshed_at": self.pool_refreshed_at,
-                     "on_policy_sequences": len(self.pool)}
-            if self.pool:
-                save_sequences(directory / _POOL_FILE, self.pool, {"refreshed_at": self.pool_refreshed_at})
-            (directory / _STATE_FILE).write_text(json.dumps(state))
-            (self.checkpoint_dir / "latest").write_text(directory.name)
-        self.accelerator.wait_for_everyone()
+    def recipe(self) -> dict:
+        """What a resumed run must share with the checkpoint (:func:`training.checkpoint.recipe`)."""
+        return checkpoint.recipe(asdict(self.config), self.spec.kind, self.spec.config.to_dict(),
+                                 self.accelerator.num_processes,
+                                 checkpoint.sequences_sha256(self.train_sequences + self.validation_sequences))
 
-    def _resume(self) -> int:
-        if self.checkpoint_dir is None or not (self.checkpoint_dir / "latest").is_file():
-            raise FileNotFoundError(f"resume: no checkpoint under {self.checkpoint_dir}")
-        directory = self.checkpoint_dir / (self.checkpoint_dir / "latest").read_text().strip()
-        self.accelerator.load_state(str(directory))
-        state = json.loads((directory / _STATE_FILE).read_text())
+    def _save_checkpoint(self, step: int, heads, optimizer, scheduler, result: TrainResult) -> None:
+        """Write checkpoint ``step`` (see :mod:`training.checkpoint`) from every process."""
+        accelerator = self.accelerator
+        directory = checkpoint.step_directory(self.checkpoint_dir, step)
+        drafter = {name: tensor.detach().to("cpu").contiguous().clone()
+                   for name, tensor in accelerator.unwrap_model(heads).state_dict().items()}
+        optimizer_tensors, optimizer_index = checkpoint.optimizer_tensors(optimizer.state_dict())
+        state = {
+            "format": checkpoint.FORMAT, "version": checkpoint.VERSION, "step": step, "recipe": self.recipe(),
+            "scheduler": checkpoint.json_value(scheduler.state_dict(), "scheduler state"),
+            "optimizer": optimizer_index,
+            "on_policy_refreshed_at": self.pool_refreshed_at, "on_policy_sequences": len(self.pool),
+            "history": {"losses": result.losses, "agreement": result.agreement,
+                        "on_policy_refreshes": result.on_policy_refreshes, "on_policy_tau": result.on_policy_tau},
+        }
+        files = {
+            checkpoint.DRAFTER_FILE: lambda path: save_file(drafter, str(path)),
+            checkpoint.OPTIMIZER_FILE: lambda path: save_file(optimizer_tensors, str(path)),
+            checkpoint.STATE_FILE: lambda path: path.write_text(json.dumps(state) + "\n"),
+        }
+        if self.pool:
+            files[checkpoint.POOL_FILE] = lambda path: save_sequences(path, self.pool,
+                                                                      {"refreshed_at": self.pool_refreshed_at})
+        checkpoint.save(directory, accelerator.process_index, accelerator.is_main_process,
+                        accelerator.wait_for_everyone, files)
+
+    def _resume(self, heads, optimizer, scheduler, result: TrainResult) -> int:
+        """Restore the latest checkpoint into the drafter, optimizer, scheduler, random states, pool
+        and ``result``'s history; the step to continue from."""
+        directory = checkpoint.latest_checkpoint(self.checkpoint_dir)
+        state = checkpoint.read_state(directory)
+        checkpoint.check_recipe(state, self.recipe(), directory)
+        try:
+            self.accelerator.unwrap_model(heads).load_state_dict(
+                checkpoint.read_tensors(directory / checkpoint.DRAFTER_FILE), strict=True)
+        except RuntimeError as error:
+            raise checkpoint.CheckpointError(f"{directory}: not this drafter's tensors: {error}") from error
+        optimizer.load_state_dict(checkpoint.optimizer_state(
+            checkpoint.read_tensors(directory / checkpoint.OPTIMIZER_FILE), state["optimizer"],
+            optimizer.state_dict(), directory))
+        scheduler.load_state_dict(state["scheduler"])
+        rng = directory / checkpoint.rng_file(self.accelerator.process_index)
+        checkpoint.set_rng_state(rng)
         step = state["step"]
+        history = state.get("history", {})
+        for name in ("losses", "agreement", "on_policy_refreshes", "on_policy_tau"):
+            setattr(result, name, list(history.get(name, [])))
         if self.config.on_policy_count and state.get("on_policy_sequences"):
-            self.pool = load_sequences(directory / _POOL_FILE, state["on_policy_sequences"])
+            self.pool = load_sequences(directory / checkpoint.POOL_FILE, state["on_policy_sequences"])
             self.pool_refreshed_at = state["on_policy_refreshed_at"]
         elif self.config.on_policy_count and step % self.config.on_policy_refresh:
             logger.warning("checkpoint %s holds no on-policy pool: regenerating it at step %d (not exact)",
                            directory, step)
-        logger.info("resumed from %s at step %d", directory, step)
+        logger.info("resumed from %s at step %d%s", directory, step,
+                    " (the run had finished: no step left)" if step >= self.config.steps else "")
         return step
 
 

@@ -77,9 +77,8 @@ def test_train_then_bench(model_dir, tmp_path):
                  "--max-new-tokens", "12", "--prompts", "2", "--temperature", "0.7", "--json", str(bench_json)])
     report = json.loads(bench_json.read_text())
     assert code == 0 and report["identical"] is None and report["temperature"] == 0.7 and report["tau"] >= 1.0
-    with pytest.raises(SystemExit, match="--temperature must be >= 0"):
-        main(["bench", "--model", str(model_dir), "--adapter", str(adapter), "--data", str(data),
-              "--temperature", "-1"])
+    assert main(["bench", "--model", str(model_dir), "--adapter", str(adapter), "--data", str(data),
+                 "--temperature", "-1"]) == 2
 
 
 def test_two_process_ddp_matches_one_process(model_dir, tmp_path):
@@ -108,9 +107,10 @@ def test_help_explains_every_flag(capsys):
         assert flag in text
 
 
-def test_missing_data_file(model_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match="nothing.jsonl"):
-        main(_train_args(model_dir, tmp_path / "nothing.jsonl", tmp_path / "a", tmp_path / "c", tmp_path / "s.json"))
+def test_missing_data_file(model_dir, tmp_path, capsys):
+    assert main(_train_args(model_dir, tmp_path / "nothing.jsonl", tmp_path / "a", tmp_path / "c",
+                            tmp_path / "s.json")) == 2
+    assert "--data " + str(tmp_path / "nothing.jsonl") + ": no such file" in capsys.readouterr().err
 
 
 def test_train_flags_come_from_the_registry():
@@ -132,3 +132,111 @@ def test_train_flags_come_from_the_registry():
     assert added["--num-layers"].help == "blocks per head; drafter layers"
     with pytest.raises(ValueError, match="declare it differently"):
         _KindArguments(parser, added).add_argument("--num-layers", type=int, default=2)
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Loading a model fails the test: the refusals below must come before any expensive work."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    for module in ("train", "bench", "check", "export"):
+        monkeypatch.setattr(f"training.commands.{module}.load_model", refuse)
+
+
+def _one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"selfdraft {command}: error: "), err
+    return last
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--out": "{full}"}, "--out .*already holds other files"),
+    ({"--out": "{file}/adapter"}, "--out .*is a file, not a directory"),
+    ({"--out": "{file}"}, "--out .*exists and is not a directory"),
+    ({"--model": "/nonexistent"}, "--model /nonexistent: no such directory"),
+    ({"--max-length": "0"}, "--max-length must be an integer >= 3"),
+    ({"--max-new-tokens": "0"}, "--max-new-tokens must be an integer >= 1"),
+    ({"--data": "{bad}"}, "--data: .*bad.jsonl line 2: invalid JSON"),
+    ({"--json": "{file}/summary.json"}, "--json .*is a file"),
+    # issue 15 item 9: counts that used to slice or checkpoint every step
+    ({"--checkpoint-every": "-1", "--checkpoint-dir": "{tmp}/ckpt"}, "--checkpoint-every must be an integer >= 0"),
+    ({"--checkpoint-every": "2"}, "--checkpoint-every 2 needs --checkpoint-dir"),
+    ({"--eval-prompts": "-1"}, "--eval-prompts must be an integer >= 0"),
+    ({"--max-prompts": "-1"}, "--max-prompts must be an integer >= 1"),
+    ({"--lr": "0"}, "--lr must be a number > 0"),
+    ({"--resume": None}, "--resume needs --checkpoint-dir"),
+    ({"--resume": None, "--checkpoint-dir": "{tmp}/empty"}, "no checkpoint under"),
+    ({"--num-heads": "0"}, "num_heads must be a positive int"),
+])
+def test_train_refuses_a_mistake_before_any_work(model_dir, tmp_path, capsys, no_model_loading, change, message):
+    """Issue 15 items 8 and 9: one line, exit 2, before the model is loaded."""
+    import re
+
+    data = _write_prompts(tmp_path / "prompts.jsonl", 4, seed=1)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "t3 t4"}\n{"prompt": \n')
+    (tmp_path / "empty").mkdir()
+    names = {"full": tmp_path / "full", "file": tmp_path / "a-file", "bad": tmp_path / "bad.jsonl", "tmp": tmp_path}
+    args = _train_args(model_dir, data, tmp_path / "adapter", tmp_path / "cache", tmp_path / "s.json")
+    for flag, value in change.items():
+        value = None if value is None else value.format(**names)
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag] if value is None else [flag, value]
+    assert main(args) == 2
+    assert re.search(message, _one_line_error(capsys, "train"))
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine" and not (tmp_path / "adapter").exists()
+
+
+@pytest.mark.parametrize("command, extra, message", [
+    ("bench", ["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+    ("bench", ["--prompts", "0"], "--prompts must be an integer >= 1"),
+    ("bench", ["--prompts", "-2"], "--prompts must be an integer >= 1"),
+    ("bench", ["--tree", "-1"], "--tree must be an integer >= 0"),
+    ("check", ["--prompts", "0"], "--prompts must be an integer >= 1"),
+    ("check", ["--max-new-tokens", "-3"], "--max-new-tokens must be an integer >= 1"),
+    ("check", ["--threshold", "1.5"], r"--threshold must lie in \[0, 1\)"),
+])
+def test_bench_and_check_refuse_bad_counts(model_dir, tmp_path, capsys, no_model_loading, command, extra, message):
+    """Issue 15 items 8 and 9: bench --max-new-tokens 0 showed transformers' traceback; --prompts 0 / -2 sliced."""
+    import re
+
+    data = _write_prompts(tmp_path / "prompts.jsonl", 4, seed=1)
+    (tmp_path / "adapter").mkdir()
+    assert main([command, "--model", str(model_dir), "--adapter", str(tmp_path / "adapter"), "--data", str(data),
+                 *extra]) == 2
+    assert re.search(message, _one_line_error(capsys, command))
+
+
+def test_encode_prompts_refuses_a_limit_below_one():
+    from training.evaluate import encode_prompts
+
+    with pytest.raises(ValueError, match="limit must be None or >= 1"):
+        encode_prompts(_tokenizer(), ["t3 t4", "t5"], 0)
+
+
+def test_resume_through_the_command(model_dir, tmp_path, capsys):
+    """Issue 15 item 10: a resume with a changed recipe is refused by name before any work; a
+    resume of a finished run saves the adapter and exits 0."""
+    data = _write_prompts(tmp_path / "prompts.jsonl", 12, seed=4)
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+    args = _train_args(model_dir, data, tmp_path / "adapter", tmp_path / "cache", tmp_path / "s.json", steps=4)
+    args[args.index("--eval-prompts") + 1] = "0"
+    assert main(args + checkpoints) == 0
+    first = json.loads((tmp_path / "s.json").read_text())
+    changed = list(args)
+    changed[changed.index("--lr") + 1] = "1e-2"
+    assert main(changed + checkpoints + ["--resume"]) == 2
+    assert "another recipe: learning_rate 0.005 (now 0.01)" in _one_line_error(capsys, "train")
+    (tmp_path / "adapter" / "adapter_config.json").unlink()
+    assert main(args + checkpoints + ["--resume"]) == 0
+    assert "(the checkpoint had finished the run: no step trained)" in capsys.readouterr().out
+    again = json.loads((tmp_path / "s.json").read_text())
+    assert again["losses"] == first["losses"] and again["final_loss"] == first["final_loss"]
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()

@@ -214,7 +214,7 @@ def test_eagle_trainer_refuses_what_it_cannot_train(model, sequences):
         EagleTrainer(heads.attach_heads(model, num_heads=2), sequences, TrainConfig(), progress=False)
 
 
-def test_cli_train_eagle_then_bench(model, tmp_path):
+def test_cli_train_eagle_then_bench(model, tmp_path, capsys):
     from tests.training.test_cli import _tokenizer, _write_prompts
 
     model_dir = tmp_path / "model"
@@ -239,13 +239,13 @@ def test_cli_train_eagle_then_bench(model, tmp_path):
                  "--max-new-tokens", "20", "--prompts", "3", "--json", str(bench_json)])
     report = json.loads(bench_json.read_text())
     assert code == 0 and report["identical"] is True and report["tau"] > 1.0
-    with pytest.raises(ValueError, match="num_heads: option"):
-        main(["train", "--model", str(model_dir), "--kind", "eagle", "--num-heads", "3", "--data", str(data),
-              "--out", str(tmp_path / "other"), "--steps", "1", "--max-new-tokens", "4", "--max-length", "12",
-              "--cache-dir", str(tmp_path / "cache"), "--eval-prompts", "0", "--no-progress"])
+    assert main(["train", "--model", str(model_dir), "--kind", "eagle", "--num-heads", "3", "--data", str(data),
+                 "--out", str(tmp_path / "other"), "--steps", "1", "--max-new-tokens", "4", "--max-length", "12",
+                 "--cache-dir", str(tmp_path / "cache"), "--eval-prompts", "0", "--no-progress"]) == 2
+    assert "num_heads: option" in capsys.readouterr().err
 
 
-def test_cli_train_eagle1_layout_then_export(model, tmp_path):
+def test_cli_train_eagle1_layout_then_export(model, tmp_path, capsys):
     """`selfdraft train --eagle-layout eagle1` trains the EAGLE-1 layer; `selfdraft export --format
     eagle` writes it, and the export loads back drafting the same tokens."""
     from tests.training.test_cli import _tokenizer, _write_prompts
@@ -262,11 +262,11 @@ def test_cli_train_eagle1_layout_then_export(model, tmp_path):
     assert code == 0
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["drafter"]["layout"] == "eagle1"
-    with pytest.raises(SystemExit, match="pass --model TARGET_DIR"):
-        main(["export", "--adapter", str(adapter), "--format", "eagle", "--out", str(tmp_path / "no-model")])
-    with pytest.raises(SystemExit, match="train with --eagle-layout eagle3"):
-        main(["export", "--adapter", str(adapter), "--format", "eagle3", "--out", str(tmp_path / "e3"),
-              "--model", str(model_dir)])
+    assert main(["export", "--adapter", str(adapter), "--format", "eagle", "--out", str(tmp_path / "no-model")]) == 2
+    assert "pass --model TARGET_DIR" in capsys.readouterr().err
+    assert main(["export", "--adapter", str(adapter), "--format", "eagle3", "--out", str(tmp_path / "e3"),
+                 "--model", str(model_dir)]) == 2
+    assert "train with --eagle-layout eagle3" in capsys.readouterr().err
     out = tmp_path / "eagle1"
     assert main(["export", "--adapter", str(adapter), "--format", "eagle", "--out", str(out),
                  "--model", str(model_dir)]) == 0
@@ -275,7 +275,7 @@ def test_cli_train_eagle1_layout_then_export(model, tmp_path):
     prompt = progression_batch(1, 5, torch.Generator().manual_seed(3))
     assert torch.equal(exported.generate(prompt, max_new_tokens=16), original.generate(prompt, max_new_tokens=16))
     assert exported.last_stats.accepted_lengths == original.last_stats.accepted_lengths
-    with pytest.raises(ValueError, match="layout: option"):
-        main(["train", "--model", str(model_dir), "--kind", "medusa", "--eagle-layout", "eagle1", "--data", str(data),
-              "--out", str(tmp_path / "other"), "--steps", "1", "--max-new-tokens", "4", "--max-length", "12",
-              "--cache-dir", str(tmp_path / "cache"), "--eval-prompts", "0", "--no-progress"])
+    assert main(["train", "--model", str(model_dir), "--kind", "medusa", "--eagle-layout", "eagle1", "--data", str(data),
+                 "--out", str(tmp_path / "other"), "--steps", "1", "--max-new-tokens", "4", "--max-length", "12",
+                 "--cache-dir", str(tmp_path / "cache"), "--eval-prompts", "0", "--no-progress"]) == 2
+    assert "layout: option" in capsys.readouterr().err

@@ -99,7 +99,8 @@ def test_resume_restores_the_pool_exactly(model, prompts, sequences, tmp_path):
     resumed = heads.attach_heads(model, kind="eagle")
     trainer = make_trainer(resumed, sequences, config, checkpoint_dir=tmp_path, progress=False, prompts=prompts)
     result = trainer.train(resume=True)
-    assert result.on_policy_refreshes == [8]  # step 4's pool came from the checkpoint
+    # the history starts at step 0; after step 6 only step 8 regenerated: step 4's pool came from the checkpoint
+    assert result.start_step == 6 and result.on_policy_refreshes == [0, 4, 8] and len(result.losses) == 9
     for name, tensor in straight.heads.state_dict().items():
         torch.testing.assert_close(resumed.heads.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
 
@@ -139,7 +140,7 @@ def test_trainer_refuses_on_policy_without_prompts(model, sequences):
         generate_on_policy_data(spec, [torch.tensor([3, 4])], max_new_tokens=4, temperature=-1)
 
 
-def test_cli_on_policy_flags_and_recipe(model_dir, tmp_path):
+def test_cli_on_policy_flags_and_recipe(model_dir, tmp_path, capsys):
     from tests.training.test_cli import _train_args, _write_prompts
 
     data = _write_prompts(tmp_path / "prompts.jsonl", 16, seed=3)
@@ -157,12 +158,11 @@ def test_cli_on_policy_flags_and_recipe(model_dir, tmp_path):
     off = tmp_path / "off"
     assert main(_train_args(model_dir, data, off, tmp_path / "cache", tmp_path / "off.json", steps=2)) == 0
     assert json.loads((off / "adapter_config.json").read_text())["training"]["on_policy"] is False
-    with pytest.raises(ValueError, match=r"on_policy_ratio must be a number in \[0, 1\]"):
-        main(args + ["--on-policy-ratio", "1.5"])
-    with pytest.raises(ValueError, match="on_policy_refresh must be an int >= 1"):
-        main(args + ["--on-policy", "--on-policy-refresh", "0"])
-    with pytest.raises(ValueError, match="--on-policy with --on-policy-ratio 0"):
-        main(args + ["--on-policy", "--on-policy-ratio", "0"])
+    for extra, message in ((["--on-policy-ratio", "1.5"], "--on-policy-ratio must be a number >= 0 and <= 1"),
+                           (["--on-policy", "--on-policy-refresh", "0"], "--on-policy-refresh must be an integer >= 1"),
+                           (["--on-policy", "--on-policy-ratio", "0"], "--on-policy with --on-policy-ratio 0")):
+        assert main(args + extra) == 2  # refused before any work, one line
+        assert message in capsys.readouterr().err
 
 
 def test_two_process_ddp_gathers_the_same_pool(model_dir, tmp_path):

@@ -198,3 +198,27 @@ def test_text_sequences(tokenizer: PreTrainedTokenizerFast) -> None:
     sequences = prompts.text_sequences(tokenizer, SENTENCES[:2], max_length=4)
     assert sequences[0].tolist() == tokenizer(SENTENCES[0])["input_ids"][:4]
     assert [len(sequence) for sequence in sequences] == [4, 4]
+
+
+def test_a_chat_template_bos_is_not_doubled(tmp_path: Path, tokenizer: PreTrainedTokenizerFast) -> None:
+    """Issue 15 item 11: a template that writes ``bos_token`` and a tokenizer that adds BOS gave two."""
+    from tokenizers import processors
+
+    from training.evaluate import encode_prompts
+
+    templated = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.backend_tokenizer.to_str()),
+                                        unk_token="[UNK]", pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]")
+    bos = templated.bos_token_id
+    templated.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="[BOS] $A", special_tokens=[("[BOS]", bos)])
+    templated.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    assert templated("the cat")["input_ids"][0] == bos  # the tokenizer adds a BOS
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": "the cat sat"}]}) + "\n"
+                    + json.dumps({"prompt": "the cat sat"}) + "\n")
+    chat, plain = prompts.load_prompts(path, templated)
+    assert chat.startswith("[BOS]")
+    for ids in prompts.tokenize_prompts(templated, [chat, plain]) + [row[0] for row in encode_prompts(
+            templated, [chat, plain])] + prompts.text_sequences(templated, [chat, plain], 16):
+        assert ids[0] == bos and ids[1] != bos, ids
+    assert torch.equal(prompts.tokenize_prompts(templated, [chat])[0], prompts.tokenize_prompts(templated, [plain])[0])

@@ -7,6 +7,7 @@ import torch
 
 import heads
 from tests.conftest import greedy_reference, progression_batch
+from training.checkpoint import CheckpointError
 from training.trainer import TrainConfig, batch_indices, kind_trainer, make_trainer
 
 MedusaTrainer = kind_trainer("medusa")  # what make_trainer builds for a Medusa spec
@@ -80,6 +81,73 @@ def test_resume_gives_the_same_parameters(model, sequences, tmp_path):
     assert any(not torch.equal(first[n], t) for n, t in resumed.heads.state_dict().items())
 
 
+class _RunsCode:
+    """A pickle that creates a file when loaded: what a crafted checkpoint could run."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoints_hold_no_pickle_and_resume_refuses_one(model, sequences, tmp_path):
+    """Issue 15 item 1: checkpoints are safetensors + JSON only; a pickle in one is refused, never loaded."""
+    import pickle
+
+    config = TrainConfig(steps=4, batch_size=4, warmup_steps=1, checkpoint_every=2)
+    MedusaTrainer(heads.attach_heads(model, num_heads=2), sequences, config, checkpoint_dir=tmp_path,
+                  progress=False).train(stop_after=2)
+    latest = tmp_path / (tmp_path / "latest").read_text().strip()
+    names = sorted(path.name for path in latest.iterdir())
+    assert names == ["drafter.safetensors", "optimizer.safetensors", "rng-0.safetensors", "trainer_state.json"]
+    marker = tmp_path / "code-ran"
+    (latest / "custom_checkpoint_0.pkl").write_bytes(pickle.dumps(_RunsCode(marker)))
+    resumed = MedusaTrainer(heads.attach_heads(model, num_heads=2), sequences, config, checkpoint_dir=tmp_path,
+                            progress=False)
+    with pytest.raises(CheckpointError, match=r"custom_checkpoint_0.pkl.*pickles .* are refused"):
+        resumed.train(resume=True)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(learning_rate=1e-2), r"learning_rate 0.005 \(now 0.01\)"),
+    (dict(batch_size=8), r"batch_size 4 \(now 8\)"),
+    (dict(divergence="rkl"), r"divergence 'fkl' \(now 'rkl'\)"),
+    (dict(steps=12), r"steps 8 \(now 12\)"),
+])
+def test_resume_with_another_recipe_is_refused(model, sequences, tmp_path, change, message):
+    """Issue 15 item 10: a changed recipe is refused by name (checkpoint_every may change)."""
+    config = TrainConfig(steps=8, batch_size=4, learning_rate=5e-3, warmup_steps=2, checkpoint_every=2)
+    MedusaTrainer(heads.attach_heads(model, num_heads=2), sequences, config, checkpoint_dir=tmp_path,
+                  progress=False).train(stop_after=2)
+    changed = TrainConfig(**{**config.__dict__, **change})
+    with pytest.raises(CheckpointError, match="written by another recipe: " + message):
+        MedusaTrainer(heads.attach_heads(model, num_heads=2), sequences, changed, checkpoint_dir=tmp_path,
+                      progress=False).train(resume=True)
+    with pytest.raises(CheckpointError, match="training sequences"):
+        MedusaTrainer(heads.attach_heads(model, num_heads=2), sequences[1:], config, checkpoint_dir=tmp_path,
+                      progress=False).train(resume=True)
+    with pytest.raises(CheckpointError, match=r"num_heads"):
+        MedusaTrainer(heads.attach_heads(model, num_heads=3), sequences, config, checkpoint_dir=tmp_path,
+                      progress=False).train(resume=True)
+    other_interval = TrainConfig(**{**config.__dict__, "checkpoint_every": 3})
+    MedusaTrainer(heads.attach_heads(model, num_heads=2), sequences, other_interval, checkpoint_dir=tmp_path,
+                  progress=False).train(resume=True, stop_after=3)
+
+
+def test_resume_of_a_finished_run_trains_nothing_and_keeps_the_history(model, sequences, tmp_path):
+    """Issue 15 item 10: resuming a run whose last checkpoint is its last step returns its history."""
+    config = TrainConfig(steps=4, batch_size=4, warmup_steps=1, checkpoint_every=2)
+    finished = heads.attach_heads(model, num_heads=2)
+    first = MedusaTrainer(finished, sequences, config, checkpoint_dir=tmp_path, progress=False).train()
+    again = heads.attach_heads(model, num_heads=2)
+    result = MedusaTrainer(again, sequences, config, checkpoint_dir=tmp_path, progress=False).train(resume=True)
+    assert result.losses == first.losses and len(result.losses) == 4
+    for name, tensor in finished.heads.state_dict().items():
+        assert torch.equal(again.heads.state_dict()[name], tensor), name
+
+
 def test_batch_indices_cover_epochs():
     seen = [i for step in range(5) for i in batch_indices(step, 4, 10, seed=1)]
     assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
@@ -91,6 +159,9 @@ def test_batch_indices_cover_epochs():
     ("temperature", 0.0, "temperature must be > 0"),
     ("steps", 0, "steps must be a positive int"),
     ("mixed_precision", "fp8", "mixed_precision"),
+    ("checkpoint_every", -1, "checkpoint_every must be an int >= 0"),  # issue 15 item 9: was every step
+    ("learning_rate", 0.0, "learning_rate must be a number > 0"),
+    ("warmup_steps", -2, "warmup_steps must be an int >= 0"),
 ])
 def test_bad_config(field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .common import load_model, write_json
+from .common import (
+    UsageError, check_input_directory, check_int, check_model, check_number, check_output_file, load_model,
+    read_prompts, write_json,
+)
 
 
 def add_parser(commands) -> None:
@@ -30,17 +33,26 @@ def run(args) -> int:
 
     import heads
     from ..evaluate import encode_prompts, measure
-    from ..prompts import load_prompts
 
-    if not args.temperature >= 0:
-        raise SystemExit(f"selfdraft bench: --temperature must be >= 0 (0: greedy); got {args.temperature}")
+    check_number(args.temperature, "--temperature", 0.0)
+    check_int(args.max_new_tokens, "--max-new-tokens", 1)
+    check_int(args.prompts, "--prompts", 1)
+    check_int(args.tree, "--tree", 0)
+    check_int(args.threads, "--threads", 1)
+    check_model(args.model)
+    check_input_directory(args.adapter, "--adapter")
+    read_prompts(args.data, None)
+    check_output_file(args.json, "--json")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     spec = heads.load_heads(model, args.adapter)
     if args.tree is not None:
-        spec.set_tree(args.tree)
-    prompts = encode_prompts(tokenizer, load_prompts(args.data, tokenizer), args.prompts)
+        try:
+            spec.set_tree(args.tree)
+        except ValueError as error:
+            raise UsageError(f"--tree {args.tree}: {error}") from error
+    prompts = encode_prompts(tokenizer, read_prompts(args.data, tokenizer), args.prompts)
     report = measure(spec, prompts, args.max_new_tokens, temperature=args.temperature)
     sampled = args.temperature > 0
     rows = [

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import load_model, write_json
+from .common import (
+    check_input_directory, check_int, check_model, check_output_file, load_model, read_prompts, require, write_json,
+)
 
 DEFAULT_CHECK_PROMPTS = 8
 DEFAULT_CHECK_TOKENS = 64
@@ -66,24 +68,24 @@ def _check_rows(recorded: dict | None, report, target_line: str, drop: float | N
 def run(args) -> int:
     import heads
     from ..evaluate import encode_prompts, measure
-    from ..prompts import load_prompts
 
-    if not 0 <= args.threshold < 1:
-        raise SystemExit(f"selfdraft check: --threshold must lie in [0, 1); got {args.threshold}")
+    require(0 <= args.threshold < 1, f"--threshold must lie in [0, 1); got {args.threshold}")
+    check_int(args.prompts, "--prompts", 1)
+    check_int(args.max_new_tokens, "--max-new-tokens", 1)
+    check_model(args.model)
+    check_input_directory(args.adapter, "--adapter")
+    read_prompts(args.data, None)
+    check_output_file(args.json, "--json")
     model, tokenizer = load_model(args.model)
-    try:
-        spec = heads.load_heads(model, args.adapter, strict=False)  # a changed target warns, still loads
-    except heads.AdapterError as error:
-        raise SystemExit(f"selfdraft check: {error}") from None
+    spec = heads.load_heads(model, args.adapter, strict=False)  # a changed target warns, still loads
     pin = heads.TargetPin(spec.metadata["target"])
     differences = pin.differences(heads.TargetPin.of(model))
     recorded = recorded_acceptance(spec.metadata.get("acceptance", {}), args.data)
     mix, entry = recorded if recorded else (None, None)
     count = args.prompts or (entry or {}).get("prompts") or DEFAULT_CHECK_PROMPTS
     tokens = args.max_new_tokens or (entry or {}).get("max_new_tokens") or DEFAULT_CHECK_TOKENS
-    prompts = encode_prompts(tokenizer, load_prompts(args.data, tokenizer), count)
-    if not prompts:
-        raise SystemExit(f"selfdraft check: no usable prompts in {args.data}")
+    prompts = encode_prompts(tokenizer, read_prompts(args.data, tokenizer), count)
+    require(bool(prompts), f"--data {args.data}: no usable prompts")
     report = measure(spec, prompts, tokens)
     drop = (entry["tau"] - report.tau) / entry["tau"] if entry and entry["tau"] > 0 else None
     target_line = ("not recorded (imported checkpoint)" if not pin.verifiable and not differences

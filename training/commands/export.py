@@ -3,7 +3,10 @@ Hugging Face hub (adapter files + model card)."""
 
 from __future__ import annotations
 
-from .common import load_model
+from heads import kinds
+from heads.interop import SIDECAR_NAME
+
+from .common import UsageError, check_input_directory, check_output_directory, load_model
 
 
 def add_parser(commands) -> None:
@@ -33,27 +36,23 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> int:
-    from heads.adapter import AdapterError
     from heads.interop import export_adapter
     from ..publish import write_hub_folder
 
+    check_input_directory(args.adapter, "--adapter")
     if args.hub_dir:
-        try:
-            path = write_hub_folder(args.adapter, args.hub_dir, args.repo_id, args.license, args.license_name,
-                                    args.license_link)
-        except AdapterError as error:
-            raise SystemExit(f"selfdraft export: {error}") from None
+        path = write_hub_folder(args.adapter, args.hub_dir, args.repo_id, args.license, args.license_name,
+                                args.license_link)
         print(f"wrote {path} (adapter files + README.md); upload it with "
               f"`selfdraft push --hub-dir {path} --repo-id {args.repo_id or 'OWNER/NAME'}`")
         return 0
     if not args.out:
-        raise SystemExit("selfdraft export: --format needs --out DIR")
+        raise UsageError("--format needs --out DIR")
+    check_output_directory(args.out, "--out", replaceable=tuple(
+        {name for _, fmt in kinds.formats().values() for name in fmt.files} | {SIDECAR_NAME}))
     model = None
     if args.model:
         model, _ = load_model(args.model)
-    try:
-        path = export_adapter(args.adapter, args.format, args.out, model=model)
-    except AdapterError as error:
-        raise SystemExit(f"selfdraft export: {error}") from None
+    path = export_adapter(args.adapter, args.format, args.out, model=model)
     print(f"wrote {args.format} checkpoint to {path}: {', '.join(sorted(p.name for p in path.iterdir()))}")
     return 0

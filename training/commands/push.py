@@ -18,7 +18,9 @@ def add_parser(commands) -> None:
 
 def run(args) -> int:
     from ..publish import PublishError, push_folder
+    from .common import check_input_directory
 
+    check_input_directory(args.hub_dir, "--hub-dir")
     try:
         url = push_folder(args.hub_dir, args.repo_id, private=args.private, commit_message=args.message)
     except PublishError as error:

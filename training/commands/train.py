@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from heads import kinds
+from heads import _refuse_foreign_options, kinds
 
 from ..losses import DIVERGENCES
-from .common import load_model, logger, write_json
+from .common import (
+    UsageError, check_input_file, check_int, check_model, check_number, check_output_directory, check_output_file,
+    load_model, logger, read_prompts, require, write_json,
+)
 
 
 class _KindArguments:
@@ -170,10 +173,9 @@ def _sequences(args, model, tokenizer, prompts, accelerator):
 def _held_out_acceptance(args, spec, tokenizer, config) -> dict:
     """``{data stem: entry}`` (or a list of entries, one per temperature) measured on held-out prompts."""
     from ..evaluate import encode_prompts, measure
-    from ..prompts import load_prompts
 
     eval_path = args.eval_data or args.data
-    eval_prompts = encode_prompts(tokenizer, load_prompts(eval_path, tokenizer), args.eval_prompts)
+    eval_prompts = encode_prompts(tokenizer, read_prompts(eval_path, tokenizer), args.eval_prompts)
     # greedy, and the serving temperature an on-policy run was matched to
     temperatures = sorted({0.0, config.serving_temperature if config.on_policy_ratio else 0.0})
     entries = []
@@ -200,18 +202,72 @@ def _recipe(args, config, prompts, accelerator) -> dict:
     }
 
 
+def check_arguments(args, processes: int):
+    """Every check of the flags and paths that needs no model: counts, input files (the prompt
+    files are parsed), output paths, the kind's options and, with ``--resume``, the checkpoint
+    and its recipe. Returns the ``TrainConfig``; :class:`UsageError` (or ``CheckpointError``) on
+    the first problem."""
+    from heads.adapter import CONFIG_NAME, WEIGHTS_NAME
+    from .. import checkpoint
+
+    for flag, value, minimum, meaning in (
+            ("--steps", args.steps, 1, ""), ("--batch-size", args.batch_size, 1, ""),
+            ("--gradient-accumulation", args.gradient_accumulation, 1, ""), ("--warmup-steps", args.warmup_steps, 0, ""),
+            ("--max-prompts", args.max_prompts, 1, ""), ("--max-new-tokens", args.max_new_tokens, 1, ""),
+            ("--max-length", args.max_length, 3, " (a training sequence needs at least 3 tokens)"),
+            ("--generation-batch-size", args.generation_batch_size, 1, ""),
+            ("--checkpoint-every", args.checkpoint_every, 0, " (0: never)"),
+            ("--eval-prompts", args.eval_prompts, 0, " (0: skip the evaluation)"),
+            ("--eval-max-new-tokens", args.eval_max_new_tokens, 1, ""),
+            ("--on-policy-refresh", args.on_policy_refresh, 1, ""), ("--on-policy-prompts", args.on_policy_prompts, 1, ""),
+            ("--seed", args.seed, 0, "")):
+        check_int(value, flag, minimum, meaning)
+    check_number(args.lr, "--lr", 0.0, inclusive=False)
+    check_number(args.temperature, "--temperature", 0.0, inclusive=False)
+    check_number(args.data_temperature, "--data-temperature", 0.0)
+    check_number(args.on_policy_ratio, "--on-policy-ratio", 0.0, maximum=1.0)
+    check_number(args.on_policy_temperature, "--on-policy-temperature", 0.0)
+    require(not (args.resume and not args.checkpoint_dir), "--resume needs --checkpoint-dir (where the checkpoints are)")
+    require(not (args.checkpoint_every and not args.checkpoint_dir),
+            f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir (where to write the checkpoints)")
+    check_model(args.model)
+    read_prompts(args.data, None, "--data")  # parsed now (chat records rendered plainly) so errors come first
+    if args.eval_data:
+        read_prompts(args.eval_data, None, "--eval-data")
+    check_output_directory(args.out, "--out", replaceable=(CONFIG_NAME, WEIGHTS_NAME))
+    check_output_file(args.json, "--json")
+    for flag, path in (("--cache-dir", args.cache_dir), ("--checkpoint-dir", args.checkpoint_dir)):
+        if path is not None and Path(path).exists():
+            require(Path(path).is_dir(), f"{flag} {path}: exists and is not a directory")
+        elif path is not None:
+            check_output_file(path, flag)
+    try:
+        config = train_config(args)
+        options = drafter_options(args)
+        _refuse_foreign_options(kinds.get(args.kind), options)  # the check attach_heads makes, naming the owner
+        drafter = kinds.get(args.kind).make_config(**options)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    if args.resume:
+        directory = checkpoint.latest_checkpoint(args.checkpoint_dir)
+        saved = checkpoint.read_state(directory)
+        current = checkpoint.recipe(config.__dict__, args.kind, drafter.to_dict(), processes)
+        checkpoint.check_recipe(saved, current, directory)
+    return config
+
+
 def run(args) -> int:
     import torch
     from accelerate import Accelerator
 
     import heads
-    from ..prompts import load_prompts, tokenize_prompts, tokenizer_pad_id
+    from ..prompts import tokenize_prompts, tokenizer_pad_id
     from ..trainer import make_trainer
 
-    config = train_config(args)
-    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
+    config = check_arguments(args, accelerator.num_processes)
     model, tokenizer = load_model(args.model, revision=args.revision)
-    prompts = load_prompts(args.data, tokenizer)[: args.max_prompts]
+    prompts = read_prompts(args.data, tokenizer)[: args.max_prompts]
     sequences = _sequences(args, model, tokenizer, prompts, accelerator)
     torch.manual_seed(args.seed)  # drafters initialised at random (EAGLE) start alike in every run and process
     spec = heads.attach_heads(model, kind=args.kind, **drafter_options(args))
@@ -219,11 +275,15 @@ def run(args) -> int:
     if config.on_policy_ratio:  # the training share of the prompts (the last ones' sequences are held out)
         prompt_ids = tokenize_prompts(tokenizer, prompts, max(1, args.max_length - args.max_new_tokens), truncate=True)
         prompt_ids = prompt_ids[: max(1, len(prompt_ids) - max(1, int(len(sequences) * config.validation_fraction)))]
-    trainer = make_trainer(spec, sequences, config, pad_id=tokenizer_pad_id(tokenizer),
-                           checkpoint_dir=args.checkpoint_dir, progress=not args.no_progress,
-                           accelerator=accelerator, prompts=prompt_ids)
+    try:
+        trainer = make_trainer(spec, sequences, config, pad_id=tokenizer_pad_id(tokenizer),
+                               checkpoint_dir=args.checkpoint_dir, progress=not args.no_progress,
+                               accelerator=accelerator, prompts=prompt_ids)
+    except ValueError as error:  # e.g. too few usable sequences in the data
+        raise UsageError(str(error)) from error
     result = trainer.train(resume=args.resume)
-    summary = {"final_loss": result.losses[-1] if result.losses else None, **result.to_dict()}
+    final_loss = result.losses[-1] if result.losses else None
+    summary = {"final_loss": final_loss, **result.to_dict()}
     if accelerator.is_main_process:
         acceptance = _held_out_acceptance(args, spec, tokenizer, config) if args.eval_prompts else {}
         if args.eval_prompts:
@@ -231,6 +291,8 @@ def run(args) -> int:
         spec.save_pretrained(args.out, training=_recipe(args, config, prompts, accelerator), acceptance=acceptance,
                              revision=args.revision)
         write_json(args.json, summary)
-        print(f"saved adapter to {args.out}; final loss {summary['final_loss']:.4f}")
+        finished = " (the checkpoint had finished the run: no step trained)" if result.start_step >= config.steps else ""
+        loss = "n/a" if final_loss is None else f"{final_loss:.4f}"
+        print(f"saved adapter to {args.out}; final loss {loss}{finished}")
     accelerator.wait_for_everyone()
     return 0
