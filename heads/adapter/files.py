@@ -4,11 +4,9 @@ The config records the format version, the drafter kind and hyper-parameters, th
 identity (see :func:`heads.backbone.target_fingerprint`), the training recipe and acceptance
 measured at save time; :mod:`heads.adapter.schema` checks every field on load. The safetensors
 file holds only the drafter's tensors, contiguous and unaliased. A save writes a complete sibling
-directory and swaps it in with renames, so an interrupted save leaves either the old adapter or
-the new one, never half of one.
-
-:func:`write_directory` is the project's one atomic directory writer (adapters, exports, hub
-folders, cached training data). Assembling a drafter from these files is
+directory and exchanges it with the old one, so the path holds the old adapter or the new one at
+every instant (:mod:`heads.adapter.directory`, the project's one atomic directory writer: adapters,
+exports, hub folders). Assembling a drafter from these files is
 :func:`heads.loading.load_heads`; this package does not know about models or drafter kinds.
 """
 
@@ -17,16 +15,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..backbone import target_fingerprint
+from .directory import write_directory
 from .schema import FORMAT_VERSION, AdapterError, validate_config
 
 logger = logging.getLogger(__name__)
@@ -34,40 +31,6 @@ logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
-
-
-def write_directory(directory: Path, files: dict[str, Callable[[Path], None]],
-                    replaceable: Iterable[str] = ()) -> None:
-    """Write ``directory`` atomically: each ``files[name](path)`` writes one file into a sibling
-    staging directory, which then replaces ``directory`` by renames.
-
-    An existing ``directory`` is replaced only when it holds nothing but names in ``files`` or
-    ``replaceable`` (a previous write of the same kind); otherwise :class:`AdapterError`, so a
-    mistyped output path never deletes unrelated files.
-    """
-    directory = Path(directory)
-    if directory.exists():
-        if not directory.is_dir():
-            raise AdapterError(f"{directory} exists and is not a directory")
-        foreign = sorted(p.name for p in directory.iterdir() if p.name not in set(files) | set(replaceable))
-        if foreign:
-            raise AdapterError(f"{directory} already holds other files ({', '.join(foreign[:5])}); "
-                               "write into a new or empty directory")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-    try:
-        for name, write in files.items():
-            write(staging / name)
-        backup = None
-        if directory.exists():
-            backup = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, backup)
-        os.replace(staging, directory)
-        if backup is not None:
-            shutil.rmtree(backup, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def json_writer(payload: object) -> Callable[[Path], None]:
