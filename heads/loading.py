@@ -1,30 +1,95 @@
 """Assembling a :class:`~heads.model.SpeculativeModel` from files: a selfdraft adapter or another
-project's checkpoint (detected from its files, never guessed; see :mod:`heads.interop`)."""
+project's checkpoint (detected from its files, never guessed; see :mod:`heads.interop`).
+
+Nothing is allocated before the files are known to describe the drafter: the sizes a config
+declares (``num_heads``, ``num_layers``, ...) are checked against the tensor names and shapes in
+the safetensors header (read without loading the tensors) by building the drafter the config
+describes on the ``meta`` device, where modules hold shapes but no memory, and comparing its
+state dict with the header. That build is stopped as soon as it registers more tensors than the
+file holds, so a config declaring 20000 heads fails in milliseconds. All of this is generic over
+kinds: each kind's own ``build_heads`` defines what its tensors are.
+"""
 
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Mapping
 
 import torch
+from torch.nn.modules import module as module_hooks
 from transformers import PreTrainedModel
 
 from . import interop, kinds
-from .adapter import AdapterError, TargetPin, read_config, read_weights
+from .adapter import WEIGHTS_NAME, AdapterError, TargetPin, read_config, read_header, read_weights
 from .backbone import inspect_backbone
 from .model import SpeculativeModel, build_spec
 
+REGISTRATION_MARGIN = 64
+"""Tensors a drafter's construction may register beyond the ones it keeps (e.g. a decoder copy's
+token embeddings, removed after construction)."""
 
-def _check_tensors(directory, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+
+class _TooManyTensors(Exception):
+    pass
+
+
+@contextmanager
+def _registration_budget(limit: int):
+    """Raise :class:`_TooManyTensors` inside the block once modules built in this thread have
+    registered more than ``limit`` parameters and buffers."""
+    thread, count = threading.get_ident(), [0]
+
+    def hook(module, name, value):
+        if threading.get_ident() == thread and value is not None:
+            count[0] += 1
+            if count[0] > limit:
+                raise _TooManyTensors
+    handles = [module_hooks.register_module_parameter_registration_hook(hook),
+               module_hooks.register_module_buffer_registration_hook(hook)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def expected_shapes(target, kind: str, settings, limit: int | None = None) -> dict[str, tuple[int, ...]] | None:
+    """``{name: shape}`` of the state dict of a ``kind`` drafter with ``settings`` on ``target``,
+    built on the meta device (no memory). None when building registers more than ``limit``
+    tensors (the config declares more than the file holds)."""
+    entry = kinds.get(kind)
+    budget = _registration_budget(limit) if limit is not None else nullcontext()
+    try:
+        with budget, torch.device("meta"):
+            module = entry.build_heads(target, settings)
+    except _TooManyTensors:
+        return None
+    if module is None:
+        return {}
+    return {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+
+
+def check_tensor_shapes(directory, found: Mapping[str, tuple[int, ...]],
+                        expected: Mapping[str, tuple[int, ...]] | None, config: Mapping) -> None:
+    """AdapterError unless the file's tensors (``found``: name -> shape) are exactly the ones the
+    drafter config describes (``expected``; None: it declares more tensors than the file holds)."""
+    declared = {key: value for key, value in config.get("drafter", {}).items() if isinstance(value, (int, list))}
+    if expected is None:
+        raise AdapterError(f"{directory}: the drafter config ({declared}) declares more tensors than the "
+                           f"{len(found)} in its weights file; the config and the weights do not belong together")
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
     if missing or unexpected:
-        raise AdapterError(f"{directory}: tensors do not match the drafter: missing {missing}, unexpected {unexpected}")
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise AdapterError(
-                f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, the drafter expects "
-                f"{tuple(expected[name].shape)}"
-            )
+        raise AdapterError(f"{directory}: tensors do not match the drafter: missing {missing[:8]}"
+                           f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                           f"{' ...' if len(unexpected) > 8 else ''} (its config: {declared})")
+    for name, shape in found.items():
+        if tuple(shape) != tuple(expected[name]):
+            raise AdapterError(f"{directory}: tensor {name} has shape {tuple(shape)}, the drafter expects "
+                               f"{tuple(expected[name])}")
 
 
 def drafter_config(config: dict, directory) -> object:
@@ -48,22 +113,37 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
     projects (detected from its files; see :func:`heads.interop.detect_format`).
 
     Raises:
+        TypeError: ``model`` is not a ``PreTrainedModel`` (e.g. None).
         TargetMismatchError: ``model`` is not the target the adapter was trained on (``strict=True``;
             with ``strict=False`` a warning is issued instead), or its sizes do not fit.
-        AdapterError: missing, corrupt or mis-shaped files, a bad or newer config, an unrecognised
+        AdapterError: missing, corrupt or mis-shaped files, a bad or newer config (a bad tree
+            included), sizes in the config that the weights file does not hold, an unrecognised
             directory.
     """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"load_heads(model, directory): model must be the target, a transformers PreTrainedModel; "
+                        f"got {type(model).__name__}")
     source = interop.detect_format(directory)
     if source == interop.SELFDRAFT:
         config, tensors = read_config(directory), None
+        found = read_header(Path(directory) / WEIGHTS_NAME)
     else:
         config, tensors = interop.read_external(directory, source, model)
+        found = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
     TargetPin(config["target"]).check(model, strict=strict, where=directory, source=source)
     settings = drafter_config(config, directory)
-    spec = build_spec(inspect_backbone(model), config["kind"], settings, config.get("tree_accuracy"))
+    target = inspect_backbone(model)
+    try:
+        expected = expected_shapes(target, config["kind"], settings, len(found) + REGISTRATION_MARGIN)
+    except (TypeError, ValueError) as error:
+        raise AdapterError(f"{directory}: bad drafter hyper-parameters: {error}") from error
+    check_tensor_shapes(directory, found, expected, config)
+    try:
+        spec = build_spec(target, config["kind"], settings, config.get("tree_accuracy"))
+    except ValueError as error:  # InvalidTreeError included: a tree the config describes that cannot be built
+        raise AdapterError(f"{directory}: {error}") from error
     if tensors is None:
         tensors = read_weights(directory)
-    _check_tensors(directory, tensors, spec.heads.state_dict())
     spec.heads.load_state_dict(tensors, strict=True)
     spec.metadata = {"training": config.get("training", {}), "acceptance": config.get("acceptance", {}),
                      "target": config["target"], "source_format": source}

@@ -3,14 +3,14 @@ atomic directory writes, and the :class:`TargetPin`. Knows nothing about model a
 (:mod:`heads.loading`) or drafter kinds."""
 
 from .files import (
-    CONFIG_NAME, WEIGHTS_NAME, adapter_config, json_writer, read_config, read_json, read_safetensors, read_weights,
-    save_adapter, write_directory,
+    CONFIG_NAME, WEIGHTS_NAME, adapter_config, json_writer, read_config, read_header, read_json, read_safetensors,
+    read_weights, save_adapter, write_directory,
 )
 from .pin import TargetPin
 from .schema import FORMAT_VERSION, AdapterError, TargetMismatchError, acceptance_entries, target_differences
 
 __all__ = [
     "FORMAT_VERSION", "CONFIG_NAME", "WEIGHTS_NAME", "AdapterError", "TargetMismatchError", "TargetPin",
-    "adapter_config", "save_adapter", "read_config", "read_json", "read_weights", "read_safetensors",
+    "adapter_config", "save_adapter", "read_config", "read_header", "read_json", "read_weights", "read_safetensors",
     "target_differences", "acceptance_entries", "write_directory", "json_writer",
 ]

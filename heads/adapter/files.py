@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..backbone import target_fingerprint
@@ -90,6 +90,18 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise AdapterError(f"{path} not found")
     try:
         return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise AdapterError(f"{path} is corrupted or truncated: {error}") from error
+
+
+def read_header(path: Path) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of a safetensors file, from its header only (no tensor data is read);
+    :class:`AdapterError` when missing or corrupt."""
+    if not path.is_file():
+        raise AdapterError(f"{path} not found")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
     except (SafetensorError, OSError, ValueError) as error:
         raise AdapterError(f"{path} is corrupted or truncated: {error}") from error
 

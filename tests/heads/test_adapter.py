@@ -219,3 +219,52 @@ def test_eagle_layout_round_trip_and_checks(name, options, tmp_path):
     _rewrite_config(tmp_path / "adapter", lambda c: c["drafter"].pop("layout"))  # older adapters: native
     with pytest.raises(heads.AdapterError, match="tensors do not match the drafter: missing"):
         heads.load_heads(model, tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("kind, change, message", [
+    ("medusa", {"num_heads": 20000}, "declares more tensors than the 9 in its weights file"),
+    ("medusa", {"num_layers": 20000}, "declares more tensors than the 9 in its weights file"),
+    ("medusa", {"num_heads": 2}, r"unexpected \['blocks.2.0.linear.bias'"),
+    ("eagle", {"num_layers": 20000}, "declares more tensors than the"),
+    ("eagle", {"num_layers": 2}, r"missing \['decoder.layers.1."),
+])
+def test_declared_sizes_are_checked_against_the_header_before_building(tmp_path, monkeypatch, kind, change, message):
+    """Issue 15 item 2: a config declaring 20000 heads on a 3-head file allocated ~500 MB for 13-18 s
+    before failing; now the header decides before anything is built, in milliseconds."""
+    import time
+
+    from heads import loading
+
+    model = build_model("llama", seed=3)
+    heads.attach_heads(model, kind=kind, **({"num_heads": 3} if kind == "medusa" else {})).save_pretrained(
+        tmp_path / "adapter")
+    _rewrite_config(tmp_path / "adapter", lambda c: c["drafter"].update(change))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the drafter was built before its sizes were checked")
+
+    monkeypatch.setattr(loading, "build_spec", never)
+    start = time.perf_counter()
+    with pytest.raises(heads.AdapterError, match=message):
+        heads.load_heads(model, tmp_path / "adapter")
+    assert time.perf_counter() - start < 2.0
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c["drafter"].update(tree=[[0], [0, 0], [0, 0, 0, 0]]), "has depth 4 but at most 3 is possible"),
+    (lambda c: c["drafter"].update(tree=[[0], [1, 0]]), r"\(1,\) is missing from choices"),
+    (lambda c: c.update(tree_accuracy=[[0.5]]), "accuracy table covers 1 depths, 3 needed"),
+])
+def test_a_bad_tree_in_the_config_is_an_adapter_error(trained_spec, tmp_path, change, message):
+    """Issue 15 item 11: these raised InvalidTreeError, so `selfdraft check` printed a traceback."""
+    trained_spec.save_pretrained(tmp_path / "adapter")
+    _rewrite_config(tmp_path / "adapter", change)
+    with pytest.raises(heads.AdapterError, match=message):
+        heads.load_heads(trained_spec.backbone, tmp_path / "adapter")
+
+
+def test_load_heads_without_a_model_is_a_clear_type_error(trained_spec, tmp_path):
+    """Issue 15 item 11: load_heads(None, dir) raised AttributeError."""
+    trained_spec.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(TypeError, match="model must be the target, a transformers PreTrainedModel; got NoneType"):
+        heads.load_heads(None, tmp_path / "adapter")
