@@ -56,6 +56,20 @@ def check_eagle_layout(backbone, layout: str) -> None:
         )
 
 
+def position_limit(backbone) -> int | None:
+    """The number of positions a family with a learned position table (GPT-2's ``wpe``: an
+    ``nn.Embedding`` of ``max_position_embeddings`` rows on the base model) can embed; position
+    ids must stay below it. None for rotary and other families without a hard limit."""
+    limit = getattr(backbone.model.config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return None
+    inputs = backbone.model.get_input_embeddings()
+    for module in backbone.base.children():
+        if isinstance(module, nn.Embedding) and module is not inputs and module.num_embeddings == limit:
+            return limit
+    return None
+
+
 def _first_layer(base: nn.Module) -> nn.Module | None:
     layers = getattr(base, "layers", None)
     return layers[0] if isinstance(layers, nn.ModuleList) and len(layers) else None

@@ -15,6 +15,10 @@ acceptance rule and sampling settings (acceptance falls with temperature), calib
 included, so it follows the traffic actually served. It picks the size with the best predicted
 speedup, and no speculation at all (the backbone's own ``generate``) unless that prediction beats
 plain decoding by ``margin``.
+
+Calibration runs stay inside what the call may generate: at most ``max_new_tokens`` new tokens
+per row and never past a hard position limit (GPT-2's ``n_positions``), so a long prompt near the
+limit or a call for one token calibrates with fewer steps, or not at all.
 """
 
 from __future__ import annotations
@@ -82,40 +86,66 @@ class SpeculationPolicy:
             measured = (stats.draft_seconds + stats.verify_seconds) / steps
             self.step_costs[(key, size)] += SMOOTHING * (measured - self.step_costs[(key, size)])
 
-    def _plain_step(self, spec, input_ids, attention_mask) -> float:
-        """Seconds per token of the backbone's own ``generate`` at this batch (best of two)."""
+    def _plain_step(self, spec, input_ids, attention_mask, budget: int) -> float:
+        """Seconds per token of the backbone's own ``generate`` at this batch (best of two), from
+        runs of at most ``budget`` new tokens."""
         def timed(count: int) -> float:
             start = time.perf_counter()
             spec.backbone.generate(input_ids, attention_mask=attention_mask, max_new_tokens=count, min_new_tokens=count,
                                    do_sample=False, pad_token_id=spec.pad_token_id)
             return time.perf_counter() - start
 
-        timed(2)  # warm-up
-        steps = CALIBRATION_STEPS
+        steps = min(CALIBRATION_STEPS, budget - 1)
+        timed(min(2, budget))  # warm-up
         return max(1e-9, min((timed(steps + 1) - timed(1)) / steps for _ in range(2)))
 
-    def _spec_step(self, spec, size: int, input_ids, attention_mask, rule) -> float:
-        """Median seconds per speculative step with ``size`` drafted nodes (first step excluded)."""
-        decoder = SpeculativeDecoder(spec.target, spec.drafter_for(size), input_ids, 1 << 30, (), rule, attention_mask)
+    def _spec_step(self, spec, size: int, input_ids, attention_mask, rule, budget: int) -> float:
+        """Median seconds per speculative step with ``size`` drafted nodes (the first step excluded
+        when there are more), from a run of at most ``budget`` new tokens per row."""
+        decoder = SpeculativeDecoder(spec.target, spec.drafter_for(size), input_ids, budget, (), rule, attention_mask)
         decoder.prefill()
         times = []
-        for step in range(CALIBRATION_STEPS + 1):
+        for _ in range(CALIBRATION_STEPS + 1):
+            if not decoder.rows:
+                break
             start = time.perf_counter()
             decoder.step()
-            if step:
-                times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
         decoder.stats.new_tokens = sum(len(output) for output in decoder.outputs)
         self.observe(size, rule.key, decoder.stats)
-        return statistics.median(times)
+        return statistics.median(times[1:] or times)
 
-    def choose(self, spec, input_ids: torch.Tensor, attention_mask: torch.Tensor, rule) -> dict:
-        """The setting for this batch: ``{"tree": n or 0, "predicted_speedup": {...}, ...}``."""
+    @staticmethod
+    def budget(spec, attention_mask: torch.Tensor, max_new_tokens: int | None) -> int:
+        """New tokens a calibration run may generate: ``max_new_tokens`` (None: unbounded), and no
+        more than the positions the longest row has left under a hard position limit (GPT-2's
+        ``n_positions``)."""
+        from .families import position_limit
+
+        budget = 1 << 30 if max_new_tokens is None else int(max_new_tokens)
+        limit = position_limit(spec.target)
+        if limit is not None:
+            budget = min(budget, limit - int(attention_mask.long().sum(dim=1).max()))
+        return budget
+
+    def choose(self, spec, input_ids: torch.Tensor, attention_mask: torch.Tensor, rule,
+               max_new_tokens: int | None = None) -> dict:
+        """The setting for this batch: ``{"tree": n or 0, "predicted_speedup": {...}, ...}``.
+
+        Calibration generates at most ``max_new_tokens`` tokens per row and stays inside the
+        model's position limit; with room for one new token at most there is nothing to speculate
+        on: plain decoding, nothing measured (``"reason"`` says so)."""
         key = self.key(input_ids)
+        budget = self.budget(spec, attention_mask, max_new_tokens)
+        if budget <= 1:
+            return {"policy": "auto", "tree": 0, "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1],
+                    "reason": f"room for {max(budget, 0)} new token(s) (max_new_tokens or the position limit): "
+                              "nothing to speculate on"}
         if (key, 0) not in self.step_costs:
-            self.step_costs[(key, 0)] = self._plain_step(spec, input_ids, attention_mask)
+            self.step_costs[(key, 0)] = self._plain_step(spec, input_ids, attention_mask, budget)
         for size in self.sizes:
             if (key, size) not in self.step_costs or (size, rule.key) not in self.observed:
-                cost = self._spec_step(spec, size, input_ids, attention_mask, rule)
+                cost = self._spec_step(spec, size, input_ids, attention_mask, rule, budget)
                 self.step_costs.setdefault((key, size), cost)
         plain = self.step_costs[(key, 0)]
         taus = {size: self.observed[(size, rule.key)].tau or 1.0 for size in self.sizes}

@@ -318,9 +318,24 @@ def best_first_choices(accuracy: Sequence[Sequence[float]], size: int) -> list[P
 # Prior per-depth, per-rank top-k accuracies for untrained trees. Shape follows what distilled
 # Medusa heads reach (Medusa paper, Vicuna-7B: top-1 0.56/0.32/0.20/0.15 for heads 0-3) with
 # rank-r accuracy decaying geometrically; a trained adapter replaces this with measured values.
-PRIOR_ACCURACY: tuple[tuple[float, ...], ...] = tuple(
-    tuple(top1 * (0.45 ** rank) for rank in range(10)) for top1 in (0.6, 0.4, 0.3, 0.25, 0.2)
-)
+PRIOR_TOP1 = (0.6, 0.4, 0.3, 0.25, 0.2)
+PRIOR_DEPTH_DECAY = 0.8
+"""Beyond the five depths of :data:`PRIOR_TOP1`, each depth's top-1 prior is the previous one's
+times this (0.2, 0.16, 0.128, ...), continuing the table's own decay from depth 3 to 5."""
+PRIOR_RANK_DECAY = 0.45
+PRIOR_RANKS = 10
+
+
+def prior_accuracy(depths: int) -> tuple[tuple[float, ...], ...]:
+    """The prior table for ``depths`` depths: :data:`PRIOR_TOP1`, then geometric decay by
+    :data:`PRIOR_DEPTH_DECAY`; rank ``r`` of a depth is its top-1 times ``PRIOR_RANK_DECAY ** r``."""
+    top1 = list(PRIOR_TOP1[:depths])
+    while len(top1) < depths:
+        top1.append(top1[-1] * PRIOR_DEPTH_DECAY)
+    return tuple(tuple(value * PRIOR_RANK_DECAY ** rank for rank in range(PRIOR_RANKS)) for value in top1)
+
+
+PRIOR_ACCURACY: tuple[tuple[float, ...], ...] = prior_accuracy(len(PRIOR_TOP1))
 
 DEFAULT_TREE_SIZES = (1, 4, 8, 16, 32, 64)
 
@@ -329,9 +344,10 @@ def default_tree(size: int, num_depths: int,
                  accuracy: Sequence[Sequence[float]] | None = None) -> TreeTemplate:
     """Default static tree with ``size`` drafted nodes (root excluded) over ``num_depths`` depths.
 
-    Built best-first from ``accuracy`` (per depth, per rank; defaults to :data:`PRIOR_ACCURACY`).
+    Built best-first from ``accuracy`` (per depth, per rank; measured tables must cover every
+    depth), else from :func:`prior_accuracy` (any number of depths).
     """
-    table = list(accuracy if accuracy is not None else PRIOR_ACCURACY)[:num_depths]
+    table = list(accuracy if accuracy is not None else prior_accuracy(num_depths))[:num_depths]
     if len(table) < num_depths:
         raise InvalidTreeError(f"accuracy table covers {len(table)} depths, {num_depths} needed")
     return from_choices(best_first_choices(table, size))

@@ -13,6 +13,7 @@ from tree_attention.dynamic import grow_dynamic_tree
 from tree_attention.tree import Tree, TreeBatch
 
 from ..backbone import Backbone
+from ..families import position_limit
 from .config import EagleConfig
 from .modules import EagleHeads, check_against_target
 
@@ -34,7 +35,17 @@ class EagleDrafter:
         self.heads = heads
         self.target = target
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
+        self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
         self.reset(1)
+
+    def _row_depths(self) -> list[int]:
+        """Each row's tree depth: the configured one, lowered near a hard position limit so that no
+        drafter expansion (positions up to ``committed + depth - 2``) and no verified node (the
+        root's position + depth) lies beyond it; deeper nodes could not be verified anyway."""
+        if self.position_limit is None:
+            return [self.depth] * int(self.committed.numel())
+        room = (self.position_limit - 1 - self.committed).tolist()
+        return [max(1, min(self.depth, int(value))) for value in room]
 
     def reset(self, batch_size: int) -> None:
         """Forget earlier sequences: an empty cache for ``batch_size`` rows."""
@@ -87,7 +98,8 @@ class EagleDrafter:
         draft_rows = self.heads.draft_rows(self.target)
         child_tokens, child_log_probs = self._children(root_features, draft_rows)
         count, device = len(roots), root_features.device
-        growths = [grow_dynamic_tree(root, (child_tokens[row], child_log_probs[row]), self.depth, self.top_k,
+        depths = self._row_depths()
+        growths = [grow_dynamic_tree(root, (child_tokens[row], child_log_probs[row]), depths[row], self.top_k,
                                      self.total_tokens) for row, root in enumerate(roots)]
         trees: list[Tree | None] = [None] * count
         requests = [self._advance(growth, None, trees, row) for row, growth in enumerate(growths)]

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import torch
 
 from tree_attention.decode import DraftBatch
-from tree_attention.tree import TreeBatch, TreeTemplate, default_tree, from_choices
+from tree_attention.tree import InvalidTreeError, TreeBatch, TreeTemplate, default_tree, from_choices
 
 from .modules import MedusaHeads
 
@@ -39,6 +39,11 @@ class MedusaDrafter:
         self.set_template(template)
 
     def set_template(self, template: TreeTemplate) -> None:
+        """Use ``template``; InvalidTreeError when a node's rank needs more candidates than the
+        vocabulary has (rank ``r`` is the ``r + 1``-th most likely token)."""
+        if template.size > 1 and template.max_rank >= self.heads.vocab_size:
+            raise InvalidTreeError(f"tree rank {template.max_rank} needs the top {template.max_rank + 1} candidates "
+                                   f"of a head, but the vocabulary has {self.heads.vocab_size} tokens")
         device = next(self.heads.parameters()).device
         self.template = template.to(device)
         self.top_k = template.max_rank + 1
