@@ -30,12 +30,18 @@ Matched against these loaders (source read at these commits):
   (required keys ``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``t2d``, ``d2t``; embeddings
   dropped; ``d2t[i] = used[i] - i`` over the draft ids sorted ascending, ``t2d`` a bool mask over the
   target vocabulary). ``config.json``: Llama fields, ``architectures: ["LlamaForCausalLMEagle3"]``,
-  ``num_hidden_layers: 1``, ``draft_vocab_size``, ``target_hidden_size``, ``eagle_config:
-  {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true}``. Layer ids follow SGLang's
-  ``set_eagle3_layers_to_capture`` (``layers_to_capture = [id + 1]``: id ``l`` is the output of decoder
-  layer ``l``, before the final norm), i.e. selfdraft's ``feature_layers`` index ``k`` is id ``k - 1``;
-  vLLM captures the stream *entering* layer ``id`` (one layer earlier for the same ids), a known
-  disagreement between the engines. ``lm_head.weight`` holds the target's output-head rows of the
+  ``num_hidden_layers: 1``, ``draft_vocab_size``, the captured layers in both engines' conventions
+  (:func:`aux_layer_keys`): ``eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state:
+  true}`` for SGLang (``set_eagle3_layers_to_capture``: ``layers_to_capture = [id + 1]``, id ``l`` is
+  the output of decoder layer ``l`` before the final norm, i.e. selfdraft's ``feature_layers`` index
+  ``k`` is id ``k - 1``) and a top-level ``eagle_aux_hidden_state_layer_ids`` for vLLM, which reads
+  only that key (``eagle3_utils``; a nested one is ignored and vLLM silently falls back to its
+  default layers) and captures the stream *entering* layer ``id`` (id ``k``). The layers are written
+  in increasing order with ``fc``'s column blocks permuted to match (:func:`layer_order`): every
+  loader concatenates the captured layers in layer order. ``target_hidden_size`` is written only when
+  it differs from ``hidden_size``: SafeAILab's EAGLE-3 ``Model`` (``eagle/model/cnets.py``) skips
+  loading the target's embeddings when the key exists and, loading with ``strict=False``, would
+  draft with random embeddings. ``lm_head.weight`` holds the target's output-head rows of the
   draft vocabulary (the drafter reads through the frozen head), so a checkpoint with its own trained
   ``lm_head`` (other rows) is refused on import.
 """
@@ -130,6 +136,61 @@ def eagle_name_map(tensor_names, fmt: str) -> dict[str, str]:
     return names
 
 
+def layer_order(feature_layers, fc_weight: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """``feature_layers`` in increasing order and ``fc_weight`` ``[h, k x H]`` with its column blocks
+    permuted to match: every EAGLE-3 loader concatenates the captured layers in layer order, so a
+    drafter trained on another order computes the same function with its blocks reordered."""
+    layers = [int(index) for index in feature_layers]
+    order = sorted(range(len(layers)), key=layers.__getitem__)
+    width = fc_weight.shape[1] // len(layers)
+    blocks = [fc_weight[:, index * width:(index + 1) * width] for index in order]
+    return [layers[index] for index in order], torch.cat(blocks, dim=1).contiguous()
+
+
+def aux_layer_keys(feature_layers) -> dict:
+    """The config keys naming the captured target layers, in both engines' conventions: vLLM reads
+    the top-level ``eagle_aux_hidden_state_layer_ids`` and captures the stream *entering* layer
+    ``id`` (selfdraft's feature index itself); SGLang reads ``eagle_config``'s and captures the
+    *output* of layer ``id`` (the feature index - 1)."""
+    layers = [int(index) for index in feature_layers]
+    return {"eagle_aux_hidden_state_layer_ids": layers,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [index - 1 for index in layers],
+                             "use_aux_hidden_state": True}}
+
+
+def feature_layers_of(config: dict, target_layers: int, where: Path) -> list[int]:
+    """selfdraft's ``feature_layers`` from an EAGLE-3 config: SGLang's ``eagle_config`` ids + 1,
+    or vLLM's top-level ids as they are; both present must agree."""
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    found = {}
+    for name, ids, shift in (("eagle_config.eagle_aux_hidden_state_layer_ids", nested, 1),
+                             ("eagle_aux_hidden_state_layer_ids", top, 0)):
+        if ids is None:
+            continue
+        if not isinstance(ids, list) or len(ids) != 3 or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise AdapterError(f"{where}: {name} must list three layer ids; got {ids!r}")
+        found[name] = [i + shift for i in ids]
+    if not found:
+        raise AdapterError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids (SGLang) or "
+                           "eagle_aux_hidden_state_layer_ids (vLLM) must list three layer ids; found neither")
+    if len(found) == 2 and found["eagle_config.eagle_aux_hidden_state_layer_ids"] != found[
+            "eagle_aux_hidden_state_layer_ids"]:
+        raise AdapterError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids {nested} (SGLang: outputs of "
+                           f"layers) and eagle_aux_hidden_state_layer_ids {top} (vLLM: inputs of layers) name "
+                           "different layers; they must differ by exactly one")
+    layers = next(iter(found.values()))
+    if not all(index < target_layers for index in layers):
+        raise AdapterError(f"{where}: aux layer ids name layers beyond this {target_layers}-layer target (SGLang's "
+                           f"eagle_config ids lie in 0..{target_layers - 2}, decoder-layer outputs before the final "
+                           f"norm; vLLM's top-level ids in 0..{target_layers - 1}); got {nested or top}")
+    if layers != sorted(layers):
+        raise AdapterError(f"{where}: aux layer ids must be in increasing order (the loaders concatenate the "
+                           f"captured layers in layer order); got {layers}")
+    return layers
+
+
 def vocabulary_maps(token_map: torch.Tensor | None, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft ids sorted ascending ``[V']`` (the order SpecForge's ``d2t`` requires), ``d2t``
     (int64 offsets, ``ids - arange``) and ``t2d`` (bool ``[V]``)."""
@@ -161,10 +222,12 @@ def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model
             raise AdapterError(f"{adapter_dir}: the target's output head has a bias, which EAGLE-3's lm_head lacks")
         ids, d2t, t2d = vocabulary_maps(tensors.get("token_map"), head.out_features)
         external.update({"lm_head.weight": head.weight.detach().to("cpu")[ids].contiguous(), "d2t": d2t, "t2d": t2d})
+        layers, external["fc.weight"] = layer_order(drafter["feature_layers"], external["fc.weight"])
+        drafter["feature_layers"] = layers  # the sidecar describes the drafter as exported (the same function)
         payload = llama_config(model, 1, EAGLE3_ARCHITECTURES, dtype)
-        payload.update(draft_vocab_size=int(ids.numel()), target_hidden_size=int(head.in_features), eagle_config={
-            "eagle_aux_hidden_state_layer_ids": [index - 1 for index in drafter["feature_layers"]],
-            "use_aux_hidden_state": True})
+        payload.update(draft_vocab_size=int(ids.numel()), **aux_layer_keys(layers))
+        if int(head.in_features) != payload["hidden_size"]:  # SafeAILab skips the target's embeddings when present
+            payload["target_hidden_size"] = int(head.in_features)
     return {"config.json": json_writer(payload),
             EAGLE_TENSORS: lambda path: save_file(external, str(path), metadata={"format": "pt"})}
 
@@ -245,23 +308,15 @@ def read_eagle(directory: Path, config: dict, fmt: str, model) -> tuple[dict, di
             ours["projection.bias"] = ours["projection.weight"].new_zeros(ours["projection.weight"].shape[0])
         return _imported_config({"num_layers": layers, "layout": "eagle1"}, config, vocab, hidden), ours
     eagle = config.get("eagle_config") or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if config.get("num_hidden_layers", 1) != 1 or not eagle.get("use_aux_hidden_state", True):
         raise AdapterError(f"{where}: only one midlayer with aux hidden states is supported (num_hidden_layers 1, "
                            "use_aux_hidden_state true)")
-    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and i >= 0 for i in ids):
-        raise AdapterError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must list three layer ids; "
-                           f"got {ids!r}")
-    target_layers = int(model.config.num_hidden_layers)
-    if not all(i + 1 < target_layers for i in ids):
-        raise AdapterError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} must lie in 0..{target_layers - 2} for "
-                           f"this {target_layers}-layer target (ids are decoder-layer outputs before the final norm, "
-                           "SGLang's convention)")
+    layers = feature_layers_of(config, int(model.config.num_hidden_layers), where)
     token_ids = _draft_vocabulary(tensors, model, directory)
     ours = _rename(tensors, lambda n: "fusion.weight" if n == "fc.weight" else "decoder." + n.removeprefix("midlayer."))
     if token_ids is not None:
         ours["token_map"] = token_ids
-    drafter = {"num_layers": 1, "layout": "eagle3", "feature_layers": [i + 1 for i in ids],
+    drafter = {"num_layers": 1, "layout": "eagle3", "feature_layers": layers,
                "draft_vocab_size": None if token_ids is None else int(token_ids.numel())}
     return _imported_config(drafter, config, vocab, hidden), ours
 

@@ -386,9 +386,11 @@ def test_eagle_round_trip(deep_model, tmp_path, fmt, options):
     else:
         vocab = options.get("draft_vocab_size", VOCAB)
         assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == vocab
-        assert config["target_hidden_size"] == HIDDEN
-        layer_ids = [index - 1 for index in options["feature_layers"]]
-        assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": layer_ids, "use_aux_hidden_state": True}
+        assert "target_hidden_size" not in config  # equal to hidden_size: SafeAILab would skip the embeddings
+        layers = sorted(options["feature_layers"])  # every loader concatenates in layer order
+        assert config["eagle_aux_hidden_state_layer_ids"] == layers  # vLLM: the stream entering layer id
+        assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [index - 1 for index in layers],
+                                          "use_aux_hidden_state": True}  # SGLang: the output of layer id
         assert tensors["fc.weight"].shape == (HIDDEN, 3 * HIDDEN) and "fc.bias" not in tensors
         assert tensors["midlayer.self_attn.q_proj.weight"].shape == (HIDDEN, 2 * HIDDEN)
         assert tensors["lm_head.weight"].shape == (vocab, HIDDEN) and tensors["norm.weight"].shape == (HIDDEN,)
@@ -407,6 +409,54 @@ def test_eagle_round_trip(deep_model, tmp_path, fmt, options):
     with pytest.warns(UserWarning, match="records no target fingerprint"):
         bare = heads.load_heads(deep_model, out)
     _same_drafts(spec, bare)
+
+
+@pytest.mark.parametrize("feature_layers", [(3, 1, 2), (2, 3, 1), (1, 2, 3)])
+def test_eagle3_export_computes_as_the_loaders_whatever_the_layer_order(deep_model, tmp_path, feature_layers):
+    """Issue 15 items 12-14, against the loaders' own conventions: the exported checkpoint, run as
+    SGLang's LlamaForCausalLMEagle3 runs it (aux states concatenated in layer order), predicts what
+    the selfdraft drafter predicts; the layer ids name the same layers in vLLM's and SGLang's
+    indexing; no target_hidden_size when it equals hidden_size."""
+    spec, adapter = _eagle_adapter(deep_model, tmp_path, layout="eagle3", feature_layers=feature_layers)
+    out = interop.export_adapter(adapter, "eagle3", tmp_path / "eagle3", model=deep_model)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    assert "target_hidden_size" not in config and config["hidden_size"] == HIDDEN
+    vllm_ids = config.get("eagle_aux_hidden_state_layer_ids")
+    sglang_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert vllm_ids == sorted(feature_layers) and sglang_ids == [index - 1 for index in vllm_ids]
+    ids, states, embeddings = _draft_inputs(deep_model)
+    aux = torch.cat([states.hidden_states[index] for index in vllm_ids], dim=-1)[:, :-1]  # vLLM: input of layer id
+    assert torch.equal(aux, torch.cat([states.hidden_states[i + 1] for i in sglang_ids], dim=-1)[:, :-1])  # SGLang
+    with torch.no_grad():
+        features, _ = spec.target.forward(ids[:, :-1], torch.arange(9)[None], None, None, "last")  # drafter's order
+        predicted = spec.heads.step(spec.heads.fuse(features), embeddings, torch.arange(9)[None],
+                                    prefill_attention_mask(9, None, torch.float32, "cpu"), None)
+        expected, _ = _eagle3_reference(tensors, aux, embeddings)
+    torch.testing.assert_close(predicted, expected, rtol=1e-4, atol=1e-5)
+    sidecar = json.loads((out / interop.SIDECAR_NAME).read_text())["selfdraft_adapter"]
+    assert sidecar["drafter"]["feature_layers"] == vllm_ids  # the sidecar describes the checkpoint beside it
+
+
+def test_eagle3_import_reads_either_engines_layer_ids(deep_model, tmp_path):
+    """Issue 15 item 13: a vLLM-style config (top-level ids only, inputs of layers) imports as the
+    SGLang one does; both keys present must name the same layers."""
+    draft_ids = torch.arange(10, 42)
+    tensors = _eagle3_checkpoint(tmp_path / "sglang", deep_model, draft_ids)  # eagle_config ids [0, 1, 2]
+    config = json.loads((tmp_path / "sglang" / "config.json").read_text())
+    (tmp_path / "vllm").mkdir()
+    save_file(tensors, str(tmp_path / "vllm" / "model.safetensors"))
+    vllm = {key: value for key, value in config.items() if key != "eagle_config"}
+    (tmp_path / "vllm" / "config.json").write_text(json.dumps({**vllm, "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
+    with pytest.warns(UserWarning, match="records no target fingerprint"):
+        loaded = [heads.load_heads(deep_model, tmp_path / name) for name in ("sglang", "vllm")]
+    assert [tuple(spec.config.feature_layers) for spec in loaded] == [(1, 2, 3), (1, 2, 3)]
+    (tmp_path / "vllm" / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
+    with pytest.raises(heads.AdapterError, match="name different layers; they must differ by exactly one"):
+        heads.load_heads(deep_model, tmp_path / "vllm")
+    (tmp_path / "vllm" / "config.json").write_text(json.dumps({**vllm, "eagle_aux_hidden_state_layer_ids": [3, 1, 2]}))
+    with pytest.raises(heads.AdapterError, match="increasing order"):
+        heads.load_heads(deep_model, tmp_path / "vllm")
 
 
 @pytest.mark.parametrize("fmt, options, message", [
