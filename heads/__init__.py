@@ -36,9 +36,12 @@ def _refuse_foreign_options(entry, options: dict) -> None:
     foreign = [name for name, value in options.items() if value is not None and name not in entry.options]
     if not foreign:
         return
-    owners = sorted({other.name for other in kinds.registry().values() for name in foreign if name in other.options})
-    whose = f"option(s) of kind={owners[0]!r}" if len(owners) == 1 else (
-        f"option(s) of kinds {owners}" if owners else "not an option of any kind")
+    owners = [other.name for other in kinds.registry().values() if any(name in other.options for name in foreign)]
+    if len(owners) == 1:
+        whose = f"option(s) of kind={owners[0]!r}"
+    else:
+        whose = ("option(s) of kinds " + ", ".join(repr(owner) for owner in owners)) if owners else \
+            "not an option of any kind"
     raise ValueError(f"{', '.join(foreign)}: {whose}, not of kind={entry.name!r} (its options: {list(entry.options)})")
 
 

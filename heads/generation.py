@@ -11,7 +11,11 @@ lengths) are refused rather than ignored: ignoring them would change the output.
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
+from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
@@ -32,15 +36,102 @@ _UNSUPPORTED = {
 }
 
 
+# Every GenerationConfig field, and what ``SpeculativeModel.generate`` does with it. A field missing
+# here (a new transformers version) fails tests/heads/test_generation_contract.py.
+HONOURED = frozenset({
+    "do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
+    "max_time",
+})
+NO_EFFECT = frozenset({
+    # metadata and execution settings that do not change which tokens come out
+    "_from_model_config", "transformers_version", "use_cache", "cache_implementation", "cache_config",
+    "max_cache_len", "compile_config", "disable_compile", "prefill_chunk_size", "continuous_batching_config",
+    "low_memory", "bos_token_id",  # bos only starts generation from nothing; input_ids are required here
+    "decoder_start_token_id",  # encoder-decoder models only (refused at attach time)
+    "length_penalty", "early_stopping",  # beam search only, and num_beams must be 1
+    # other speculative methods' speed settings: outputs are the target's either way
+    "prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
+})
+NEUTRAL = {
+    # field: values that leave the output unchanged (refused by name otherwise)
+    "num_beams": (None, 1), "num_beam_groups": (None, 1), "diversity_penalty": (None, 0.0), "penalty_alpha": (None,),
+    "num_return_sequences": (None, 1), "constraints": (None,), "force_words_ids": (None,), "dola_layers": (None,),
+    "output_attentions": (None, False), "output_hidden_states": (None, False), "output_scores": (None, False),
+    "output_logits": (None, False), "return_dict_in_generate": (None, False), "token_healing": (None, False),
+    "remove_invalid_values": (None, False), "encoder_no_repeat_ngram_size": (None, 0), "stop_strings": (None,),
+    "assistant_early_exit": (None,), "is_assistant": (None, False), "assistant_ensemble_weight": (None,),
+    "speculation_type": (None,), "use_mtp": (None, False),
+    **_UNSUPPORTED,
+}
+
+
 def check_generation_config(generation_config) -> None:
-    """Refuse context-dependent processors set in the model's ``generation_config``."""
-    for name, neutral in _UNSUPPORTED.items():
+    """Refuse, by name, every field whose effect speculative decoding does not reproduce."""
+    for name, neutral in NEUTRAL.items():
         value = getattr(generation_config, name, None)
+        if isinstance(value, (list, dict)) and not value:
+            value = None
         if value not in neutral:
             raise NotImplementedError(
-                f"generation_config.{name}={value!r}: speculative decoding does not apply this logits processor; "
-                f"set it to {neutral[-1]!r} (on model.generation_config) to generate speculatively"
+                f"generation_config.{name}={value!r}: speculative decoding does not reproduce this setting; "
+                f"set it to {neutral[-1]!r} to generate speculatively (or use model.generate)"
             )
+
+
+@dataclass
+class GenerationSettings:
+    """One ``generate`` call's resolved settings."""
+
+    config: GenerationConfig
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    pad_token_id: int | None
+
+
+def _eos_set(eos) -> frozenset[int]:
+    if eos is None:
+        return frozenset()
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
+    return frozenset([int(eos)] if isinstance(eos, int) else [int(token) for token in eos])
+
+
+def resolve_generation(base: GenerationConfig, generation_config: GenerationConfig | None, overrides: dict,
+                       prompt_length: int) -> GenerationSettings:
+    """The settings ``model.generate`` would run with: ``generation_config`` (else the model's),
+    updated with the call's keyword overrides (``None`` values mean unset). Unknown keywords are a
+    TypeError; fields speculative decoding cannot reproduce a NotImplementedError naming them."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(f"generation_config must be a transformers GenerationConfig; got "
+                        f"{type(generation_config).__name__}")
+    config = copy.deepcopy(generation_config if generation_config is not None else base)
+    given = {name: value for name, value in overrides.items() if value is not None}
+    known = set(config.to_dict()) | HONOURED | NO_EFFECT | set(NEUTRAL)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword argument(s) {unknown}: neither generate options nor "
+                        "GenerationConfig fields")
+    for name, value in given.items():
+        setattr(config, name, value)
+    check_generation_config(config)
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    else:
+        max_new = (config.max_length if config.max_length is not None else 20) - prompt_length
+        if max_new <= 0:
+            raise ValueError(f"the prompt ({prompt_length} tokens) is as long as max_length ({config.max_length}): "
+                             "set max_new_tokens")
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative int; got {max_new!r}")
+    eos = _eos_set(config.eos_token_id)
+    pad = config.pad_token_id
+    if isinstance(pad, torch.Tensor):
+        pad = pad.item()
+    if pad is None and eos:
+        eos_list = config.eos_token_id.tolist() if isinstance(config.eos_token_id, torch.Tensor) else config.eos_token_id
+        pad = eos_list if isinstance(eos_list, int) else eos_list[0]
+    return GenerationSettings(config, int(max_new), eos, None if pad is None else int(pad))
 
 
 def resolve_sampling(generation_config, temperature: float, top_k: int | None, top_p: float | None):
@@ -78,7 +169,9 @@ def warper(temperature: float, top_k: int, top_p: float):
 def acceptance_rule(generation_config, do_sample: bool, temperature: float, top_k: int | None,
                     top_p: float | None, generator: torch.Generator | None, acceptance: str = "auto",
                     posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> AcceptanceRule:
-    """The rule ``generate`` runs with. ``acceptance="typical"`` is lossy and must be asked for."""
+    """The rule ``generate`` runs with. ``acceptance="typical"`` is lossy and must be asked for.
+    Unset ``temperature`` (None) resolves to 1.0, as in ``generate``."""
+    temperature = 1.0 if temperature is None else temperature
     if acceptance not in ACCEPTANCE:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE}; got {acceptance!r}")
     check_generation_config(generation_config)

@@ -3,6 +3,7 @@ what the backbone's own ``generate`` returns."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from contextlib import contextmanager, nullcontext
@@ -17,7 +18,7 @@ from tree_attention.tree import TreeTemplate
 
 from . import kinds
 from .backbone import Backbone
-from .generation import acceptance_rule
+from .generation import acceptance_rule, resolve_generation
 
 
 logger = logging.getLogger(__name__)
@@ -93,13 +94,35 @@ def check_generate_inputs(input_ids, attention_mask, max_new_tokens) -> None:
         raise ValueError(f"max_new_tokens must be a non-negative int; got {max_new_tokens!r}")
 
 
-def infer_attention_mask(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
+def infer_attention_mask(model: PreTrainedModel, input_ids: torch.Tensor, settings=None) -> torch.Tensor:
     """The mask ``generate`` assumes when none is given: pad tokens hidden when the pad id is set,
     occurs in the input and differs from eos; otherwise every token visible."""
-    pad = model.generation_config.pad_token_id
-    if pad is not None and int(pad) not in eos_token_ids(model) and bool((input_ids == pad).any()):
+    config = model.generation_config if settings is None else settings.config
+    pad = config.pad_token_id
+    eos = eos_token_ids(model) if settings is None else settings.eos_token_ids
+    if pad is not None and int(pad) not in eos and bool((input_ids == pad).any()):
         return input_ids.ne(pad).long()
     return torch.ones_like(input_ids)
+
+
+def stopping(criteria, config, input_ids: torch.Tensor):
+    """A ``(row, new tokens) -> stop?`` check from transformers stopping criteria (and
+    ``config.max_time``), evaluated on the row's whole sequence as ``generate`` does; None when
+    there is nothing to check."""
+    from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
+
+    checks = StoppingCriteriaList(list(criteria or []))
+    if getattr(config, "max_time", None) is not None:
+        checks.append(MaxTimeCriteria(max_time=config.max_time))
+    if not checks:
+        return None
+    prompts = input_ids.cpu()
+
+    def stop(row: int, output: list[int]) -> bool:
+        sequence = torch.cat([prompts[row], torch.tensor(output, dtype=prompts.dtype)])[None]
+        return bool(torch.as_tensor(checks(sequence, None)).any())
+
+    return stop
 
 
 class SpeculativeModel:
@@ -185,54 +208,78 @@ class SpeculativeModel:
         return pad_token_id(self.backbone)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 max_new_tokens: int = 128, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None,
+    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 generation_config=None, stopping_criteria=None, streamer=None, *,
                  generator: torch.Generator | None = None, acceptance: str = "auto",
                  posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
-                 speculate: str | None = None) -> torch.Tensor:
+                 speculate: str | None = None, **kwargs) -> torch.Tensor:
         """Speculative generation; ``[B, prompt + new]`` ids, what ``backbone.generate`` returns.
 
-        ``input_ids`` ``[B, T]`` may be left-padded (``attention_mask`` zeros first, as
-        ``generate`` takes them); each row drafts, accepts and stops on its own, and rows that end
-        early are filled with the pad id (``pad_token_id``, else the first eos id), as in ``generate``.
-        ``do_sample=False``: token-identical to ``backbone.generate(do_sample=False)``.
-        ``do_sample=True``: lossless speculative sampling; the output follows the distribution of
-        ``backbone.generate(do_sample=True, temperature=..., top_k=..., top_p=...)`` (unset ``top_k``
-        and ``top_p`` resolve as there: the model's generation_config, then 50 and 1.0); draws
-        come from ``generator`` (or torch's global RNG). ``acceptance="typical"`` selects Medusa's
-        typical acceptance with ``posterior_threshold``/``posterior_alpha``: faster, **lossy**.
-        ``speculate="auto"``: choose the tree size for this batch size from costs measured on this
-        machine (:mod:`heads.policy`), down to plain decoding; the choice is in
+        Takes what ``model.generate`` takes: ``input_ids`` ``[B, T]`` (left-padded, with
+        ``attention_mask`` zeros first, as ``generate`` takes them; ``**tokenizer(texts,
+        return_tensors="pt", padding=True)`` works), a ``generation_config`` (default: the
+        backbone's) and any of its fields as keywords (``max_new_tokens``, ``max_length``,
+        ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``,
+        ``max_time``, ...), resolved exactly as ``generate`` resolves them (unset ``max_new_tokens``
+        → ``max_length``, 20 by default). A field whose effect speculative decoding does not
+        reproduce (beam search, repetition penalty, ...) is refused by name
+        (:data:`heads.generation.NEUTRAL`), an unknown keyword is a TypeError.
+        ``stopping_criteria`` (a transformers ``StoppingCriteriaList`` or list) is checked after
+        every committed token and the output is cut where ``generate`` would cut it; ``streamer``
+        (``TextStreamer``, ``TextIteratorStreamer``; batch 1) receives the prompt, then each
+        accepted chunk as it is committed, then ``end()``.
+
+        Each row drafts, accepts and stops on its own; rows that end early are filled with the pad
+        id (``pad_token_id``, else the first eos id). ``do_sample=False``: token-identical to
+        ``backbone.generate(do_sample=False)``. ``do_sample=True``: lossless speculative sampling
+        following the distribution of ``backbone.generate(do_sample=True, ...)`` at the same
+        settings; draws come from ``generator`` (or torch's global RNG). ``acceptance="typical"``
+        selects Medusa's typical acceptance (``posterior_threshold``/``posterior_alpha``): faster,
+        **lossy**. ``speculate="auto"``: choose the tree size for this batch size from costs
+        measured on this machine (:mod:`heads.policy`), down to plain decoding; the choice is in
         ``last_stats.speculation``. None: the configured tree.
-        Stops at ``max_new_tokens`` and at the eos tokens of ``backbone.generation_config``.
         """
-        check_generate_inputs(input_ids, attention_mask, max_new_tokens)
+        if input_ids is None:
+            raise TypeError("generate() needs input_ids (speculative decoding continues a prompt)")
+        check_generate_inputs(input_ids, attention_mask, 0)
         if speculate not in (None, "auto"):
             raise ValueError(f"speculate must be None (the configured tree) or 'auto'; got {speculate!r}")
-        rule = acceptance_rule(self.backbone.generation_config, do_sample, temperature, top_k, top_p, generator,
-                               acceptance, posterior_threshold, posterior_alpha)
+        settings = resolve_generation(self.backbone.generation_config, generation_config, kwargs,
+                                      int(input_ids.shape[1]))
+        config = settings.config
+        rule = acceptance_rule(config, bool(config.do_sample), config.temperature, config.top_k, config.top_p,
+                               generator, acceptance, posterior_threshold, posterior_alpha)
+        if streamer is not None and input_ids.shape[0] != 1:
+            raise ValueError(f"streamer= streams one sequence (batch 1, as in transformers); got a batch of "
+                             f"{input_ids.shape[0]}")
         input_ids = input_ids.to(self.target.device).long()
         if attention_mask is None:
-            attention_mask = infer_attention_mask(self.backbone, input_ids)
+            attention_mask = infer_attention_mask(self.backbone, input_ids, settings)
         attention_mask = attention_mask.to(input_ids.device).long()
+        criteria = stopping(stopping_criteria, config, input_ids)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         drafter, choice = self._drafter, None
         with _evaluation(self.backbone), _evaluation(self.heads):
-            if speculate == "auto" and max_new_tokens > 0:
+            if speculate == "auto" and settings.max_new_tokens > 0:
                 state = generator.get_state() if generator is not None else None
                 choice = self.policy.choose(self, input_ids, attention_mask, rule)
                 if state is not None:  # calibration draws do not shift the caller's random stream
                     generator.set_state(state)
                 if choice["tree"] == 0:
-                    output, stats = self._plain_generate(input_ids, attention_mask, max_new_tokens, do_sample,
-                                                         temperature, top_k, top_p, generator)
+                    output, stats = self._plain_generate(input_ids, attention_mask, settings, stopping_criteria,
+                                                         streamer, generator)
                     stats.speculation = choice
                     self.last_stats = stats
                     return output
                 drafter = self.drafter_for(choice["tree"])
-            decoder = SpeculativeDecoder(self.target, drafter, input_ids, max_new_tokens,
-                                         eos_token_ids(self.backbone), rule, attention_mask, self.pad_token_id)
+            decoder = SpeculativeDecoder(self.target, drafter, input_ids, settings.max_new_tokens,
+                                         settings.eos_token_ids, rule, attention_mask, settings.pad_token_id,
+                                         stop=criteria, on_commit=None if streamer is None else
+                                         (lambda row, tokens: streamer.put(torch.tensor(tokens))))
             output, stats = decoder.run()
+        if streamer is not None:
+            streamer.end()
         if choice is not None:
             stats.speculation = choice
             self.policy.observe(choice["tree"], rule.key, stats, self.policy.key(input_ids))
@@ -249,24 +296,25 @@ class SpeculativeModel:
             self._policy = SpeculationPolicy(kinds.get(self.kind).policy_sizes(self))
         return self._policy
 
-    def _plain_generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
+    def _plain_generate(self, input_ids, attention_mask, settings, stopping_criteria, streamer,
                         generator) -> tuple[torch.Tensor, DecodeStats]:
-        """The backbone's own ``generate`` (what ``speculate="auto"`` falls back to), seeded from
-        ``generator`` when one is given."""
+        """The backbone's own ``generate`` at the same settings (what ``speculate="auto"`` falls
+        back to), seeded from ``generator`` when one is given."""
         start = time.perf_counter()
-        options = dict(do_sample=do_sample, max_new_tokens=max_new_tokens, pad_token_id=self.pad_token_id)
-        if do_sample:
-            options.update(temperature=temperature, top_k=top_k, top_p=top_p)
+        config = copy.deepcopy(settings.config)
+        config.max_new_tokens, config.pad_token_id = settings.max_new_tokens, settings.pad_token_id
         seed = None if generator is None else int(torch.randint(1 << 62, (1,), generator=generator))
         context = nullcontext() if seed is None else torch.random.fork_rng(devices=[])
         with context:
             if seed is not None:
                 torch.manual_seed(seed)
-            output = self.backbone.generate(input_ids, attention_mask=attention_mask, **options)
+            output = self.backbone.generate(input_ids, attention_mask=attention_mask, generation_config=config,
+                                            stopping_criteria=stopping_criteria, streamer=streamer)
         steps = output.shape[1] - input_ids.shape[1]
         new = output[:, input_ids.shape[1]:]
+        pad = settings.pad_token_id
         stats = DecodeStats(batch_size=input_ids.shape[0], target_forwards=steps)
-        stats.new_tokens = int((new != self.pad_token_id).sum()) if self.pad_token_id is not None else new.numel()
+        stats.new_tokens = int((new != pad).sum()) if pad is not None else new.numel()
         stats.row_forwards = stats.new_tokens
         stats.tree_size = 1
         stats.total_seconds = stats.verify_seconds = time.perf_counter() - start

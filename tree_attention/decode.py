@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import torch
 
@@ -198,8 +198,13 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int,
                  eos_token_ids: Collection[int] = (), rule: AcceptanceRule | None = None,
-                 attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None) -> None:
+                 attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None,
+                 stop: Callable[[int, list[int]], bool] | None = None,
+                 on_commit: Callable[[int, list[int]], None] | None = None) -> None:
+        """``stop(row, output)``: checked after every committed token (True ends the row there);
+        ``on_commit(row, tokens)``: called with each chunk a row commits (streaming)."""
         self.target, self.drafter, self.rule = target, drafter, rule or GreedyRule()
+        self.stop, self.on_commit = stop, on_commit
         self.input_ids = input_ids
         self.prompt_mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
         self.max_new_tokens, self.eos = max_new_tokens, frozenset(eos_token_ids)
@@ -218,13 +223,18 @@ class SpeculativeDecoder:
     def _emit(self, row: int, chunk: list[int]) -> bool:
         """Append ``chunk`` to row's output up to its budget and first eos; True when the row is done."""
         output = self.outputs[row]
+        start, done = len(output), False
         for token in chunk:
             if len(output) >= self.max_new_tokens:
-                return True
+                done = True
+                break
             output.append(token)
-            if token in self.eos:
-                return True
-        return len(output) >= self.max_new_tokens
+            if token in self.eos or (self.stop is not None and self.stop(row, output)):
+                done = True
+                break
+        if self.on_commit is not None and len(output) > start:
+            self.on_commit(row, output[start:])
+        return done or len(output) >= self.max_new_tokens
 
     def _keep_rows(self, done: list[bool]) -> None:
         if not any(done):
