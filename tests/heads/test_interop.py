@@ -451,7 +451,8 @@ def test_eagle3_import_reads_either_engines_layer_ids(deep_model, tmp_path):
     with pytest.warns(UserWarning, match="records no target fingerprint"):
         loaded = [heads.load_heads(deep_model, tmp_path / name) for name in ("sglang", "vllm")]
     assert [tuple(spec.config.feature_layers) for spec in loaded] == [(1, 2, 3), (1, 2, 3)]
-    (tmp_path / "vllm" / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
+    both = {**config, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}  # SGLang's ids again: one layer off for vLLM
+    (tmp_path / "vllm" / "config.json").write_text(json.dumps(both))
     with pytest.raises(heads.AdapterError, match="name different layers; they must differ by exactly one"):
         heads.load_heads(deep_model, tmp_path / "vllm")
     (tmp_path / "vllm" / "config.json").write_text(json.dumps({**vllm, "eagle_aux_hidden_state_layer_ids": [3, 1, 2]}))

@@ -212,22 +212,24 @@ def check_arguments(args, processes: int):
 
     for flag, value, minimum, meaning in (
             ("--steps", args.steps, 1, ""), ("--batch-size", args.batch_size, 1, ""),
-            ("--gradient-accumulation", args.gradient_accumulation, 1, ""), ("--warmup-steps", args.warmup_steps, 0, ""),
-            ("--max-prompts", args.max_prompts, 1, ""), ("--max-new-tokens", args.max_new_tokens, 1, ""),
+            ("--gradient-accumulation", args.gradient_accumulation, 1, ""),
+            ("--warmup-steps", args.warmup_steps, 0, ""), ("--max-prompts", args.max_prompts, 1, ""),
+            ("--max-new-tokens", args.max_new_tokens, 1, ""),
             ("--max-length", args.max_length, 3, " (a training sequence needs at least 3 tokens)"),
             ("--generation-batch-size", args.generation_batch_size, 1, ""),
             ("--checkpoint-every", args.checkpoint_every, 0, " (0: never)"),
             ("--eval-prompts", args.eval_prompts, 0, " (0: skip the evaluation)"),
             ("--eval-max-new-tokens", args.eval_max_new_tokens, 1, ""),
-            ("--on-policy-refresh", args.on_policy_refresh, 1, ""), ("--on-policy-prompts", args.on_policy_prompts, 1, ""),
-            ("--seed", args.seed, 0, "")):
+            ("--on-policy-refresh", args.on_policy_refresh, 1, ""),
+            ("--on-policy-prompts", args.on_policy_prompts, 1, ""), ("--seed", args.seed, 0, "")):
         check_int(value, flag, minimum, meaning)
     check_number(args.lr, "--lr", 0.0, inclusive=False)
     check_number(args.temperature, "--temperature", 0.0, inclusive=False)
     check_number(args.data_temperature, "--data-temperature", 0.0)
     check_number(args.on_policy_ratio, "--on-policy-ratio", 0.0, maximum=1.0)
     check_number(args.on_policy_temperature, "--on-policy-temperature", 0.0)
-    require(not (args.resume and not args.checkpoint_dir), "--resume needs --checkpoint-dir (where the checkpoints are)")
+    require(not (args.resume and not args.checkpoint_dir),
+            "--resume needs --checkpoint-dir (where the checkpoints are)")
     require(not (args.checkpoint_every and not args.checkpoint_dir),
             f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir (where to write the checkpoints)")
     check_model(args.model)
@@ -291,7 +293,8 @@ def run(args) -> int:
         spec.save_pretrained(args.out, training=_recipe(args, config, prompts, accelerator), acceptance=acceptance,
                              revision=args.revision)
         write_json(args.json, summary)
-        finished = " (the checkpoint had finished the run: no step trained)" if result.start_step >= config.steps else ""
+        finished = (" (the checkpoint had finished the run: no step trained)"
+                    if result.start_step >= config.steps else "")
         loss = "n/a" if final_loss is None else f"{final_loss:.4f}"
         print(f"saved adapter to {args.out}; final loss {loss}{finished}")
     accelerator.wait_for_everyone()
