@@ -18,6 +18,7 @@ from tree_attention.tree import TreeTemplate
 
 from . import kinds
 from .backbone import Backbone
+from .families import position_limit
 from .generation import acceptance_rule, resolve_generation
 
 
@@ -247,6 +248,10 @@ class SpeculativeModel:
         settings = resolve_generation(self.backbone.generation_config, generation_config, kwargs,
                                       int(input_ids.shape[1]))
         config = settings.config
+        limit = position_limit(self.target)
+        if limit is not None and input_ids.shape[1] + settings.max_new_tokens > limit:
+            raise ValueError(f"the prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({settings.max_new_tokens}) "
+                             f"exceeds this model's {limit} positions (n_positions / max_position_embeddings)")
         rule = acceptance_rule(config, bool(config.do_sample), config.temperature, config.top_k, config.top_p,
                                generator, acceptance, posterior_threshold, posterior_alpha)
         if streamer is not None and input_ids.shape[0] != 1:
@@ -263,7 +268,7 @@ class SpeculativeModel:
         with _evaluation(self.backbone), _evaluation(self.heads):
             if speculate == "auto" and settings.max_new_tokens > 0:
                 state = generator.get_state() if generator is not None else None
-                choice = self.policy.choose(self, input_ids, attention_mask, rule)
+                choice = self.policy.choose(self, input_ids, attention_mask, rule, settings.max_new_tokens)
                 if state is not None:  # calibration draws do not shift the caller's random stream
                     generator.set_state(state)
                 if choice["tree"] == 0:

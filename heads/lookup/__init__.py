@@ -13,7 +13,7 @@ from .index import Proposal, SuffixIndex, pad_proposals, propose
 __all__ = ["KIND", "LookupConfig", "LookupDrafter", "LookupMemory", "SuffixIndex", "Proposal", "propose",
            "pad_proposals", "encode_corpus", "HybridDrafter", "merge_proposal", "make_config"]
 
-OPTIONS = ("tree", "budget", "max_depth", "max_ngram", "min_match", "max_occurrences", "history_tokens",
+OPTIONS = ("tree", "budget", "adaptive", "max_depth", "max_ngram", "min_match", "max_occurrences", "history_tokens",
            "history_confidence", "corpus", "tokenizer")
 
 

@@ -29,6 +29,10 @@ class LookupConfig:
     """Cross-request history: tokens of earlier requests (and the corpus) kept for matching; 0: none."""
     history_confidence: float = 0.8
     """Weight of counts from the history/corpus against the row's own text (1.0)."""
+    adaptive: bool = True
+    """Shrink a row's tree (down to a quarter of ``budget``) while its drafts are rejected, and grow
+    it back as they are accepted: verifying nodes that will not be accepted costs time (sampling,
+    text that does not repeat)."""
     corpus: Sequence[Sequence[int]] = field(default=(), repr=False, compare=False)
     """Extra token sequences to match against (kept with the history; never saved in an adapter)."""
 
@@ -75,4 +79,5 @@ class LookupConfig:
     def to_dict(self) -> dict:
         """The hyper-parameters (the corpus is data, not recorded)."""
         return {name: getattr(self, name) for name in ("budget", "max_depth", "max_ngram", "min_match",
-                                                       "max_occurrences", "history_tokens", "history_confidence")}
+                                                       "max_occurrences", "history_tokens", "history_confidence",
+                                                       "adaptive")}

@@ -53,7 +53,8 @@ class LookupDrafter:
         self.config = config
         self.memory = memory
         self.rows: list[SuffixIndex] = []
-        self.pending: list[int] = []
+        self.expected: list[float] = []  # per row: running mean of drafts accepted per step that proposed
+        self.proposed: list[bool] = []  # per row: whether the last step proposed anything
 
     def _new_row(self) -> SuffixIndex:
         return SuffixIndex(self.config.max_ngram, 1, self.config.max_occurrences)
@@ -64,6 +65,8 @@ class LookupDrafter:
         self.rows = [self._new_row() for _ in range(batch_size)]
         for index in self.rows:
             index.add_stream()
+        self.expected = [float(self.config.budget)] * batch_size  # optimistic start
+        self.proposed = [False] * batch_size
 
     def _remember(self) -> None:
         if self.memory is not None and self.rows:
@@ -75,6 +78,18 @@ class LookupDrafter:
         if self.memory is not None:
             self.memory.remember([index.tokens(0) for number, index in enumerate(self.rows) if number not in kept])
         self.rows = [self.rows[number] for number in keep.tolist()]
+        self.expected = [self.expected[number] for number in keep.tolist()]
+        self.proposed = [self.proposed[number] for number in keep.tolist()]
+
+    def _row_budget(self, row: int, length: int, budget: int) -> int:
+        """The row's budget after the last step accepted ``length - 1`` drafts (adaptive: shrinks
+        to a quarter of ``budget`` while drafts are rejected, back to ``budget`` as they are accepted)."""
+        if not self.config.adaptive:
+            return budget
+        if self.proposed[row]:
+            self.expected[row] = 0.5 * self.expected[row] + 0.5 * (length - 1)
+        scale = min(1.0, 0.25 + self.expected[row] / 2)
+        return max(1, round(budget * scale)) if budget else 0
 
     def proposals(self, batch: DraftBatch, budget: int | None = None) -> list[Proposal]:
         """Append each row's newly committed tokens to its index and match its text (root included)."""
@@ -85,13 +100,16 @@ class LookupDrafter:
         roots = batch.roots.tolist()
         history = None if self.memory is None else self.memory.history
         found = []
-        for index, row_tokens, length, root in zip(self.rows, tokens, lengths, roots):
+        for row, (index, row_tokens, length, root) in enumerate(zip(self.rows, tokens, lengths, roots)):
+            row_budget = self._row_budget(row, length, budget)
             index.extend(0, row_tokens[:length])
             sources = [(index, 1.0)]
             if history is not None and len(history):
                 sources.append((history, config.history_confidence))
             context = index.tokens(0)[-config.max_ngram:] + [root]
-            found.append(propose(context, sources, budget, config.max_depth, config.min_match))
+            proposal = propose(context, sources, row_budget, config.max_depth, config.min_match)
+            self.proposed[row] = bool(proposal.tokens)
+            found.append(proposal)
         return found
 
     @torch.no_grad()

@@ -142,3 +142,11 @@ def test_eos_and_pad_overrides_and_tokenizer_outputs():
         spec.generate(prompt, max_new_token=4)
     with pytest.raises(TypeError, match="GenerationConfig"):
         spec.generate(prompt, generation_config={"max_new_tokens": 3})
+
+
+def test_a_request_past_the_position_table_is_refused_up_front():
+    model, spec = _spec("gpt2")  # n_positions 256
+    prompt = random_prompt(250, seed=1)
+    with pytest.raises(ValueError, match="exceeds this model's 256 positions"):
+        spec.generate(prompt, max_new_tokens=10)
+    assert spec.generate(prompt, max_new_tokens=6).shape[1] == 256
