@@ -147,4 +147,9 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
     spec.heads.load_state_dict(tensors, strict=True)
     spec.metadata = {"training": config.get("training", {}), "acceptance": config.get("acceptance", {}),
                      "target": config["target"], "source_format": source}
+    if config.get("lookup") is not None:
+        try:
+            spec.set_lookup(dict(config["lookup"]))
+        except (TypeError, ValueError) as error:
+            raise AdapterError(f"{directory}: bad lookup settings: {error}") from error
     return spec

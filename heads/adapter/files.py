@@ -52,6 +52,8 @@ def adapter_config(spec, **metadata) -> dict:
         "tree_accuracy": spec.accuracy,
         "training": metadata.get("training", spec.metadata.get("training", {})),
         "acceptance": metadata.get("acceptance", spec.metadata.get("acceptance", {})),
+        # a hybrid's lookup settings; absent otherwise, so that plain adapters stay readable by older versions
+        **({"lookup": spec.lookup.to_dict()} if spec.lookup is not None else {}),
     }
 
 

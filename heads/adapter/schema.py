@@ -17,6 +17,7 @@ FORMAT_VERSION = 1
 """Version of the adapter layout this selfdraft writes and the newest it reads."""
 
 TOP_LEVEL_FIELDS = ("format_version", "library", "kind", "drafter", "target", "tree_accuracy", "training",
+                    "lookup",
                     "acceptance")
 TARGET_FIELDS = ("name_or_path", "revision", "model_type", "config_sha256", "weights_sha256", "vocab_size",
                  "hidden_size", "dtype")
@@ -155,6 +156,9 @@ def validate_config(config: object, where: str, pinned: bool = True) -> dict:
     if not isinstance(config.get("training", {}), dict):
         raise AdapterError(f"{where}: field 'training' must be an object; got {config['training']!r}")
     check_acceptance(config.get("acceptance", {}), where)
+    if not isinstance(config.get("lookup", {}), dict):
+        raise AdapterError(f"{where}: field 'lookup' (the lookup settings of a hybrid) must be an object; got "
+                           f"{config['lookup']!r}")
     return config
 
 

@@ -240,3 +240,25 @@ def test_resume_through_the_command(model_dir, tmp_path, capsys):
     again = json.loads((tmp_path / "s.json").read_text())
     assert again["losses"] == first["losses"] and again["final_loss"] == first["final_loss"]
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+
+
+def test_lookup_from_the_command_line(model_dir, tmp_path, capsys):
+    """bench the lookup kind with no adapter (and a corpus), train a hybrid and bench it."""
+    data = _write_prompts(tmp_path / "prompts.jsonl", 12, seed=3)
+    corpus = _write_prompts(tmp_path / "corpus.jsonl", 6, seed=4)
+    report_path = tmp_path / "lookup.json"
+    assert main(["bench", "--model", str(model_dir), "--lookup", "6", "--lookup-corpus", str(corpus), "--data",
+                 str(data), "--max-new-tokens", "12", "--prompts", "2", "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["identical"] is True and report["tau"] >= 1.0
+    assert main(["bench", "--model", str(model_dir), "--data", str(data)]) == 2
+    assert "--lookup N" in capsys.readouterr().err
+    adapter = tmp_path / "hybrid"
+    assert main(_train_args(model_dir, data, adapter, tmp_path / "cache", tmp_path / "train.json", steps=3)
+                + ["--lookup", "4"]) == 0
+    assert json.loads((adapter / "adapter_config.json").read_text())["lookup"]["budget"] == 4
+    assert main(["bench", "--model", str(model_dir), "--adapter", str(adapter), "--data", str(data),
+                 "--max-new-tokens", "12", "--prompts", "2", "--json", str(report_path)]) == 0
+    assert json.loads(report_path.read_text())["identical"] is True
+    assert main(_train_args(model_dir, data, tmp_path / "bad", tmp_path / "cache", tmp_path / "t.json")
+                + ["--lookup", "0"]) == 2

@@ -16,7 +16,13 @@ def add_parser(commands) -> None:
                     "position, and check the outputs are identical.",
     )
     parser.add_argument("--model", required=True, help="local Hugging Face model directory (or hub id)")
-    parser.add_argument("--adapter", required=True, help="adapter directory written by `selfdraft train`")
+    parser.add_argument("--adapter", default=None,
+                        help="adapter directory written by `selfdraft train` (none: the lookup kind, see --lookup)")
+    parser.add_argument("--lookup", type=int, default=None, metavar="N",
+                        help="add lookup drafting of N nodes per step to the adapter's trees (a hybrid), or without "
+                             "--adapter: the lookup kind alone (0: the adapter's own setting)")
+    parser.add_argument("--lookup-corpus", default=None, metavar="FILE",
+                        help="texts (jsonl or plain text, as --data) lookup also matches against")
     parser.add_argument("--data", required=True, help="prompts (jsonl or plain text)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--prompts", type=int, default=10, help="number of prompts to use")
@@ -40,13 +46,29 @@ def run(args) -> int:
     check_int(args.tree, "--tree", 0)
     check_int(args.threads, "--threads", 1)
     check_model(args.model)
-    check_input_directory(args.adapter, "--adapter")
+    if args.adapter is not None:
+        check_input_directory(args.adapter, "--adapter")
+    elif not args.lookup:
+        raise UsageError("give --adapter DIR, or --lookup N to measure the lookup kind (no adapter)")
+    check_int(args.lookup, "--lookup", 0)
+    if args.lookup_corpus is not None:
+        read_prompts(args.lookup_corpus, None, "--lookup-corpus")
     read_prompts(args.data, None)
     check_output_file(args.json, "--json")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    spec = heads.load_heads(model, args.adapter)
+    corpus = read_prompts(args.lookup_corpus, tokenizer, "--lookup-corpus") if args.lookup_corpus else None
+    lookup = {"corpus": corpus, "tokenizer": tokenizer if corpus else None}
+    if args.adapter is None:
+        spec = heads.attach_heads(model, kind="lookup", tree=args.lookup, **lookup)
+    else:
+        spec = heads.load_heads(model, args.adapter)
+        if args.lookup or corpus:
+            settings = {**(spec.lookup.to_dict() if spec.lookup is not None else {}), **lookup}
+            if args.lookup:
+                settings["budget"] = args.lookup
+            spec.set_lookup(settings)
     if args.tree is not None:
         try:
             spec.set_tree(args.tree)

@@ -59,6 +59,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--data", required=True,
                         help="prompts: jsonl ({'prompt'}, {'text'} or ShareGPT {'conversations'}) or plain text")
     parser.add_argument("--out", required=True, help="adapter directory to write")
+    parser.add_argument("--lookup", type=int, default=None, metavar="N",
+                        help="save the adapter as a hybrid: its trees plus lookup drafting of N nodes per step")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step, all processes")
     parser.add_argument("--gradient-accumulation", type=int, default=1, help="micro-steps per optimizer step")
@@ -221,7 +223,8 @@ def check_arguments(args, processes: int):
             ("--eval-prompts", args.eval_prompts, 0, " (0: skip the evaluation)"),
             ("--eval-max-new-tokens", args.eval_max_new_tokens, 1, ""),
             ("--on-policy-refresh", args.on_policy_refresh, 1, ""),
-            ("--on-policy-prompts", args.on_policy_prompts, 1, ""), ("--seed", args.seed, 0, "")):
+            ("--on-policy-prompts", args.on_policy_prompts, 1, ""), ("--seed", args.seed, 0, ""),
+            ("--lookup", args.lookup, 1, " (lookup nodes per step of the hybrid)")):
         check_int(value, flag, minimum, meaning)
     check_number(args.lr, "--lr", 0.0, inclusive=False)
     check_number(args.temperature, "--temperature", 0.0, inclusive=False)
@@ -290,6 +293,8 @@ def run(args) -> int:
         acceptance = _held_out_acceptance(args, spec, tokenizer, config) if args.eval_prompts else {}
         if args.eval_prompts:
             summary["eval"] = acceptance
+        if args.lookup:
+            spec.set_lookup(budget=args.lookup)
         spec.save_pretrained(args.out, training=_recipe(args, config, prompts, accelerator), acceptance=acceptance,
                              revision=args.revision)
         write_json(args.json, summary)
