@@ -9,7 +9,7 @@ import importlib
 
 from .kind import CheckpointFormat, DrafterKind
 
-PACKAGES = ("medusa", "eagle", "lookup")
+PACKAGES = ("medusa", "eagle", "lookup", "draft")
 """The kinds' packages under ``heads/``, in the order formats are detected and kinds listed."""
 
 _REGISTRY: dict[str, DrafterKind] = {}

@@ -1,0 +1,82 @@
+"""Draft-model speculative decoding (Leviathan et al. 2023; Chen et al. 2023): a separate small
+causal LM that shares the target's tokenizer drafts chains or dynamic trees (EAGLE-2-style
+top-k expansion with a node budget, scored by the draft's log-probabilities). Registered as
+``KIND`` (see :mod:`heads.kinds`).
+
+    spec = heads.attach_heads(model, kind="draft", draft_model=small)               # a chain of 4
+    spec = heads.attach_heads(model, kind="draft", draft_model=small, depth=5, top_k=2, total_tokens=8)
+    spec = heads.attach_heads(model, kind="draft", draft_model=small, depth=8, confidence=0.4)  # stop when unsure
+    spec = heads.attach_heads(model, kind="draft", draft_model=small, tokenizer=tok, draft_tokenizer=small_tok)
+"""
+
+from __future__ import annotations
+
+from tree_attention.verify import SamplingRule
+
+from ..kind import DrafterKind, refuse_options
+from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, SAMPLE_MODES, DraftConfig
+from .drafter import DraftModelDrafter
+from .modules import DraftModel, check_draft_model, check_special_ids, check_tokenizers
+
+__all__ = ["KIND", "DraftConfig", "DraftModel", "DraftModelDrafter", "make_config", "bind_rule",
+           "check_draft_model", "check_special_ids", "check_tokenizers",
+           "DEFAULT_DEPTH", "DEFAULT_TOP_K", "DEFAULT_TOTAL_TOKENS", "SAMPLE_MODES"]
+
+OPTIONS = ("draft_model", "depth", "top_k", "total_tokens", "sample", "confidence", "tokenizer", "draft_tokenizer")
+
+
+def make_config(draft_model=None, depth: int | None = None, top_k: int | None = None,
+                total_tokens: int | None = None, sample: str | None = None, confidence: float | None = None,
+                tokenizer=None, draft_tokenizer=None, **others) -> DraftConfig:
+    """The config ``attach_heads(kind="draft", ...)`` builds; ``draft_model`` is required, a lone
+    ``total_tokens`` lowers the default depth to fit it, and ``tokenizer``/``draft_tokenizer``
+    (both or neither) are compared id by id."""
+    refuse_options("draft", OPTIONS, others)
+    if draft_model is None:
+        raise ValueError("kind='draft' needs draft_model=: a small causal LM (PreTrainedModel) that shares the "
+                         "target's tokenizer")
+    check_tokenizers(tokenizer, draft_tokenizer)
+    shape = {name: value for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens))
+             if value is not None}
+    return DraftConfig(sample=sample or "auto", confidence=0.0 if confidence is None else confidence,
+                       draft_model=draft_model, **DraftConfig().with_tree(shape).tree)
+
+
+def build_heads(target, config: DraftConfig) -> DraftModel:
+    if config.draft_model is None:
+        raise ValueError("a draft spec is built from a live draft model: attach it with "
+                         "heads.attach_heads(model, kind='draft', draft_model=...)")
+    return DraftModel(target, config.draft_model)
+
+
+def build_drafter(spec, tree) -> DraftModelDrafter:
+    return DraftModelDrafter(spec.heads, spec.config.with_tree(tree))
+
+
+def bind_rule(drafter, rule):
+    """``drafter`` set up for the serving ``rule``: sampled chain candidates (drawn from the draft's
+    distribution under the rule's own warp and generator) when the rule samples losslessly, the
+    config's ``sample`` mode allows it and the tree is a chain; top-k candidates otherwise.
+
+    ``SpeculativeModel.generate`` should call this (``KIND.extra["bind_rule"]``) on the drafter it
+    runs, after building the rule; until it does, drafts are top-k candidates (still lossless)."""
+    if not isinstance(drafter, DraftModelDrafter):
+        return drafter
+    sampled = isinstance(rule, SamplingRule) and rule.lossless and drafter.top_k == 1
+    if sampled and drafter.config.sample != "never":
+        drafter.sample_with(rule.warp, rule.generator)
+    else:
+        drafter.sample_with(None, None)
+    return drafter
+
+
+def policy_sizes(spec) -> tuple[int, ...]:
+    configured = spec.config.total_tokens
+    return tuple(sorted({size for size in (2, 4, 8) if size < configured} | {configured} - {0}))
+
+
+KIND = DrafterKind(
+    name="draft", config_class=DraftConfig, make_config=make_config, build_heads=build_heads,
+    build_drafter=build_drafter, options=OPTIONS, policy_sizes=policy_sizes, trainable=False,
+    extra={"bind_rule": bind_rule},
+)

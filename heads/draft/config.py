@@ -1,0 +1,92 @@
+"""Hyper-parameters of a draft-model drafter: its tree shape and how candidates are chosen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+# A chain of 4 (Leviathan et al.'s gamma): on this CPU every drafting level is one more forward of
+# the draft model, so chains beat wide trees unless the draft is nearly free (see heads/eagle/config.py).
+DEFAULT_DEPTH = 4
+DEFAULT_TOP_K = 1
+DEFAULT_TOTAL_TOKENS = 4
+SAMPLE_MODES = ("auto", "never", "always")
+_TREE_FIELDS = ("depth", "top_k", "total_tokens")
+
+
+def _positive_int(value: object, name: str, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"DraftConfig.{name} must be an int >= {low}; got {value!r}")
+
+
+@dataclass
+class DraftConfig:
+    """How a separate draft model proposes trees (``attach_heads(model, kind="draft", ...)``)."""
+
+    depth: int = DEFAULT_DEPTH
+    """Deepest level of the draft tree (gamma for a chain): draft-model forwards per step beyond the first."""
+    top_k: int = DEFAULT_TOP_K
+    """Children per expanded node, and nodes expanded per level (1: a chain)."""
+    total_tokens: int = DEFAULT_TOTAL_TOKENS
+    """Drafted nodes verified per step, the best by the draft's path log-probability (root
+    excluded). At least ``depth``; 0 drafts nothing (plain decoding, tau 1)."""
+    sample: str = "auto"
+    """Candidates under sampling: ``auto`` draws a chain's tokens from the draft's own warped
+    distribution q (accepted with min(1, p/q) and the residual) when the serving rule samples and
+    ``top_k`` is 1, else the top-k tokens (point masses); ``never`` always the top-k tokens;
+    ``always`` like ``auto`` but a ValueError for ``top_k`` > 1. Greedy decoding always drafts
+    the top-k tokens."""
+    confidence: float = 0.0
+    """Chains only: a chain stops growing below a node whose draft distribution's largest
+    probability is under this (the node itself is still verified), saving draft forwards where the
+    draft is unsure, like transformers' ``assistant_confidence_threshold``; 0 drafts ``depth``
+    tokens every step. The choice depends on the draft's distribution, never on the drawn token,
+    so sampled chains stay lossless."""
+    draft_model: object = field(default=None, repr=False, compare=False)
+    """The draft ``PreTrainedModel`` (a live object: not part of :meth:`to_dict`)."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self.depth, "depth")
+        _positive_int(self.top_k, "top_k")
+        _positive_int(self.total_tokens, "total_tokens", low=0)
+        if 0 < self.total_tokens < self.depth:
+            raise ValueError(f"DraftConfig.total_tokens ({self.total_tokens}) must be >= depth ({self.depth}): a "
+                             f"tree of {self.total_tokens} drafted nodes is at most {self.total_tokens} deep "
+                             f"(total_tokens=0: no drafting)")
+        if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) or \
+                not 0.0 <= self.confidence < 1.0:
+            raise ValueError(f"DraftConfig.confidence must be in [0, 1); got {self.confidence!r}")
+        if self.sample not in SAMPLE_MODES:
+            raise ValueError(f"DraftConfig.sample must be one of {SAMPLE_MODES}; got {self.sample!r}")
+        if self.sample == "always" and self.top_k != 1:
+            raise ValueError(f"DraftConfig.sample='always' draws chains (top_k=1); got top_k={self.top_k}. "
+                             "Trees draft their top-k tokens (sample='auto')")
+
+    @property
+    def tree(self) -> dict:
+        """The configured tree shape (what ``SpeculativeModel.set_tree(None)`` uses)."""
+        return {name: getattr(self, name) for name in _TREE_FIELDS}
+
+    def with_tree(self, tree: int | Mapping[str, int] | None) -> "DraftConfig":
+        """This config with another tree shape: a node count (``total_tokens``; lowers ``depth``
+        to fit, never widens) or a mapping of ``depth``/``top_k``/``total_tokens`` (None: unchanged)."""
+        if tree is None:
+            return self
+        if isinstance(tree, Mapping):
+            unknown = set(tree) - set(_TREE_FIELDS)
+            if unknown:
+                raise ValueError(f"draft tree options are {_TREE_FIELDS}; got unknown {sorted(unknown)}")
+            shape = dict(tree)
+        elif isinstance(tree, bool) or not isinstance(tree, int):
+            raise ValueError(f"a draft tree is a node count (total_tokens) or a mapping of {_TREE_FIELDS}; "
+                             f"got {tree!r}")
+        else:
+            shape = {"total_tokens": tree}
+        total = shape.get("total_tokens")
+        if "depth" not in shape and isinstance(total, int) and not isinstance(total, bool) and total >= 1:
+            shape["depth"] = min(self.depth, total)
+        return replace(self, **shape)
+
+    def to_dict(self) -> dict:
+        """The hyper-parameters (the draft model itself is not recorded)."""
+        return {name: getattr(self, name) for name in (*_TREE_FIELDS, "sample", "confidence")}
