@@ -64,6 +64,9 @@ class DrafterKind:
     """Drafter fields an export's sidecar must agree on with the checkpoint beside it."""
     restore_sidecar: Callable[[dict, dict, object, Path], dict] | None = None
     """``(own config, tensors, model, sidecar path)`` → tensors, after a sidecar restored the config."""
+    bind_rule: Callable[[object, object], object] | None = None
+    """``(drafter, acceptance rule) -> drafter`` set up for the serving rule (e.g. sampled
+    candidates drawn at the rule's own settings); called by ``generate`` before each run."""
     loss: Callable[..., object] | None = None
     """The training hook (``heads/<kind>/loss.py``) the generic trainer calls."""
     cli: object | None = None

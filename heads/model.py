@@ -134,6 +134,7 @@ class SpeculativeModel:
         heads: the drafter, the only trainable parameters.
         target: the :class:`~heads.backbone.Backbone` view of ``backbone`` the loop runs.
         last_stats: :class:`~tree_attention.decode.DecodeStats` of the last ``generate``.
+        backbone_lora: the backbone's peft adapters (:class:`heads.lora.BackboneLora`) or None.
     """
 
     def __init__(self, target: Backbone, heads: nn.Module, kind: str, config,
@@ -146,6 +147,9 @@ class SpeculativeModel:
         self.accuracy = [list(row) for row in accuracy] if accuracy is not None else None
         self.last_stats: DecodeStats | None = None
         self.metadata: dict = {}
+        self.backbone_lora = None
+        """:class:`heads.lora.BackboneLora` when the backbone carries peft adapters (a Medusa-2 LoRA, a
+        ``PeftModel``): its outputs then differ from the base model's, and the adapter pins both."""
         self._policy = None
         self.lookup = None
         self._lookup_memory = None
@@ -278,6 +282,7 @@ class SpeculativeModel:
                     self.last_stats = stats
                     return output
                 drafter = self.drafter_for(choice["tree"])
+            drafter = self._bind(drafter, rule)
             decoder = SpeculativeDecoder(self.target, drafter, input_ids, settings.max_new_tokens,
                                          settings.eos_token_ids, rule, attention_mask, settings.pad_token_id,
                                          stop=criteria, on_commit=None if streamer is None else
@@ -290,6 +295,18 @@ class SpeculativeModel:
             self.policy.observe(choice["tree"], rule.key, stats, self.policy.key(input_ids))
         self.last_stats = stats
         return output
+
+    def _bind(self, drafter, rule):
+        """The drafter set up for ``rule`` by its kind (``DrafterKind.bind_rule``), if the kind has a hook."""
+        bind = kinds.get(self.kind).bind_rule
+        if bind is None:
+            return drafter
+        from .lookup import HybridDrafter
+
+        if isinstance(drafter, HybridDrafter):
+            drafter.base = bind(drafter.base, rule)
+            return drafter
+        return bind(drafter, rule)
 
     @property
     def policy(self):

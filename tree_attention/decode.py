@@ -217,6 +217,7 @@ class SpeculativeDecoder:
         self.max_depth = 0
         self.stats.phases = dict.fromkeys(PHASES, 0.0)
         self._stamp = time.perf_counter()
+        self.holes = 0  # slots appended since the last compaction that no row kept (a bound on any row's holes)
 
     # -- state per row ------------------------------------------------------------------------
 
@@ -277,8 +278,7 @@ class SpeculativeDecoder:
         """One draft → verify → accept → commit step for every row still decoding."""
         trees = self.drafter.propose(self.draft)
         self._lap("draft")
-        budget = self.max_new_tokens - 1 - torch.tensor([len(self.outputs[row]) for row in self.rows])
-        trees = truncate_batch(trees, budget.to(trees.depths.device))
+        trees = truncate_batch(trees, [self.max_new_tokens - 1 - len(self.outputs[row]) for row in self.rows])
         self._lap("tree")
         query_positions = self.lengths[:, None] + trees.depths  # (R, N)
         mask = self.cache.mask(query_positions, trees.visibility, self.target.layout, self.target.dtype)
@@ -300,17 +300,19 @@ class SpeculativeDecoder:
         self.stats.row_forwards += rows
         self.stats.tree_size = max(self.stats.tree_size, trees.width)
         self.stats.verified_nodes += trees.width
-        self.max_depth = max(self.max_depth, int(trees.depths.max()))
+        self.max_depth = max(self.max_depth, trees.max_depth)
         chunks = torch.cat([path_tokens, accepted.next_tokens[:, None]], dim=1).tolist()
         done = []
-        for index, (row, length) in enumerate(zip(self.rows, lengths.tolist())):
+        counts = lengths.tolist()
+        self.holes += trees.width * rows - sum(counts)
+        for index, (row, length) in enumerate(zip(self.rows, counts)):
             self.stats.accepted_lengths.append(length - 1)
             chunk = chunks[index]
             done.append(self._emit(row, chunk[1:length] + [chunk[-1]]))
         self._keep_rows(done)
         self._lap("commit")
-        if self.rows:
-            self.cache.compact()
+        if self.rows and 2 * self.holes >= self.cache.width and self.cache.compact():
+            self.holes = 0
         self._lap("cache")
 
     def result(self) -> torch.Tensor:

@@ -169,6 +169,13 @@ class TreeBatch:
     draft_probs: torch.Tensor | None = None
     uniform: bool = False
     """True when every row has all ``N`` nodes (no padding): the batch-1 and static-tree fast path."""
+    depth: int | None = None
+    """The deepest node's depth when the drafter knows it without reading the tensors (lets the
+    loop skip a host synchronisation); None: read from ``depths``."""
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if self.depth is None else self.depth
 
     @property
     def rows(self) -> int:
@@ -196,7 +203,8 @@ class TreeBatch:
         rows = tokens.shape[0]
         return cls(tokens, template.parents.expand(rows, -1), template.depths.expand(rows, -1),
                    template.ancestors.expand(rows, -1, -1),
-                   torch.full((rows,), template.size, dtype=torch.long, device=tokens.device), uniform=True)
+                   torch.full((rows,), template.size, dtype=torch.long, device=tokens.device), uniform=True,
+                   depth=template.max_depth)
 
     @classmethod
     def from_trees(cls, trees: Sequence[Tree]) -> "TreeBatch":
@@ -353,12 +361,13 @@ def default_tree(size: int, num_depths: int,
     return from_choices(best_first_choices(table, size))
 
 
-def truncate_batch(trees: TreeBatch, limits: torch.Tensor) -> TreeBatch:
-    """Each row cut to its nodes at depth ``<= limits[r]`` (``[R]`` long); unchanged (no copy)
-    when no row is deeper than its limit."""
-    if not bool((trees.depths > limits[:, None]).any()):
+def truncate_batch(trees: TreeBatch, limits: list[int]) -> TreeBatch:
+    """Each row cut to its nodes at depth ``<= limits[r]``; unchanged (no copy) when no row is
+    deeper than its limit."""
+    if trees.max_depth <= min(limits):
         return trees
-    limits = limits.tolist()
+    if not bool((trees.depths > torch.tensor(limits, device=trees.depths.device)[:, None]).any()):
+        return trees
     return TreeBatch.from_trees([truncate_depth(tree, limit) for tree, limit in zip(trees.trees(), limits)])
 
 

@@ -91,6 +91,9 @@ def greedy_accept_batch(trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptan
     Equal to :func:`greedy_accept` row by row (ties between equally deep paths go to the lower index)."""
     rows, width = trees.tokens.shape
     target = logits.argmax(dim=-1)  # (R, N)
+    if width == 1:  # roots only: nothing drafted
+        zeros = torch.zeros(rows, 1, dtype=torch.long, device=target.device)
+        return BatchAcceptance(zeros, torch.ones(rows, dtype=torch.long, device=target.device), target[:, 0])
     correct = trees.tokens == target.gather(1, trees.parents.clamp(min=0))
     correct[:, 0] = True
     if not trees.uniform:

@@ -58,8 +58,8 @@ def bind_rule(drafter, rule):
     distribution under the rule's own warp and generator) when the rule samples losslessly, the
     config's ``sample`` mode allows it and the tree is a chain; top-k candidates otherwise.
 
-    ``SpeculativeModel.generate`` should call this (``KIND.extra["bind_rule"]``) on the drafter it
-    runs, after building the rule; until it does, drafts are top-k candidates (still lossless)."""
+    ``SpeculativeModel.generate`` calls this (``KIND.bind_rule``) on the drafter it runs, after
+    building the rule (inside a hybrid, on its trained part)."""
     if not isinstance(drafter, DraftModelDrafter):
         return drafter
     sampled = isinstance(rule, SamplingRule) and rule.lossless and drafter.top_k == 1
@@ -78,5 +78,5 @@ def policy_sizes(spec) -> tuple[int, ...]:
 KIND = DrafterKind(
     name="draft", config_class=DraftConfig, make_config=make_config, build_heads=build_heads,
     build_drafter=build_drafter, options=OPTIONS, policy_sizes=policy_sizes, trainable=False,
-    extra={"bind_rule": bind_rule},
+    bind_rule=bind_rule,
 )

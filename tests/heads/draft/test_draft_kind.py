@@ -262,7 +262,23 @@ def sampled_chain(toy_pair, settings):
     return samples
 
 
+def sampled_chain_through_generate(toy_pair, settings):
+    """As :func:`sampled_chain`, through ``spec.generate`` (which binds the drafter to the rule)."""
+    target, draft = toy_pair
+    spec = heads.attach_heads(target, kind="draft", draft_model=draft, depth=3, total_tokens=3)
+
+    def run(ids, mask, generator):
+        output = spec.generate(ids, attention_mask=mask, max_new_tokens=SAMPLED + 1, do_sample=True,
+                               generator=generator, **settings)
+        assert spec.drafter.sampling  # generate bound the chain to the sampling rule
+        return output, spec.last_stats
+
+    return sample_runs(run)
+
+
 SAMPLING_CASES = [
+    pytest.param(sampled_chain_through_generate, dict(temperature=1.0, top_k=0, top_p=None),
+                 id="sampled-chain-generate-T1"),
     pytest.param(top_k_candidates, dict(temperature=0.7, top_k=8, top_p=None), id="top-k-tree-T0.7-topk8"),
     pytest.param(sampled_chain, dict(temperature=1.0, top_k=0, top_p=None), id="sampled-chain-T1"),
 ]
