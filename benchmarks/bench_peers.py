@@ -56,7 +56,13 @@ def prompts_of(tokenizer, file: str, count: int) -> list[torch.Tensor]:
     return [tokenizer(text, return_tensors="pt").input_ids for text in texts]
 
 
-def methods_for(model, target_name: str, adapters: dict, sample: bool) -> dict:
+def load_draft(path: str, model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype).eval()
+
+
+def methods_for(model, target_name: str, adapters: dict, sample: bool, drafts: dict | None = None) -> dict:
     """``{name: (group, callable(prompt, max_new) -> (output, stats or None))}``."""
     options = dict(do_sample=True, temperature=args_temperature[0], top_k=0) if sample else dict(do_sample=False)
     pad = model.generation_config.pad_token_id
@@ -67,6 +73,13 @@ def methods_for(model, target_name: str, adapters: dict, sample: bool) -> dict:
             p, max_new_tokens=n, prompt_lookup_num_tokens=size, pad_token_id=pad, **options), None))
     specs = {f"lookup_{budget}": heads.attach_heads(model, kind="lookup", tree=budget, history_tokens=0)
              for budget in LOOKUP_BUDGETS}
+    for name, (target, directory) in (drafts or {}).items():
+        if target != target_name:
+            continue
+        small = load_draft(directory, model)
+        methods[f"assisted_{name}"] = ("peers", lambda p, n, small=small: (model.generate(
+            p, max_new_tokens=n, assistant_model=small, pad_token_id=pad, **options), None))
+        specs[f"draft_{name}"] = heads.attach_heads(model, kind="draft", draft_model=small, confidence=0.4)
     for name, (target, directory) in adapters.items():
         if target == target_name:
             specs[name] = heads.load_heads(model, directory)
@@ -76,14 +89,18 @@ def methods_for(model, target_name: str, adapters: dict, sample: bool) -> dict:
     for name, spec in specs.items():
         methods[name] = ("selfdraft", lambda p, n, spec=spec: (spec.generate(p, max_new_tokens=n, **sampling),
                                                               spec.last_stats))
+    for name in [name for name in specs if name == "lookup_10" or name.endswith("+lookup")]:
+        methods[f"{name}@auto"] = ("selfdraft", lambda p, n, spec=specs[name]: (
+            spec.generate(p, max_new_tokens=n, speculate="auto", **sampling), spec.last_stats))
     return methods
 
 
 args_temperature = [0.7]
 
 
-def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, sample: bool) -> dict:
-    methods = methods_for(model, target_name, adapters, sample)
+def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, sample: bool,
+            drafts: dict | None = None) -> dict:
+    methods = methods_for(model, target_name, adapters, sample, drafts)
     names = list(methods)
     times = {name: [] for name in names}
     taus = {name: [] for name in names}
@@ -124,7 +141,7 @@ def summarise(raw: dict, prompts, max_new: int, verify_costs: dict) -> dict:
     step_ms = 1000 * statistics.median(t / max_new for t in plain)
     for name, values in times.items():
         speedup = statistics.median(p / t for p, t in zip(plain, values))
-        if name in ("generate",) or name.startswith("prompt_lookup"):
+        if name in ("generate",) or name.startswith(("prompt_lookup", "assisted")):
             result["peers"][name] = {"speedup": speedup, "tau": None}
             continue
         tau = statistics.median(raw["taus"][name])
@@ -137,6 +154,12 @@ def summarise(raw: dict, prompts, max_new: int, verify_costs: dict) -> dict:
     pld = {name: entry for name, entry in result["peers"].items() if name.startswith("prompt_lookup")}
     best = max(pld, key=lambda name: pld[name]["speedup"])
     result["peers"]["prompt_lookup"] = {**pld[best], "best_of": best}
+    peer = max((n for n in result["peers"] if n not in ("generate", "prompt_lookup")),
+               key=lambda n: result["peers"][n]["speedup"])
+    ours = max(result["selfdraft"], key=lambda n: result["selfdraft"][n]["speedup"])
+    result["best_peer"] = {"name": peer, "speedup": result["peers"][peer]["speedup"]}
+    result["best_selfdraft"] = {"name": ours, "speedup": result["selfdraft"][ours]["speedup"]}
+    result["best_over_best_peer"] = result["selfdraft"][ours]["speedup"] / result["peers"][peer]["speedup"]
     result["generate_step_ms"] = step_ms
     return result
 
@@ -172,6 +195,8 @@ def main() -> None:
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     parser.add_argument("--adapter", action="append", default=[], metavar="NAME=TARGET:DIR",
                         help="a trained selfdraft adapter to include, e.g. medusa=stories260K:/tmp/a")
+    parser.add_argument("--draft", action="append", default=[], metavar="NAME=TARGET:DIR",
+                        help="a small draft model: transformers' assisted generation and selfdraft's draft kind")
     parser.add_argument("--out", default="peers.json")
     args = parser.parse_args()
     if args.quick:
@@ -186,6 +211,13 @@ def main() -> None:
             raise SystemExit(f"--adapter {item!r}: expected NAME=TARGET:DIR with TARGET in {list(TARGETS)} "
                              "and an existing adapter directory")
         adapters[name] = (target, directory)
+    drafts = {}
+    for item in args.draft:
+        name, _, rest = item.partition("=")
+        target, _, directory = rest.partition(":")
+        if not name or target not in TARGETS or not Path(directory).is_dir():
+            raise SystemExit(f"--draft {item!r}: expected NAME=TARGET:DIR with TARGET in {list(TARGETS)}")
+        drafts[name] = (target, directory)
     results: dict = {}
     for target_name in args.targets:
         model, tokenizer = load_target(TARGETS[target_name]["path"])
@@ -197,7 +229,7 @@ def main() -> None:
             costs = bare_verify_ms(spec, length)
             modes = [False] + ([True] if args.temperature > 0 else [])
             for sample in modes:
-                raw = run_mix(model, target_name, prompts, args.max_new_tokens, adapters, sample)
+                raw = run_mix(model, target_name, prompts, args.max_new_tokens, adapters, sample, drafts)
                 key = f"{mix}@T{args.temperature}" if sample else mix
                 results[target_name][key] = summarise(raw, prompts, args.max_new_tokens, costs)
                 results[target_name][key]["verify_bare_ms"] = costs
@@ -208,7 +240,8 @@ def main() -> None:
                                           for n, v in entry["selfdraft"].items())
                 print(f"{target_name} / {key}: {line}", flush=True)
     settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "threads": args.threads, "adapters": {k: list(v) for k, v in adapters.items()}}
+                "threads": args.threads, "adapters": {k: list(v) for k, v in adapters.items()},
+                "drafts": {k: list(v) for k, v in drafts.items()}}
     path = write_json(args.out, {"settings": settings, **results})
     plot(results, RESULTS / Path(args.out).with_suffix(".png").name)
     print(f"wrote {path}")
