@@ -242,11 +242,11 @@ class SpeculativeDecoder:
             return
         keep = [index for index, finished in enumerate(done) if not finished]
         self.rows = [self.rows[index] for index in keep]
+        index = torch.tensor(keep, dtype=torch.long, device=self.lengths.device)
+        self.drafter.retire(index)  # also when every row finished: drafters that remember text do it now
         if not keep:
             return
-        index = torch.tensor(keep, device=self.lengths.device)
         self.cache.select_rows(index)
-        self.drafter.retire(index)
         self.lengths = self.lengths[index]
         draft = self.draft
         self.draft = DraftBatch(draft.features[index], draft.tokens[index], draft.lengths[index], draft.roots[index])

@@ -328,6 +328,21 @@ def test_history_helps_the_second_request():
     assert second.accepted_lengths[0] >= 5  # the first step already continues the earlier request
 
 
+def test_history_survives_a_new_tree_and_auto():
+    """Finished rows reach the history when they finish, not when the same drafter is reset, so a
+    drafter swapped by set_tree or speculate="auto" loses nothing."""
+    model = build_model("mistral", seed=10)
+    prompt = random_prompt(10, seed=11)
+    expected = greedy_reference(model, prompt, 24)
+    spec = heads.attach_heads(model, kind="lookup", tree=10)
+    spec.generate(prompt, max_new_tokens=24)
+    first = spec.last_stats.mean_accepted
+    spec.set_tree(8)  # a new drafter, same memory
+    assert torch.equal(spec.generate(prompt, max_new_tokens=24), expected)
+    assert spec.last_stats.mean_accepted > first + 1
+    assert spec.last_stats.accepted_lengths[0] >= 5
+
+
 def test_no_history_no_memory():
     model = build_model("mistral", seed=10)
     prompt = random_prompt(10, seed=11)
