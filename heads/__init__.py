@@ -18,7 +18,7 @@ from . import kinds
 from .adapter import AdapterError, TargetMismatchError, TargetPin
 from .backbone import SUPPORTED_ARCHITECTURES, Backbone, UnsupportedBackboneError, inspect_backbone
 from .eagle import EagleConfig, EagleHeads
-from .loading import load_heads
+from .loading import attach_backbone, load_heads
 from .medusa import MedusaConfig, MedusaHeads
 from .model import SpeculativeModel, build_spec
 
@@ -45,11 +45,15 @@ def _refuse_foreign_options(entry, options: dict) -> None:
     raise ValueError(f"{', '.join(foreign)}: {whose}, not of kind={entry.name!r} (its options: {list(entry.options)})")
 
 
-def attach_heads(model: PreTrainedModel, kind: str = "medusa", lookup=None, **options) -> SpeculativeModel:
+def attach_heads(model: PreTrainedModel, kind: str = "medusa", lookup=None, merge_lora: bool = False,
+                 **options) -> SpeculativeModel:
     """Freeze ``model`` and attach a fresh (untrained) drafter of ``kind`` to it.
 
     Args:
-        model: a decoder-only ``PreTrainedModel`` (eager or sdpa attention).
+        model: a decoder-only ``PreTrainedModel`` (eager or sdpa attention), or a peft ``PeftModel``
+            of one: the drafter then runs its underlying model with the adapters active, and greedy
+            output equals the ``PeftModel``'s own ``generate`` (its adapters are pinned with the base
+            model when the drafter is saved).
         kind: a registered drafter kind (:func:`heads.kinds.names`): ``"medusa"`` (K heads on the
             top-layer features) or ``"eagle"`` (an autoregressive drafter in feature space with a
             dynamic tree), ...
@@ -61,15 +65,19 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", lookup=None, **op
 
         lookup: add lookup drafting to the kind's trees (a hybrid, see
             :meth:`SpeculativeModel.set_lookup`): True, a dict of lookup options or a ``LookupConfig``.
+        merge_lora: with a ``PeftModel``, merge its adapters into the weights first (peft's
+            ``merge_and_unload``, in place; the ``PeftModel`` then holds the merged model).
 
     The backbone's parameters get ``requires_grad=False``; its outputs are unchanged.
     """
     entry = kinds.get(kind)
     _refuse_foreign_options(entry, options)
     config = entry.make_config(**options)
+    model, backbone_lora = attach_backbone(model, merge_lora=merge_lora)
     target = inspect_backbone(model)
     model.requires_grad_(False)
     spec = build_spec(target, kind, config)
+    spec.backbone_lora = backbone_lora
     if lookup:
         spec.set_lookup(lookup)
     return spec

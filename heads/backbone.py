@@ -39,7 +39,9 @@ from transformers.models.auto.modeling_auto import (
 from tree_attention import cache as cache_ops
 from tree_attention.mask import AttentionMask, MaskLayout, additive_mask, prefill_attention_mask
 
+from . import lora
 from .families import SUPPORTED_ARCHITECTURES, UnsupportedBackboneError
+from .fingerprint import state_fingerprint, strided_sample
 
 logger = logging.getLogger(__name__)
 
@@ -332,35 +334,20 @@ def config_hash(config) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _strided_sample(tensor: torch.Tensor, count: int) -> torch.Tensor:
-    """Every ``numel // count``-th element of ``tensor`` in row-major order (at most ``count``),
-    as bfloat16 on the CPU. Reads only those elements: a strided view of a contiguous tensor, an
-    index gather of a non-contiguous one (never a flattened copy of the whole tensor)."""
-    tensor = tensor.detach()
-    numel = tensor.numel()
-    step = max(1, numel // count)
-    if tensor.is_contiguous():
-        sample = tensor.view(-1)[::step][:count]
-    else:
-        flat_index = torch.arange(0, numel, step, device=tensor.device)[:count]
-        sample = tensor[torch.unravel_index(flat_index, tensor.shape)]
-    return sample.to("cpu", torch.float32).to(torch.bfloat16)
+_strided_sample = strided_sample  # the name benchmarks/bench_adapter.py times
 
 
 def weights_fingerprint(model: nn.Module, samples_per_tensor: int = 1024) -> str:
-    """sha256 over a fixed strided sample of every parameter and buffer, rounded to bfloat16.
+    """sha256 over a fixed strided sample of every parameter and buffer, rounded to bfloat16
+    (:func:`heads.fingerprint.state_fingerprint`).
 
-    Cost is ``O(samples_per_tensor)`` elements per tensor whatever its size or memory layout
-    (see :func:`_strided_sample`), so it is cheap on large models; the rounding makes fp32, fp16
-    and bf16 copies of one checkpoint agree in almost all cases.
+    Cost is ``O(samples_per_tensor)`` elements per tensor whatever its size or memory layout, so
+    it is cheap on large models; the rounding makes fp32, fp16 and bf16 copies of one checkpoint
+    agree in almost all cases. A model carrying peft adapters (LoRA) is fingerprinted as its base
+    model (:func:`heads.lora.base_state_dict`); the adapters have their own fingerprint
+    (:func:`heads.lora.adapter_fingerprint`).
     """
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        sample = _strided_sample(tensor, samples_per_tensor)
-        digest.update(name.encode())
-        digest.update(str(tuple(tensor.shape)).encode())
-        digest.update(sample.view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()
+    return state_fingerprint(lora.base_state_dict(model), samples_per_tensor)
 
 
 _HUB_SNAPSHOT = re.compile(r"(?:^|[\\/])snapshots[\\/]([0-9a-f]{40})[\\/]?$")
@@ -379,10 +366,14 @@ def model_revision(model: PreTrainedModel) -> str | None:
 
 def target_fingerprint(model: PreTrainedModel, revision: str | None = None) -> dict:
     """The identity an adapter records about its target (``revision``: the checkpoint's commit
-    when the caller knows it, else :func:`model_revision`)."""
+    when the caller knows it, else :func:`model_revision`). A model carrying peft adapters (a
+    ``PeftModel`` or a model with LoRA layers injected) is its base checkpoint plus
+    ``lora_sha256``, the fingerprint of its active adapters (:func:`heads.lora.adapter_fingerprint`)."""
+    model = lora.underlying_model(model)
     config = model.config
     output_head = model.get_output_embeddings()
-    return {
+    adapters = lora.adapter_fingerprint(model)
+    return {**({"lora_sha256": adapters} if adapters is not None else {}),
         "name_or_path": getattr(config, "_name_or_path", "") or "",
         "revision": revision or model_revision(model),
         "model_type": config.model_type,

@@ -100,6 +100,12 @@ def export_adapter(adapter_dir: str | os.PathLike, fmt: str, out: str | os.PathL
         raise AdapterError(f"format must be one of {tuple(known)}; got {fmt!r}")
     kind, layout = known[fmt]
     config = read_config(adapter_dir)
+    if config.get("backbone_lora") is not None:
+        raise AdapterError(f"{adapter_dir}: a Medusa-2 adapter (heads trained with a LoRA on the backbone, in "
+                           f"{config['backbone_lora']['path']}/) cannot be exported as {fmt!r}: that layout has no "
+                           "place for the backbone's LoRA, and the heads alone expect the tuned backbone. Serve the "
+                           "target with the LoRA merged (peft's merge_and_unload) and these heads, or train Medusa-1 "
+                           "heads (without --joint) to export")
     if config["kind"] != kind.name:
         other = sorted(name for name, (owner, _) in known.items() if owner.name == config["kind"])
         raise AdapterError(f"{adapter_dir}: format {fmt!r} holds {kind.name} drafters; this adapter is kind "

@@ -12,6 +12,7 @@ kinds: each kind's own ``build_heads`` defines what its tensors are.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from contextlib import contextmanager, nullcontext
@@ -22,10 +23,12 @@ import torch
 from torch.nn.modules import module as module_hooks
 from transformers import PreTrainedModel
 
-from . import interop, kinds
+from . import interop, kinds, lora
 from .adapter import WEIGHTS_NAME, AdapterError, TargetPin, read_config, read_header, read_weights
 from .backbone import inspect_backbone
 from .model import SpeculativeModel, build_spec
+
+logger = logging.getLogger(__name__)
 
 REGISTRATION_MARGIN = 64
 """Tensors a drafter's construction may register beyond the ones it keeps (e.g. a decoder copy's
@@ -106,38 +109,98 @@ def drafter_config(config: dict, directory) -> object:
         raise AdapterError(f"{directory}: bad drafter hyper-parameters: {error}") from error
 
 
-def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: bool = True) -> SpeculativeModel:
+def base_pin(model) -> dict:
+    """The target fingerprint of ``model``'s base checkpoint (its adapters, if any, left out)."""
+    pin = dict(TargetPin.of(model).recorded)
+    pin.pop("lora_sha256", None)
+    return pin
+
+
+def attach_backbone(model, merge_lora: bool = False) -> tuple[PreTrainedModel, lora.BackboneLora | None]:
+    """The model a drafter runs for ``model`` (a ``PreTrainedModel`` or a peft ``PeftModel``, see
+    :func:`heads.lora.unwrap`) and what to record about its adapters; ValueError for adapters
+    tree verification cannot run."""
+    if not lora.is_peft_model(model):
+        return lora.unwrap(model, {}, merge=merge_lora)
+    return lora.unwrap(model, base_pin(model), merge=merge_lora)
+
+
+def _shipped_lora(model, directory: Path, config: dict, strict: bool, merge_lora: bool | None):
+    """Put a Medusa-2 adapter's backbone LoRA (``backbone_lora/``) on ``model``, after checking that
+    the folder holds the LoRA the heads were trained with and that ``model`` is its base (or
+    already carries exactly that LoRA); ``(the model to run, its BackboneLora)``."""
+    block = config["backbone_lora"]
+    folder = directory / block["path"]
+    try:
+        found = lora.folder_fingerprint(folder)
+    except ValueError as error:
+        raise AdapterError(f"{directory}: the backbone LoRA the heads were trained with is unreadable: {error}") \
+            from error
+    recorded = config["target"]["lora_sha256"]
+    if found != recorded:
+        raise AdapterError(f"{folder}: not the LoRA these heads were trained with (fingerprint {found}, the adapter "
+                           f"pins {recorded})")
+    if TargetPin.of(model).recorded.get("lora_sha256") is not None:  # a PeftModel: it must carry this LoRA
+        TargetPin(config["target"]).check(model, strict=strict, where=directory)
+        model, backbone_lora = attach_backbone(model, merge_lora=bool(merge_lora))
+        backbone_lora.shipped = True
+    else:
+        pin = TargetPin({**config["target"], "lora_sha256": None}).check(model, strict=strict, where=directory)
+        model, backbone_lora = lora.apply_folder(model, folder, pin.recorded, merge=merge_lora is not False)
+    backbone_lora.drift = dict(block.get("drift", {}))
+    return model, backbone_lora
+
+
+def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: bool = True,
+               merge_lora: bool | None = None) -> SpeculativeModel:
     """Attach the adapter in ``directory`` to ``model``.
 
     ``directory`` is a selfdraft adapter, or a checkpoint in one of the registered layouts of other
-    projects (detected from its files; see :func:`heads.interop.detect_format`).
+    projects (detected from its files; see :func:`heads.interop.detect_format`). ``model`` may be a
+    peft ``PeftModel``: the drafter then runs its underlying model with the adapters active.
+
+    A Medusa-2 adapter (heads trained jointly with a LoRA on the backbone) holds that LoRA in
+    ``backbone_lora/``: it is loaded onto ``model`` **in place** (``model`` is its base
+    checkpoint), merged into the weights unless ``merge_lora=False``, and ``spec.metadata["backbone"]``
+    and a logged warning say that the backbone's outputs now differ from the original model's
+    (lossless against the tuned backbone, not the original). ``merge_lora=True`` with a
+    ``PeftModel`` merges its adapters (``merge_and_unload``, in place); None: merge a shipped LoRA,
+    leave a ``PeftModel`` as it is.
 
     Raises:
-        TypeError: ``model`` is not a ``PreTrainedModel`` (e.g. None).
+        TypeError: ``model`` is neither a ``PreTrainedModel`` nor a ``PeftModel`` (e.g. None).
         TargetMismatchError: ``model`` is not the target the adapter was trained on (``strict=True``;
-            with ``strict=False`` a warning is issued instead), or its sizes do not fit.
+            with ``strict=False`` a warning is issued instead), or its sizes do not fit. A model
+            carrying a LoRA is another target than its base.
         AdapterError: missing, corrupt or mis-shaped files, a bad or newer config (a bad tree
             included), sizes in the config that the weights file does not hold, an unrecognised
-            directory.
+            directory, a backbone LoRA folder that is not the one the heads were trained with.
     """
-    if not isinstance(model, PreTrainedModel):
+    if not isinstance(model, PreTrainedModel) and not lora.is_peft_model(model):
         raise TypeError(f"load_heads(model, directory): model must be the target, a transformers PreTrainedModel; "
-                        f"got {type(model).__name__}")
+                        f"got {type(model).__name__} (a peft PeftModel of the target is accepted too)")
     source = interop.detect_format(directory)
     if source == interop.SELFDRAFT:
         config, tensors = read_config(directory), None
         found = read_header(Path(directory) / WEIGHTS_NAME)
     else:
-        config, tensors = interop.read_external(directory, source, model)
+        config, tensors = interop.read_external(directory, source, lora.underlying_model(model))
         found = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
-    TargetPin(config["target"]).check(model, strict=strict, where=directory, source=source)
+    if config.get("backbone_lora") is None:
+        TargetPin(config["target"]).check(model, strict=strict, where=directory, source=source)
     settings = drafter_config(config, directory)
-    target = inspect_backbone(model)
+    target = inspect_backbone(lora.underlying_model(model), probe=False)
     try:
         expected = expected_shapes(target, config["kind"], settings, len(found) + REGISTRATION_MARGIN)
     except (TypeError, ValueError) as error:
         raise AdapterError(f"{directory}: bad drafter hyper-parameters: {error}") from error
     check_tensor_shapes(directory, found, expected, config)
+    # every check of the files is done: only now is the model changed (a LoRA applied or merged)
+    if config.get("backbone_lora") is not None:
+        model, backbone_lora = _shipped_lora(model, Path(directory), config, strict, merge_lora)
+    else:
+        model, backbone_lora = attach_backbone(model, merge_lora=bool(merge_lora))
+    target = inspect_backbone(model)
     try:
         spec = build_spec(target, config["kind"], settings, config.get("tree_accuracy"))
     except ValueError as error:  # InvalidTreeError included: a tree the config describes that cannot be built
@@ -145,8 +208,16 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
     if tensors is None:
         tensors = read_weights(directory)
     spec.heads.load_state_dict(tensors, strict=True)
+    spec.backbone_lora = backbone_lora
     spec.metadata = {"training": config.get("training", {}), "acceptance": config.get("acceptance", {}),
                      "target": config["target"], "source_format": source}
+    if backbone_lora is not None:
+        spec.metadata["backbone"] = backbone_lora.describe()
+    if backbone_lora is not None and backbone_lora.shipped:
+        logger.warning("%s: applied the backbone LoRA the heads were trained with (%s): the backbone's outputs now "
+                       "differ from the original model's (drift measured after training: %s); generation is "
+                       "lossless against the tuned backbone, not against the original", directory,
+                       "merged" if backbone_lora.merged else "unmerged", backbone_lora.drift or "not recorded")
     if config.get("lookup") is not None:
         try:
             spec.set_lookup(dict(config["lookup"]))

@@ -13,7 +13,8 @@ newest) holding:
 * ``trainer_state.json`` — the step, the scheduler's ``state_dict``, the optimizer index, the
   recipe the run was started with (the :class:`~training.trainer.TrainConfig`, the drafter's kind
   and config, a sha256 of the training sequences, the process count) and the per-step history;
-* ``on_policy_pool.safetensors`` — the on-policy sequences of the current refresh, when any.
+* ``on_policy_pool.safetensors`` — the on-policy sequences of the current refresh, when any;
+* ``backbone.safetensors`` — the backbone tensors the loss hook trains too (Medusa-2's LoRA), when any.
 
 A checkpoint is written into ``.step-NNNNNNN.tmp`` and renamed into place; ``latest`` is replaced
 atomically after that, so an interrupted save leaves the previous checkpoint as the latest.
@@ -43,6 +44,7 @@ STATE_FILE = "trainer_state.json"
 DRAFTER_FILE = "drafter.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 POOL_FILE = "on_policy_pool.safetensors"
+BACKBONE_FILE = "backbone.safetensors"
 LATEST_FILE = "latest"
 FORMAT = "selfdraft-checkpoint"
 VERSION = 1

@@ -91,6 +91,18 @@ def _recipe_rows(training: dict) -> list[list[object]]:
     return rows
 
 
+def _medusa2_warning(config: dict) -> list[str]:
+    """The model card's paragraph for heads trained jointly with a LoRA on the backbone."""
+    drift = config["backbone_lora"].get("drift", {})
+    measured = (f" Measured after training on held-out sequences: mean KL {drift['kl_per_token']:.4f} per token, "
+                f"greedy agreement {drift['top1_agreement']:.3f}." if {"kl_per_token", "top1_agreement"} <= set(drift)
+                else "")
+    return ["**Medusa-2: these heads come with a LoRA on the backbone** "
+            f"(`{config['backbone_lora']['path']}/`, peft's layout). `heads.load_heads` merges it into the model, so "
+            "the outputs are those of the *tuned* backbone: lossless against the tuned model, **not** against the "
+            f"original.{measured}", ""]
+
+
 def model_card(config: dict, repo_id: str | None = None, license_id: str = "other",
                license_name: str | None = None, license_link: str | None = None) -> str:
     """The ``README.md`` of a published adapter."""
@@ -105,11 +117,13 @@ def model_card(config: dict, repo_id: str | None = None, license_id: str = "othe
              "A speculative-decoding drafter trained with [selfdraft](https://pypi.org/project/selfdraft/) by "
              "self-distillation. It only proposes tokens; the target verifies them, so greedy outputs are identical "
              "to the target's own `generate` and sampled outputs follow its distribution.", "",
+             *(_medusa2_warning(config) if config.get("backbone_lora") else []),
              "## Target (pinned)", "",
              "`heads.load_heads` refuses another target (`strict=True`); `strict=False` warns instead.", ""]
     lines += _table(["field", "value"], [[key, target.get(key)] for key in
                                          ("name_or_path", "revision", "model_type", "config_sha256",
-                                          "weights_sha256", "vocab_size", "hidden_size", "dtype")])
+                                          "weights_sha256", "vocab_size", "hidden_size", "dtype")
+                                         + (("lora_sha256",) if target.get("lora_sha256") else ())])
     lines += ["", "## Drafter", ""]
     lines += _table(["field", "value"], [["kind", config["kind"]]] +
                     [[key, json.dumps(value)] for key, value in sorted(config["drafter"].items())])
@@ -147,6 +161,9 @@ def write_hub_folder(adapter_dir: str | os.PathLike, hub_dir: str | os.PathLike,
 
     files = {CONFIG_NAME: copy(CONFIG_NAME), WEIGHTS_NAME: copy(WEIGHTS_NAME),
              CARD_NAME: lambda path: path.write_text(card)}
+    if config.get("backbone_lora") is not None:  # Medusa-2: the backbone's LoRA travels with the heads
+        folder = config["backbone_lora"]["path"]
+        files[folder] = lambda path: shutil.copytree(adapter_dir / folder, path)
     write_directory(Path(hub_dir), files)
     return Path(hub_dir)
 

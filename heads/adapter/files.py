@@ -3,7 +3,9 @@
 The config records the format version, the drafter kind and hyper-parameters, the target's
 identity (see :func:`heads.backbone.target_fingerprint`), the training recipe and acceptance
 measured at save time; :mod:`heads.adapter.schema` checks every field on load. The safetensors
-file holds only the drafter's tensors, contiguous and unaliased. A save writes a complete sibling
+file holds only the drafter's tensors, contiguous and unaliased. A Medusa-2 adapter adds the
+backbone's LoRA in peft's own layout in ``backbone_lora/`` (:mod:`heads.lora`), pinned by the
+target's ``lora_sha256``. A save writes a complete sibling
 directory and exchanges it with the old one, so the path holds the old adapter or the new one at
 every instant (:mod:`heads.adapter.directory`, the project's one atomic directory writer: adapters,
 exports, hub folders). Assembling a drafter from these files is
@@ -23,8 +25,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..backbone import target_fingerprint
+from ..lora import FOLDER_NAME as LORA_FOLDER
+from ..lora import write_folder
 from .directory import write_directory
-from .schema import FORMAT_VERSION, AdapterError, validate_config
+from .schema import FORMAT_VERSION, LORA_FORMAT_VERSION, AdapterError, validate_config
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +47,20 @@ def json_writer(payload: object) -> Callable[[Path], None]:
 def adapter_config(spec, **metadata) -> dict:
     """The ``adapter_config.json`` payload of ``spec``. ``metadata`` may give ``training`` (the
     recipe), ``acceptance`` (``{mix: entry}``) and ``revision`` (the target checkpoint's commit)."""
+    backbone_lora = spec.backbone_lora
+    if backbone_lora is not None:  # the base checkpoint (fingerprinted before any merge) and the LoRA
+        target = backbone_lora.pin(revision=metadata.get("revision"))
+    else:
+        target = target_fingerprint(spec.backbone, revision=metadata.get("revision"))
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": LORA_FORMAT_VERSION if target.get("lora_sha256") else FORMAT_VERSION,
         "library": "selfdraft",
         "kind": spec.kind,
         "drafter": spec.config.to_dict(),
-        "target": target_fingerprint(spec.backbone, revision=metadata.get("revision")),
+        "target": target,
+        # Medusa-2: the backbone's LoRA, saved beside the heads in peft's layout
+        **({"backbone_lora": {"path": LORA_FOLDER, "drift": backbone_lora.drift}}
+           if backbone_lora is not None and backbone_lora.shipped else {}),
         "tree_accuracy": spec.accuracy,
         "training": metadata.get("training", spec.metadata.get("training", {})),
         "acceptance": metadata.get("acceptance", spec.metadata.get("acceptance", {})),
@@ -65,7 +77,10 @@ def save_adapter(spec, directory: str | os.PathLike, **metadata) -> None:
     def write_weights(path: Path) -> None:
         save_file(tensors, str(path), metadata={"format": "pt", "library": "selfdraft"})
 
-    write_directory(Path(directory), {CONFIG_NAME: json_writer(config), WEIGHTS_NAME: write_weights})
+    files = {CONFIG_NAME: json_writer(config), WEIGHTS_NAME: write_weights}
+    if "backbone_lora" in config:
+        files[LORA_FOLDER] = lambda path: write_folder(spec.backbone_lora, path)
+    write_directory(Path(directory), files, replaceable=(LORA_FOLDER,))
 
 
 def read_json(path: Path) -> object:

@@ -14,14 +14,19 @@ from numbers import Real
 
 
 FORMAT_VERSION = 1
-"""Version of the adapter layout this selfdraft writes and the newest it reads."""
+"""Version of the adapter layout this selfdraft writes for a plain target."""
+LORA_FORMAT_VERSION = 2
+"""Version written when the target carries a LoRA (``target.lora_sha256``, ``backbone_lora``), the
+first with those fields, and the newest this selfdraft reads. Plain adapters keep version 1, so
+selfdraft versions that read 1 only still load them (and refuse LoRA adapters as newer)."""
+NEWEST_FORMAT_VERSION = LORA_FORMAT_VERSION
 
 TOP_LEVEL_FIELDS = ("format_version", "library", "kind", "drafter", "target", "tree_accuracy", "training",
-                    "lookup",
+                    "lookup", "backbone_lora",
                     "acceptance")
 TARGET_FIELDS = ("name_or_path", "revision", "model_type", "config_sha256", "weights_sha256", "vocab_size",
-                 "hidden_size", "dtype")
-PINNED_FIELDS = ("model_type", "config_sha256", "weights_sha256", "vocab_size", "hidden_size")
+                 "hidden_size", "dtype", "lora_sha256")
+PINNED_FIELDS = ("model_type", "config_sha256", "weights_sha256", "vocab_size", "hidden_size", "lora_sha256")
 """Target fields that must match the model an adapter is loaded on (``strict=True``)."""
 
 ACCEPTANCE_NUMBERS = ("tau", "tokens_per_s_spec", "tokens_per_s_plain", "speedup", "temperature")
@@ -51,14 +56,14 @@ def check_version(config: dict, where: str) -> None:
     version = config.get("format_version")
     if isinstance(version, bool) or not isinstance(version, int):
         raise AdapterError(f"{where}: format_version must be an int; got {version!r}")
-    if version > FORMAT_VERSION:
+    if version > NEWEST_FORMAT_VERSION:
         raise AdapterError(
             f"{where}: written by a newer selfdraft (adapter format_version {version}; this selfdraft reads "
-            f"format_version {FORMAT_VERSION} and older): upgrade selfdraft (pip install -U selfdraft)"
+            f"format_version {NEWEST_FORMAT_VERSION} and older): upgrade selfdraft (pip install -U selfdraft)"
         )
     if version < 1:
         raise AdapterError(f"{where}: format_version {version} is not a selfdraft adapter format (expected 1..."
-                           f"{FORMAT_VERSION})")
+                           f"{NEWEST_FORMAT_VERSION})")
 
 
 def check_target(target: object, where: str, pinned: bool = True) -> None:
@@ -69,9 +74,9 @@ def check_target(target: object, where: str, pinned: bool = True) -> None:
     unknown = sorted(set(target) - set(TARGET_FIELDS))
     if unknown:
         raise AdapterError(f"{where}: unknown target field(s) {unknown} (known: {list(TARGET_FIELDS)})")
-    for key in ("config_sha256", "weights_sha256"):
+    for key in ("config_sha256", "weights_sha256", "lora_sha256"):
         value = target.get(key)
-        if value is None and not pinned:
+        if value is None and (not pinned or key == "lora_sha256"):
             continue
         if not isinstance(value, str) or not _SHA256.match(value):
             raise AdapterError(f"{where}: target.{key} must be a 64-digit lowercase sha256 hex string; got {value!r}")
@@ -131,6 +136,28 @@ def check_acceptance(acceptance: object, where: str) -> None:
             raise AdapterError(f"{name}.acceptance_by_position must be a list of numbers in [0, 1]; got {rates!r}")
 
 
+def check_backbone_lora(config: dict, where: str) -> None:
+    """``backbone_lora`` (Medusa-2: the backbone's LoRA shipped with the heads): an object naming
+    its subfolder ``path``, with a ``drift`` object; the target then pins the LoRA
+    (``target.lora_sha256``) and the format version is at least 2."""
+    if "lora_sha256" in config["target"] and config["format_version"] < LORA_FORMAT_VERSION:
+        raise AdapterError(f"{where}: target.lora_sha256 needs format_version >= {LORA_FORMAT_VERSION}")
+    block = config.get("backbone_lora")
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise AdapterError(f"{where}: field 'backbone_lora' must be an object; got {block!r}")
+    path = block.get("path")
+    if not isinstance(path, str) or not path or "/" in path or "\\" in path or path in (".", ".."):
+        raise AdapterError(f"{where}: backbone_lora.path must name a subfolder of the adapter; got {path!r}")
+    if not isinstance(block.get("drift", {}), dict):
+        raise AdapterError(f"{where}: backbone_lora.drift must be an object; got {block['drift']!r}")
+    if config["target"].get("lora_sha256") is None:
+        raise AdapterError(f"{where}: backbone_lora needs target.lora_sha256 (the LoRA's fingerprint)")
+    if config["format_version"] < LORA_FORMAT_VERSION:
+        raise AdapterError(f"{where}: backbone_lora needs format_version >= {LORA_FORMAT_VERSION}")
+
+
 def validate_config(config: object, where: str, pinned: bool = True) -> dict:
     """Check every field of an adapter config; return it. Raises :class:`AdapterError` naming
     ``where`` (a file) and the field. The drafter block's own fields are the kind's to check
@@ -156,6 +183,7 @@ def validate_config(config: object, where: str, pinned: bool = True) -> dict:
     if not isinstance(config.get("training", {}), dict):
         raise AdapterError(f"{where}: field 'training' must be an object; got {config['training']!r}")
     check_acceptance(config.get("acceptance", {}), where)
+    check_backbone_lora(config, where)
     if not isinstance(config.get("lookup", {}), dict):
         raise AdapterError(f"{where}: field 'lookup' (the lookup settings of a hybrid) must be an object; got "
                            f"{config['lookup']!r}")
@@ -166,9 +194,14 @@ def target_differences(recorded: dict, current: dict) -> list[str]:
     """Human-readable differences between two target fingerprints (pinned fields only; a field
     the recorded fingerprint leaves unknown (None) is not compared)."""
     names = {"model_type": "model type", "config_sha256": "config", "weights_sha256": "weights",
-             "vocab_size": "vocab size", "hidden_size": "hidden size"}
-    return [
+             "vocab_size": "vocab size", "hidden_size": "hidden size", "lora_sha256": "backbone LoRA"}
+    differences = [
         f"{names[key]}: adapter has {recorded.get(key)!r}, model has {current.get(key)!r}"
         for key in PINNED_FIELDS
         if key in recorded and recorded[key] is not None and recorded[key] != current.get(key)
     ]
+    # a pinned target without a LoRA is the plain base model: the same base with adapters is another target
+    if recorded.get("weights_sha256") is not None and recorded.get("lora_sha256") is None \
+            and current.get("lora_sha256") is not None:
+        differences.append(f"backbone LoRA: adapter has none, model carries one ({current['lora_sha256']!r})")
+    return differences

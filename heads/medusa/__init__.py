@@ -39,4 +39,5 @@ KIND = DrafterKind(
     name="medusa", config_class=MedusaConfig, make_config=make_config, build_heads=build_heads,
     build_drafter=build_drafter, options=OPTIONS, static_tree=True, formats=FORMATS,
     sidecar_keys=("num_heads", "num_layers"), restore_sidecar=restore_sidecar, loss=MedusaLoss, cli=cli,
+    extra={"joint_training": True},  # Medusa-2: TrainConfig.joint trains a LoRA on the backbone too
 )

@@ -8,11 +8,30 @@ sequences rebuilds the default tree.
 
 The divergences come from the trainer (``context.losses``): this package does not import
 ``training``.
+
+**Medusa-2** (``TrainConfig.joint``): a LoRA is put on the backbone when the hook is built
+(:func:`heads.lora.add_lora`; targets that name no module are refused then) and trained with the
+heads. The first ``joint_heads_only_steps`` train the heads alone, exactly as above (the fresh LoRA
+leaves the backbone unchanged). After that each step runs the tuned backbone with gradients and the
+original model (the same backbone with the adapter disabled) without, and minimises
+
+    KL(original || tuned) per token  +  heads' loss against the tuned backbone's distribution,
+
+where the heads' parameters get the heads' loss gradient in full and the backbone gets it scaled by
+lambda, which rises linearly from 0 to ``joint_lambda`` over ``joint_lambda_warmup_steps``. For the
+backbone this is Medusa-2's ``L_LM + lambda L_heads`` with self-distillation as ``L_LM``; for the
+heads it is that loss with a 1/lambda learning-rate multiplier, so that warming lambda up does not
+starve them (Adam's step size would otherwise lag a shrinking gradient). The LoRA has its own
+learning rate (``lora_learning_rate``). After training the drift of the tuned backbone from the
+original on the held-out sequences is recorded (:func:`heads.lora.measure_drift`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .. import lora
+from ..backbone import target_fingerprint
 
 
 def head_losses(head_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor,
@@ -55,10 +74,43 @@ class MedusaLoss:
     def __init__(self, context) -> None:
         self.context = context
         self.spec = context.spec
-        self.config = context.config
+        self.config = config = context.config
+        self.joint = config.joint
+        if self.joint:
+            if self.spec.backbone_lora is not None:
+                raise ValueError("joint training puts its own LoRA on the plain base model; this spec's backbone "
+                                 "already carries peft adapters")
+            base = target_fingerprint(self.spec.backbone)
+            self.spec.backbone_lora = lora.add_lora(self.spec.backbone, config.lora_r, config.lora_alpha,
+                                                    config.lora_targets, base)
+        self.heads_only_steps = (config.steps // 4 if config.joint_heads_only_steps is None
+                                 else config.joint_heads_only_steps)
+        self.lambda_warmup_steps = (config.steps // 4 if config.joint_lambda_warmup_steps is None
+                                    else config.joint_lambda_warmup_steps)
 
     def prepare(self) -> None:
         """Nothing to set up from the data."""
+
+    def joint_weight(self, step: int) -> float | None:
+        """Lambda at optimizer step ``step``: None while the heads train alone, then rising linearly
+        to ``joint_lambda`` over ``lambda_warmup_steps``."""
+        if not self.joint or step < self.heads_only_steps:
+            return None
+        progress = (step - self.heads_only_steps + 1) / max(1, self.lambda_warmup_steps)
+        return self.config.joint_lambda * min(1.0, progress)
+
+    def parameter_groups(self) -> list[dict]:
+        """The LoRA's tensors, at ``lora_learning_rate`` (None: a quarter of the heads' rate)."""
+        if not self.joint:
+            return []
+        rate = self.config.lora_learning_rate or self.config.learning_rate / 4
+        return [{"params": self.spec.backbone_lora.parameters(), "lr": rate}]
+
+    def backbone_state(self) -> dict[str, torch.Tensor]:
+        return self.spec.backbone_lora.tensors()
+
+    def load_backbone_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.spec.backbone_lora.load_tensors(tensors)
 
     def _shared_logits(self):
         return self.spec.shared_logits if self.spec.config.share_lm_head else None
@@ -74,16 +126,44 @@ class MedusaLoss:
 
     def micro_loss(self, heads, input_ids: torch.Tensor, attention_mask: torch.Tensor, indices: list[int],
                    step: int) -> tuple[torch.Tensor, list[float]]:
+        weight = self.joint_weight(step)
+        if weight is not None:
+            return self._joint_loss(heads, input_ids, attention_mask, weight)
         features, teacher = self._features_and_teacher(input_ids, attention_mask)
         with self.context.accelerator.autocast():
             head_logits = heads(features, self._shared_logits())
         return head_losses(head_logits.float(), teacher, input_ids, attention_mask, self.config,
                            losses=self.context.losses)
 
+    def _joint_loss(self, heads, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    weight: float) -> tuple[torch.Tensor, list[float]]:
+        """Medusa-2's step (see the module docstring): KL(original || tuned) + the heads' loss, whose
+        gradient reaches the backbone scaled by ``weight`` (lambda)."""
+        target, autocast = self.spec.target, self.context.accelerator.autocast
+        with autocast():
+            features = target.base(input_ids=input_ids, attention_mask=attention_mask,
+                                   use_cache=False).last_hidden_state  # (B, T, d), through the LoRA
+            tuned = target.logits(features).float()  # (B, T, V)
+        with torch.no_grad(), self.spec.backbone_lora.disabled(), autocast():
+            original = target.logits(target.base(input_ids=input_ids, attention_mask=attention_mask,
+                                                 use_cache=False).last_hidden_state).float()
+        backbone_loss = self.context.losses.divergence("fkl", tuned, original, 1.0, mask=attention_mask.bool())
+        scaled = features.detach() + weight * (features - features.detach())  # value: features; gradient x lambda
+        with autocast():
+            head_logits = heads(scaled, self._shared_logits())
+        head_loss, agreement = head_losses(head_logits.float(), tuned.detach(), input_ids, attention_mask,
+                                           self.config, losses=self.context.losses)
+        return head_loss + backbone_loss, agreement
+
     def finish(self, accuracy: list[list[float]]) -> None:
-        """The measured accuracy table shapes the default tree from now on."""
+        """The measured accuracy table shapes the default tree from now on; a jointly trained
+        backbone's drift from the original is measured on the held-out sequences."""
         self.spec.accuracy = accuracy
         self.spec.set_tree(None)
+        if self.joint:
+            validation = self.context.validation_sequences
+            batches = [self.context.collate(validation[start:start + 4]) for start in range(0, len(validation), 4)]
+            self.spec.backbone_lora.drift = lora.measure_drift(self.spec.backbone, self.spec.backbone_lora, batches)
 
     @torch.no_grad()
     def rank_accuracy(self, max_rank: int = 10) -> list[list[float]]:

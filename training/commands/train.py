@@ -210,6 +210,7 @@ def check_arguments(args, processes: int):
     and its recipe. Returns the ``TrainConfig``; :class:`UsageError` (or ``CheckpointError``) on
     the first problem."""
     from heads.adapter import CONFIG_NAME, WEIGHTS_NAME
+    from heads.lora import FOLDER_NAME as LORA_FOLDER
     from .. import checkpoint
 
     for flag, value, minimum, meaning in (
@@ -239,7 +240,7 @@ def check_arguments(args, processes: int):
     read_prompts(args.data, None, "--data")  # parsed now (chat records rendered plainly) so errors come first
     if args.eval_data:
         read_prompts(args.eval_data, None, "--eval-data")
-    check_output_directory(args.out, "--out", replaceable=(CONFIG_NAME, WEIGHTS_NAME))
+    check_output_directory(args.out, "--out", replaceable=(CONFIG_NAME, WEIGHTS_NAME, LORA_FOLDER))
     check_output_file(args.json, "--json")
     for flag, path in (("--cache-dir", args.cache_dir), ("--checkpoint-dir", args.checkpoint_dir)):
         if path is not None and Path(path).exists():
@@ -253,6 +254,9 @@ def check_arguments(args, processes: int):
         drafter = kinds.get(args.kind).make_config(**options)
     except ValueError as error:
         raise UsageError(str(error)) from error
+    joint = [name for name, kind in kinds.registry().items() if kind.extra.get("joint_training")]
+    require(not config.joint or args.kind in joint,
+            f"--joint: joint training (a LoRA on the backbone) is for --kind {' or '.join(joint)}, not {args.kind}")
     if args.resume:
         directory = checkpoint.latest_checkpoint(args.checkpoint_dir)
         saved = checkpoint.read_state(directory)
@@ -272,6 +276,11 @@ def run(args) -> int:
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
     config = check_arguments(args, accelerator.num_processes)
     model, tokenizer = load_model(args.model, revision=args.revision)
+    if config.joint:  # LoRA targets are checked against the model before any data is generated
+        try:
+            heads.lora.check_targets(model, config.lora_targets)
+        except ValueError as error:
+            raise UsageError(f"--lora-targets: {error}") from error
     prompts = read_prompts(args.data, tokenizer)[: args.max_prompts]
     sequences = _sequences(args, model, tokenizer, prompts, accelerator)
     torch.manual_seed(args.seed)  # drafters initialised at random (EAGLE) start alike in every run and process
@@ -293,6 +302,8 @@ def run(args) -> int:
         acceptance = _held_out_acceptance(args, spec, tokenizer, config) if args.eval_prompts else {}
         if args.eval_prompts:
             summary["eval"] = acceptance
+        if spec.backbone_lora is not None:
+            summary["backbone_drift"] = spec.backbone_lora.drift
         if args.lookup:
             spec.set_lookup(budget=args.lookup)
         spec.save_pretrained(args.out, training=_recipe(args, config, prompts, accelerator), acceptance=acceptance,
@@ -302,5 +313,11 @@ def run(args) -> int:
                     if result.start_step >= config.steps else "")
         loss = "n/a" if final_loss is None else f"{final_loss:.4f}"
         print(f"saved adapter to {args.out}; final loss {loss}{finished}")
+        if spec.backbone_lora is not None and spec.backbone_lora.shipped:
+            drift = spec.backbone_lora.drift
+            print(f"backbone LoRA saved in {args.out}/{heads.lora.FOLDER_NAME}: the tuned backbone's outputs differ "
+                  f"from the original model's (held-out KL {drift.get('kl_per_token', float('nan')):.4f} per token, "
+                  f"greedy agreement {drift.get('top1_agreement', float('nan')):.3f}); generation with this adapter "
+                  "is lossless against the tuned backbone only")
     accelerator.wait_for_everyone()
     return 0
