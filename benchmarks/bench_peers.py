@@ -80,7 +80,7 @@ def methods_for(model, target_name: str, adapters: dict, sample: bool, drafts: d
         methods[f"assisted_{name}"] = ("peers", lambda p, n, small=small: (model.generate(
             p, max_new_tokens=n, assistant_model=small, pad_token_id=pad, **options), None))
         specs[f"draft_{name}"] = heads.attach_heads(model, kind="draft", draft_model=small, confidence=0.4)
-    for name, (target, directory) in adapters.items():
+    for (name, target), directory in adapters.items():
         if target == target_name:
             specs[name] = heads.load_heads(model, directory)
             specs[f"{name}+lookup"] = heads.load_heads(model, directory)
@@ -210,7 +210,7 @@ def main() -> None:
         if not name or target not in TARGETS or not Path(directory).is_dir():
             raise SystemExit(f"--adapter {item!r}: expected NAME=TARGET:DIR with TARGET in {list(TARGETS)} "
                              "and an existing adapter directory")
-        adapters[name] = (target, directory)
+        adapters[(name, target)] = directory
     drafts = {}
     for item in args.draft:
         name, _, rest = item.partition("=")
@@ -240,7 +240,7 @@ def main() -> None:
                                           for n, v in entry["selfdraft"].items())
                 print(f"{target_name} / {key}: {line}", flush=True)
     settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "threads": args.threads, "adapters": {k: list(v) for k, v in adapters.items()},
+                "threads": args.threads, "adapters": {f"{name}@{target}": directory for (name, target), directory in adapters.items()},
                 "drafts": {k: list(v) for k, v in drafts.items()}}
     path = write_json(args.out, {"settings": settings, **results})
     plot(results, RESULTS / Path(args.out).with_suffix(".png").name)
