@@ -71,6 +71,14 @@ class DrafterKind:
     """The training hook (``heads/<kind>/loss.py``) the generic trainer calls."""
     cli: object | None = None
     """The kind's command-line options: ``add_arguments(parser)`` and ``options(args)``."""
+    save: Callable[..., None] | None = None
+    """``(spec, directory, **metadata)``: write the kind's own adapter directory (None: the generic
+    ``adapter_config.json`` + ``adapter_model.safetensors`` of ``spec.heads``' tensors)."""
+    load: Callable[..., object] | None = None
+    """``(model, directory, config, strict=, merge_lora=)`` -> ``SpeculativeModel``: read what :attr:`save`
+    wrote; ``config`` is the checked ``adapter_config.json``, the target pin not yet compared."""
+    adapter_files: tuple[str, ...] = ()
+    """Names :attr:`save` writes beside ``adapter_config.json`` (an earlier output with them may be replaced)."""
     extra: dict = field(default_factory=dict)
 
 

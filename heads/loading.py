@@ -182,6 +182,9 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
     source = interop.detect_format(directory)
     if source == interop.SELFDRAFT:
         config, tensors = read_config(directory), None
+        own = kinds.registry().get(config["kind"])
+        if own is not None and own.load is not None:  # a kind with its own files (the draft kind's model or LoRA)
+            return own.load(model, Path(directory), config, strict=strict, merge_lora=bool(merge_lora))
         found = read_header(Path(directory) / WEIGHTS_NAME)
     else:
         config, tensors = interop.read_external(directory, source, lora.underlying_model(model))

@@ -343,13 +343,17 @@ class SpeculativeModel:
         return output, stats
 
     def save_pretrained(self, directory: str, **metadata) -> None:
-        """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (atomically)."""
+        """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (atomically); a kind with
+        its own layout writes that instead (``DrafterKind.save``: the draft kind's model or LoRA)."""
         from .adapter import AdapterError, save_adapter
 
-        if not kinds.get(self.kind).trainable:
+        entry = kinds.get(self.kind)
+        if not entry.trainable:
             raise AdapterError(f"a {self.kind!r} drafter has no trained tensors to save as an adapter; "
                                f"attach it again with attach_heads(model, kind={self.kind!r}, ...)")
-
+        if entry.save is not None:  # a kind with its own files (the draft kind: a whole model or a LoRA)
+            entry.save(self, directory, **metadata)
+            return
         save_adapter(self, directory, **metadata)
 
 

@@ -61,8 +61,11 @@ class TrainConfig:
     """Medusa-2: train a LoRA on the backbone with the heads (kinds whose ``extra["joint_training"]``
     is set). The backbone's loss is KL(original || tuned) per token, the original being the same
     model with the adapter disabled; see :mod:`heads.medusa.loss`."""
+    draft_lora: bool = False
+    """Draft kind: train a LoRA on the draft model (peft; ``lora_r``, ``lora_alpha``, ``lora_targets``)
+    instead of all its weights."""
     lora_r: int = 16
-    """Joint: LoRA rank."""
+    """Joint: LoRA rank (also the draft kind's, with ``draft_lora``)."""
     lora_alpha: float = 32.0
     """Joint: LoRA scaling numerator (the update is ``alpha / r x B A``)."""
     lora_targets: tuple[str, ...] | None = None
@@ -120,8 +123,9 @@ class TrainConfig:
         self._check_joint()
 
     def _check_joint(self) -> None:
-        if not isinstance(self.joint, bool):
-            raise ValueError(f"joint must be a bool; got {self.joint!r}")
+        for name in ("joint", "draft_lora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool; got {getattr(self, name)!r}")
         if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 1:
             raise ValueError(f"lora_r must be a positive int; got {self.lora_r!r}")
         for name in ("lora_alpha", "lora_learning_rate", "joint_lambda"):

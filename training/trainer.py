@@ -21,6 +21,8 @@ trainer hands the hook what it needs in a :class:`LossContext` (the divergences 
         # loss: a scalar to back-propagate; agreement: per head (drafting step) top-1 agreement
     hook.rank_accuracy(max_rank=10, ...) -> [[float]]  # per head (step), per rank, held out
     hook.finish(accuracy)          # after training, with rank_accuracy()'s table (e.g. Medusa's tree)
+    hook.on_policy_model()         # optional: the model that samples on-policy data itself (the draft
+                                   # kind's draft model, DistillSpec) instead of speculative generation
 
 A hook that trains tensors of the backbone too (Medusa-2's LoRA, ``TrainConfig.joint``) adds three
 optional methods; the trainer gives those tensors their own optimizer groups, clips their gradient
@@ -71,7 +73,7 @@ from heads import kinds
 
 from . import checkpoint, losses
 from .config import TrainConfig
-from .on_policy import generate_on_policy_data
+from .on_policy import generate_on_policy_data, sample_model_data
 from .sequences import collate, load_sequences, save_sequences
 
 logger = logging.getLogger(__name__)
@@ -217,19 +219,29 @@ class DistillationTrainer:
 
     def refresh_pool(self, step: int) -> float:
         """Regenerate the on-policy pool with the current drafter at ``config.serving_temperature``;
-        returns the drafter's tau while generating. Round ``r = step // on_policy_refresh`` takes the
-        next ``on_policy_prompts`` training prompts in turn; each process generates a contiguous share
-        and all gather the whole pool (each prompt's sequence is seeded by the round and its position)."""
+        returns the drafter's tau while generating. A hook with ``on_policy_model()`` (the draft
+        kind) has that model sample the pool itself, and the tau is the expected one at its
+        measured acceptance (:func:`training.on_policy.sample_model_data`). Round
+        ``r = step // on_policy_refresh`` takes the next ``on_policy_prompts`` training prompts in
+        turn; each process generates a contiguous share and all gather the whole pool (each
+        prompt's sequence is seeded by the round and its position)."""
         config, accelerator = self.config, self.accelerator
         round_index = step // config.on_policy_refresh
         chosen = [self.prompts[(round_index * config.on_policy_prompts + j) % len(self.prompts)]
                   for j in range(config.on_policy_prompts)]
         share = math.ceil(len(chosen) / accelerator.num_processes)
         first = accelerator.process_index * share
-        data = generate_on_policy_data(self.spec, chosen[first:first + share],
-                                       max_new_tokens=config.on_policy_max_new_tokens,
-                                       temperature=config.serving_temperature,
-                                       seed=config.seed * 100_003 + round_index, first_index=first)
+        settings = dict(max_new_tokens=config.on_policy_max_new_tokens, temperature=config.serving_temperature,
+                        seed=config.seed * 100_003 + round_index, first_index=first)
+        sample_from = getattr(self.hook, "on_policy_model", None)
+        if sample_from is not None:  # a separate draft model samples itself (DistillSpec); tau: expected
+            from heads.model import eos_token_ids
+
+            data = sample_model_data(sample_from(), chosen[first:first + share], **settings,
+                                     eos_token_ids=sorted(eos_token_ids(self.spec.backbone)),
+                                     target=self.spec.backbone, depth=getattr(self.spec.config, "depth", 1))
+        else:
+            data = generate_on_policy_data(self.spec, chosen[first:first + share], **settings)
         parts = [(data.sequences, data.new_tokens, data.target_forwards)]
         if accelerator.num_processes > 1:
             from accelerate.utils import gather_object

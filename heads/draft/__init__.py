@@ -7,19 +7,33 @@ top-k expansion with a node budget, scored by the draft's log-probabilities). Re
     spec = heads.attach_heads(model, kind="draft", draft_model=small, depth=5, top_k=2, total_tokens=8)
     spec = heads.attach_heads(model, kind="draft", draft_model=small, depth=8, confidence=0.4)  # stop when unsure
     spec = heads.attach_heads(model, kind="draft", draft_model=small, tokenizer=tok, draft_tokenizer=small_tok)
+    spec = heads.attach_heads(model, kind="draft", draft_model="path/to/small")     # loaded in the target's dtype
+
+Distillation (DistillSpec; ``selfdraft train --kind draft --draft DIR``) trains the draft model itself,
+every weight or a peft LoRA (:mod:`heads.draft.loss`); ``spec.save_pretrained(dir)`` writes the
+selfdraft ``adapter_config.json`` (the target pin) beside the draft in ``draft_model/``
+(``save_pretrained``) or its LoRA in ``draft_lora/`` (peft's layout), and ``heads.load_heads``
+reads it back (:mod:`heads.draft.adapter`).
 """
 
 from __future__ import annotations
 
+import os
+
 from tree_attention.verify import SamplingRule
 
 from ..kind import DrafterKind, refuse_options
+from . import cli
+from .adapter import ADAPTER_FILES, check_drafter, load_adapter, save_adapter
 from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, SAMPLE_MODES, DraftConfig
 from .drafter import DraftModelDrafter
-from .modules import DraftModel, check_draft_model, check_special_ids, check_tokenizers
+from .loss import DraftLoss
+from .modules import (
+    DraftModel, check_draft_model, check_draft_path, check_special_ids, check_tokenizers, load_draft_model,
+)
 
-__all__ = ["KIND", "DraftConfig", "DraftModel", "DraftModelDrafter", "make_config", "bind_rule",
-           "check_draft_model", "check_special_ids", "check_tokenizers",
+__all__ = ["KIND", "DraftConfig", "DraftModel", "DraftModelDrafter", "DraftLoss", "make_config", "bind_rule",
+           "check_draft_model", "check_special_ids", "check_tokenizers", "load_draft_model",
            "DEFAULT_DEPTH", "DEFAULT_TOP_K", "DEFAULT_TOTAL_TOKENS", "SAMPLE_MODES"]
 
 OPTIONS = ("draft_model", "depth", "top_k", "total_tokens", "sample", "confidence", "tokenizer", "draft_tokenizer")
@@ -28,13 +42,16 @@ OPTIONS = ("draft_model", "depth", "top_k", "total_tokens", "sample", "confidenc
 def make_config(draft_model=None, depth: int | None = None, top_k: int | None = None,
                 total_tokens: int | None = None, sample: str | None = None, confidence: float | None = None,
                 tokenizer=None, draft_tokenizer=None, **others) -> DraftConfig:
-    """The config ``attach_heads(kind="draft", ...)`` builds; ``draft_model`` is required, a lone
+    """The config ``attach_heads(kind="draft", ...)`` builds; ``draft_model`` is required (a
+    ``PreTrainedModel`` or the directory of one, loaded when the spec is built), a lone
     ``total_tokens`` lowers the default depth to fit it, and ``tokenizer``/``draft_tokenizer``
     (both or neither) are compared id by id."""
     refuse_options("draft", OPTIONS, others)
     if draft_model is None:
-        raise ValueError("kind='draft' needs draft_model=: a small causal LM (PreTrainedModel) that shares the "
-                         "target's tokenizer")
+        raise ValueError("kind='draft' needs draft_model=: a small causal LM (PreTrainedModel, or its directory) "
+                         "that shares the target's tokenizer")
+    if isinstance(draft_model, (str, os.PathLike)):
+        draft_model = str(check_draft_path(draft_model))
     check_tokenizers(tokenizer, draft_tokenizer)
     shape = {name: value for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens))
              if value is not None}
@@ -46,7 +63,10 @@ def build_heads(target, config: DraftConfig) -> DraftModel:
     if config.draft_model is None:
         raise ValueError("a draft spec is built from a live draft model: attach it with "
                          "heads.attach_heads(model, kind='draft', draft_model=...)")
-    return DraftModel(target, config.draft_model)
+    draft = config.draft_model
+    if isinstance(draft, (str, os.PathLike)):
+        draft = load_draft_model(draft, target)
+    return DraftModel(target, draft)
 
 
 def build_drafter(spec, tree) -> DraftModelDrafter:
@@ -77,6 +97,7 @@ def policy_sizes(spec) -> tuple[int, ...]:
 
 KIND = DrafterKind(
     name="draft", config_class=DraftConfig, make_config=make_config, build_heads=build_heads,
-    build_drafter=build_drafter, options=OPTIONS, policy_sizes=policy_sizes, trainable=False,
-    bind_rule=bind_rule,
+    build_drafter=build_drafter, options=OPTIONS, policy_sizes=policy_sizes, bind_rule=bind_rule,
+    check_drafter=check_drafter, loss=DraftLoss, cli=cli, save=save_adapter, load=load_adapter,
+    adapter_files=ADAPTER_FILES, extra={"lora_switch": "lora"},
 )

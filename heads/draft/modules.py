@@ -8,12 +8,15 @@ other ids would still be lossless, but accept nothing).
 
 from __future__ import annotations
 
-from typing import Mapping
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..backbone import Backbone, inspect_backbone
+from ..backbone import Backbone, inspect_backbone, target_fingerprint
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -65,23 +68,80 @@ def check_draft_model(target: Backbone, draft: Backbone) -> None:
     check_special_ids(target.model.config, draft.model.config)
 
 
+def check_draft_path(path: str | os.PathLike) -> Path:
+    """``path`` as a draft model directory (``config.json`` inside); ValueError naming it otherwise."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"draft_model {str(path)!r}: no such directory (a Hugging Face causal LM directory)")
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"draft_model {str(path)!r}: no config.json (not a Hugging Face model directory)")
+    return directory
+
+
+def load_draft_model(path: str | os.PathLike, target: Backbone) -> PreTrainedModel:
+    """The causal LM in directory ``path``, in ``target``'s dtype and on its device, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    directory = check_draft_path(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target.dtype)
+    except (OSError, ValueError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"draft_model {str(path)!r}: cannot load it: {first}") from error
+    return model.to(target.device).eval()
+
+
+def model_source(model: PreTrainedModel) -> str | None:
+    """Where ``model`` was loaded from: its directory as an absolute path when it is a local
+    directory, else its hub id (None: built in memory)."""
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    if not name:
+        return None
+    return str(Path(name).resolve()) if Path(name).is_dir() else name
+
+
 class DraftModel(nn.Module):
-    """The frozen draft model (``spec.heads`` of kind ``draft``), so that ``.to``, ``.eval`` and
+    """The draft model (``spec.heads`` of kind ``draft``), so that ``.to``, ``.eval`` and
     ``state_dict`` reach it; :attr:`backbone` is its :class:`~heads.backbone.Backbone` view
-    (public forward with 4D masks, position ids and its own cache)."""
+    (public forward with 4D masks, position ids and its own cache).
+
+    Frozen when attached. Distillation (:mod:`heads.draft.loss`) makes it trainable first: every
+    weight (:meth:`train_all_weights`) or a peft LoRA injected in place (:meth:`add_lora`, kept
+    unmerged in :attr:`lora` until saved). :attr:`base_pin` is the draft's fingerprint before
+    training and :attr:`source` where it was loaded from, both recorded when it is saved.
+    """
 
     def __init__(self, target: Backbone, draft_model: PreTrainedModel) -> None:
         super().__init__()
         if not isinstance(draft_model, PreTrainedModel):
             raise ValueError(f"draft_model must be a transformers PreTrainedModel (a causal LM sharing the target's "
-                             f"tokenizer); got {type(draft_model).__name__}")
+                             f"tokenizer) or its directory; got {type(draft_model).__name__}")
         backbone = inspect_backbone(draft_model)
         check_draft_model(target, backbone)
         draft_model.requires_grad_(False)
         self.model = draft_model
         self.backbone = backbone
+        self.source = model_source(draft_model)
+        self.base_pin: dict | None = None
+        self.lora = None  # heads.lora.BackboneLora while a LoRA is trained on the draft
         self.train(draft_model.training)  # a fresh Module trains: keep the draft's own mode (generate restores it)
 
-    def forward(self, *args, **kwargs):
-        raise TypeError("DraftModel is driven by its drafter (heads.draft.DraftModelDrafter); call "
-                        "spec.heads.model for the draft model itself")
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The draft's logits ``[B, T, V]`` for right-padded ``input_ids`` ``[B, T]`` (training;
+        decoding runs :attr:`backbone` through the drafter)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def train_all_weights(self) -> None:
+        """Full fine-tune: every weight of the draft gets gradients (its pin taken first)."""
+        self.base_pin = target_fingerprint(self.model)
+        self.model.requires_grad_(True)
+
+    def add_lora(self, r: int, alpha: float, targets: Sequence[str] | None) -> None:
+        """Inject a fresh LoRA (peft, ``B = 0``: drafts unchanged until trained) into the draft in
+        place; only its tensors get gradients. ValueError for targets that name no module."""
+        from .. import lora
+
+        if self.lora is not None:
+            raise ValueError("the draft model already carries a LoRA")
+        self.base_pin = target_fingerprint(self.model)
+        self.lora = lora.add_lora(self.model, r, alpha, targets, base_pin=self.base_pin)

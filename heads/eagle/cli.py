@@ -18,7 +18,7 @@ def layer_list(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("EAGLE drafter (--kind eagle)")
-    group.add_argument("--num-layers", type=int, default=1, help="decoder layers of the EAGLE drafter")
+    group.add_argument("--num-layers", type=int, default=None, help="decoder layers of the EAGLE drafter (default 1)")
     group.add_argument("--depth", type=int, default=None, help="deepest level of the dynamic draft tree")
     group.add_argument("--top-k", type=int, default=None, help="children per expanded node of the dynamic tree")
     group.add_argument("--total-tokens", type=int, default=None, help="drafted nodes verified per step")

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 
+from .. import lora_flags
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Medusa heads (--kind medusa)")
     group.add_argument("--num-heads", type=int, default=None,
                        help="Medusa heads (head k predicts token t+k+2; default 4)")
-    group.add_argument("--num-layers", type=int, default=1, help="residual blocks per Medusa head")
+    group.add_argument("--num-layers", type=int, default=None, help="residual blocks per Medusa head (default 1)")
     group.add_argument("--share-lm-head", action="store_true",
                        help="Medusa: reuse the frozen output head in every head")
     group.add_argument("--hard-label-weight", type=float, default=0.0,
@@ -20,11 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "backbone's outputs then differ from the original model's (lossless against the tuned backbone only)")
     joint.add_argument("--joint", action="store_true",
                        help="train a LoRA on the backbone with the heads (self-distilled against the original model)")
-    joint.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default 16)")
-    joint.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (default 32)")
-    joint.add_argument("--lora-targets", default=None,
-                       help="comma-separated backbone module names for the LoRA, e.g. q_proj,v_proj (default: "
-                            "peft's default for the model family)")
+    lora_flags.add_arguments(joint)  # --lora-r, --lora-alpha, --lora-targets: shared with the draft kind's --lora
     joint.add_argument("--lora-lr", type=float, default=None, help="LoRA learning rate (default: --lr / 4)")
     joint.add_argument("--joint-heads-only-steps", type=int, default=None,
                        help="steps that train the heads alone before joint training (default: a quarter of --steps)")
@@ -39,19 +37,17 @@ def options(args: argparse.Namespace) -> dict:
     return {"num_heads": args.num_heads, "num_layers": args.num_layers, "share_lm_head": args.share_lm_head or None}
 
 
-JOINT_FLAGS = ("lora_r", "lora_alpha", "lora_targets", "lora_lr", "joint_heads_only_steps", "joint_lambda",
-               "joint_lambda_warmup")
+JOINT_FLAGS = ("lora_lr", "joint_heads_only_steps", "joint_lambda", "joint_lambda_warmup")
+"""Joint-only flags; the LoRA flags are checked by :func:`heads.lora_flags.train_options`."""
 
 
 def train_options(args: argparse.Namespace) -> dict:
     """The ``TrainConfig`` fields Medusa's flags set (ValueError for a joint flag without ``--joint``)."""
-    defaults = {"lora_r": 16, "lora_alpha": 32.0, "joint_lambda": 0.2}
+    defaults = {"joint_lambda": 0.2}
     given = [name for name in JOINT_FLAGS if getattr(args, name) != defaults.get(name)]
     if given and not args.joint:
         raise ValueError(f"{', '.join('--' + name.replace('_', '-') for name in given)}: joint-training option(s); "
                          "add --joint")
-    return {"hard_label_weight": args.hard_label_weight, "joint": args.joint, "lora_r": args.lora_r,
-            "lora_alpha": args.lora_alpha,
-            "lora_targets": tuple(args.lora_targets.split(",")) if args.lora_targets is not None else None,
+    return {"hard_label_weight": args.hard_label_weight, "joint": args.joint, **lora_flags.train_options(args),
             "lora_learning_rate": args.lora_lr, "joint_heads_only_steps": args.joint_heads_only_steps,
             "joint_lambda": args.joint_lambda, "joint_lambda_warmup_steps": args.joint_lambda_warmup}

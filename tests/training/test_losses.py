@@ -284,3 +284,24 @@ def test_bad_inputs_raise() -> None:
     for beta in (0.0, 1.0, 1.5):
         with pytest.raises(ValueError, match="beta"):
             losses.jsd(a, b, beta=beta)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
+def test_every_divergence_at_the_serving_temperature_hand_computed(temperature: float) -> None:
+    """What DistillSpec distils with: each divergence between the two distributions softened by the
+    serving temperature, JSD(beta) with beta the target's weight, masked means over positions."""
+    student, teacher, beta = [1.0, -0.5, 0.3, 2.0], [0.2, 1.5, -1.0, 0.0], 0.3
+    p = softmax([v / temperature for v in teacher])
+    q = softmax([v / temperature for v in student])
+    m = [beta * x + (1 - beta) * y for x, y in zip(p, q)]
+    expected = {
+        "fkl": kl(p, q), "rkl": kl(q, p), "jsd": beta * kl(p, m) + (1 - beta) * kl(q, m),
+        "tvd": 0.5 * sum(abs(x - y) for x, y in zip(p, q)), "ce": -sum(x * math.log(y) for x, y in zip(p, q)),
+    }
+    # a second position, masked out, must not count
+    students = torch.tensor([student, [9.0, 0.0, 0.0, 0.0]])
+    teachers = torch.tensor([teacher, [0.0, 0.0, 0.0, 9.0]])
+    mask = torch.tensor([True, False])
+    for kind, value in expected.items():
+        got = losses.divergence(kind, students, teachers, temperature=temperature, beta=beta, mask=mask)
+        assert got.item() == pytest.approx(value, abs=1e-6), kind

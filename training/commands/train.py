@@ -71,6 +71,8 @@ def add_parser(commands) -> None:
                         help="divergence between head and target distributions (default forward KL)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="temperature of both distributions in the divergence; match the serving temperature")
+    parser.add_argument("--jsd-beta", type=float, default=0.5,
+                        help="--divergence jsd: weight of the target's distribution, in (0, 1) (default 0.5)")
     added: dict[str, argparse.Action] = {}
     for name in kinds.trainable():
         kinds.get(name).cli.add_arguments(_KindArguments(parser, added))
@@ -137,7 +139,7 @@ def train_config(args):
         on_policy_max_new_tokens=args.max_new_tokens,
         steps=args.steps, batch_size=args.batch_size, gradient_accumulation=args.gradient_accumulation,
         learning_rate=args.lr, warmup_steps=args.warmup_steps, mixed_precision=args.mixed_precision,
-        divergence=args.divergence, temperature=args.temperature, seed=args.seed,
+        divergence=args.divergence, temperature=args.temperature, jsd_beta=args.jsd_beta, seed=args.seed,
         checkpoint_every=args.checkpoint_every, **kind_fields,
     )
 
@@ -229,6 +231,7 @@ def check_arguments(args, processes: int):
         check_int(value, flag, minimum, meaning)
     check_number(args.lr, "--lr", 0.0, inclusive=False)
     check_number(args.temperature, "--temperature", 0.0, inclusive=False)
+    require(0 < args.jsd_beta < 1, f"--jsd-beta must lie in (0, 1) (the target's weight in JSD); got {args.jsd_beta}")
     check_number(args.data_temperature, "--data-temperature", 0.0)
     check_number(args.on_policy_ratio, "--on-policy-ratio", 0.0, maximum=1.0)
     check_number(args.on_policy_temperature, "--on-policy-temperature", 0.0)
@@ -240,7 +243,8 @@ def check_arguments(args, processes: int):
     read_prompts(args.data, None, "--data")  # parsed now (chat records rendered plainly) so errors come first
     if args.eval_data:
         read_prompts(args.eval_data, None, "--eval-data")
-    check_output_directory(args.out, "--out", replaceable=(CONFIG_NAME, WEIGHTS_NAME, LORA_FOLDER))
+    own_files = tuple(name for kind in kinds.registry().values() for name in kind.adapter_files)  # e.g. draft_model/
+    check_output_directory(args.out, "--out", replaceable=(CONFIG_NAME, WEIGHTS_NAME, LORA_FOLDER, *own_files))
     check_output_file(args.json, "--json")
     for flag, path in (("--cache-dir", args.cache_dir), ("--checkpoint-dir", args.checkpoint_dir)):
         if path is not None and Path(path).exists():
@@ -284,7 +288,10 @@ def run(args) -> int:
     prompts = read_prompts(args.data, tokenizer)[: args.max_prompts]
     sequences = _sequences(args, model, tokenizer, prompts, accelerator)
     torch.manual_seed(args.seed)  # drafters initialised at random (EAGLE) start alike in every run and process
-    spec = heads.attach_heads(model, kind=args.kind, **drafter_options(args))
+    try:
+        spec = heads.attach_heads(model, kind=args.kind, **drafter_options(args))
+    except ValueError as error:  # e.g. a draft model that does not share the target's vocabulary
+        raise UsageError(str(error)) from error
     prompt_ids = None
     if config.on_policy_ratio:  # the training share of the prompts (the last ones' sequences are held out)
         prompt_ids = tokenize_prompts(tokenizer, prompts, max(1, args.max_length - args.max_new_tokens), truncate=True)

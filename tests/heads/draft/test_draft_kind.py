@@ -386,9 +386,12 @@ def test_tree_shapes_dtype_and_saving(tmp_path):
     prompt = random_prompt(6, seed=6)
     assert torch.equal(spec.generate(prompt, max_new_tokens=12), reference(model, prompt, torch.ones_like(prompt), 12))
     assert spec.last_stats.tree_size <= 6
-    with pytest.raises(heads.AdapterError, match="draft"):
-        spec.save_pretrained(str(tmp_path / "adapter"))
     hybrid = heads.attach_heads(model, kind="draft", draft_model=draft, lookup=True)  # lookup merged into chains
     repeated = torch.cat([prompt, prompt], dim=1)
-    assert torch.equal(hybrid.generate(repeated, max_new_tokens=12),
-                       reference(model, repeated, torch.ones_like(repeated), 12))
+    expected = reference(model, repeated, torch.ones_like(repeated), 12)
+    assert torch.equal(hybrid.generate(repeated, max_new_tokens=12), expected)
+    hybrid.save_pretrained(str(tmp_path / "adapter"))  # the draft as a model folder, the lookup settings recorded
+    assert (tmp_path / "adapter" / "draft_model" / "model.safetensors").is_file()
+    loaded = heads.load_heads(model, tmp_path / "adapter")
+    assert loaded.lookup is not None and loaded.config.tree == hybrid.config.tree
+    assert torch.equal(loaded.generate(repeated, max_new_tokens=12), expected)
