@@ -18,6 +18,8 @@ class TrainConfig:
     gradient_accumulation: int = 1
     """Micro-steps per optimizer step (the per-process micro-batch is batch_size / (processes x this))."""
     learning_rate: float = 1e-3
+    """Peak learning rate of AdamW. ``selfdraft train`` defaults to the kind's (``cli.LEARNING_RATE``):
+    1e-3 for Medusa, 1e-2 for EAGLE, whose randomly initialised drafter learns too slowly at 1e-3."""
     warmup_steps: int = 20
     """Linear warm-up, then cosine decay to 0 at ``steps``."""
     weight_decay: float = 0.0
@@ -35,8 +37,9 @@ class TrainConfig:
     """Medusa: weight of plain cross-entropy to the target's tokens, added to the divergence."""
     feature_weight: float = 1.0
     """EAGLE: weight of the smooth-L1 regression of the next feature (EAGLE-1: 1.0)."""
-    token_weight: float = 0.1
-    """EAGLE: weight of the divergence between drafter and target token distributions (EAGLE-1: 0.1)."""
+    token_weight: float = 1.0
+    """EAGLE: weight of the divergence between drafter and target token distributions (EAGLE-1: 0.1,
+    which lets the feature regression dominate on small targets; see ``heads.eagle.cli.TOKEN_WEIGHT``)."""
     feature_noise: float = 0.1
     """EAGLE: half-width a of the uniform noise U(-a, a) added to the drafter's input features."""
     unroll_steps: int = 1

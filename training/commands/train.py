@@ -64,7 +64,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step, all processes")
     parser.add_argument("--gradient-accumulation", type=int, default=1, help="micro-steps per optimizer step")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of AdamW (default 1e-3)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate of AdamW (default: the kind's, " + ", ".join(
+                            f"{name} {default_learning_rate(name):g}" for name in kinds.trainable()) + ")")
     parser.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps before cosine decay")
     parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="fp32 or bf16 autocast")
     parser.add_argument("--divergence", choices=DIVERGENCES, default="fkl",
@@ -126,6 +128,13 @@ def _on_policy_ratio(args) -> float:
     return args.on_policy_ratio
 
 
+def default_learning_rate(kind: str) -> float:
+    """``--lr`` when not given: the kind's ``cli.LEARNING_RATE`` (``TrainConfig``'s default when it has none)."""
+    from ..config import TrainConfig
+
+    return getattr(kinds.get(kind).cli, "LEARNING_RATE", TrainConfig.learning_rate)
+
+
 def train_config(args):
     """The ``TrainConfig`` of the flags (every trainable kind's loss fields included)."""
     from ..trainer import TrainConfig
@@ -138,7 +147,8 @@ def train_config(args):
         on_policy_temperature=args.on_policy_temperature, on_policy_prompts=args.on_policy_prompts,
         on_policy_max_new_tokens=args.max_new_tokens,
         steps=args.steps, batch_size=args.batch_size, gradient_accumulation=args.gradient_accumulation,
-        learning_rate=args.lr, warmup_steps=args.warmup_steps, mixed_precision=args.mixed_precision,
+        learning_rate=default_learning_rate(args.kind) if args.lr is None else args.lr,
+        warmup_steps=args.warmup_steps, mixed_precision=args.mixed_precision,
         divergence=args.divergence, temperature=args.temperature, jsd_beta=args.jsd_beta, seed=args.seed,
         checkpoint_every=args.checkpoint_every, **kind_fields,
     )
