@@ -7,14 +7,27 @@ batch 1 a small model's forward is overhead-bound and extra nodes are nearly fre
 the verify forward becomes compute-bound, ``t_step`` grows with ``B x (n + 1)`` and the win
 shrinks, then turns into a loss.
 
-The policy measures both costs the first time it sees a (batch size, prompt length) bucket: a few
-real speculative steps per candidate tree size on the caller's prompts, and a few plain steps of
-the backbone's own ``generate``; every later run in the bucket refines the estimate of the setting
-it used. ``tau(n)`` comes from every speculative step seen with that tree size under the same
-acceptance rule and sampling settings (acceptance falls with temperature), calibration steps
-included, so it follows the traffic actually served. It picks the size with the best predicted
-speedup, and no speculation at all (the backbone's own ``generate``) unless that prediction beats
-plain decoding by ``margin``.
+The policy measures both costs the first time it sees a (batch size, prompt length) bucket (a
+bucket within a factor 4 of a measured prompt length at the same batch size starts from that one's
+costs instead): a few real speculative steps per candidate tree size on the caller's prompts, and a
+few plain steps of the backbone's own ``generate``; every later run in the bucket refines the
+estimate of the setting it used. ``tau(n)`` comes from every speculative step seen with that tree
+size under the same acceptance rule and sampling settings (acceptance falls with temperature),
+calibration steps included, so it follows the traffic actually served. It picks the size with the
+best predicted speedup, and no speculation at all (the backbone's own ``generate``) unless that
+prediction beats plain decoding by ``margin``.
+
+Two safeguards keep one unlucky measurement from deciding for good. Step costs are the median of
+the last :data:`COST_SAMPLES` measurements of a setting, not a running mean that one stalled step
+drags. And a size seen for only a few steps is given the benefit of the doubt: its predicted
+speedup is scaled by ``1 + EXPLORE / sqrt(row steps seen)`` when choosing (an upper confidence
+bound), so a size whose calibration happened to fall on text it could not draft (prompt lookup at
+the start of a reply, before anything repeats) is tried on real traffic until its estimate is
+backed by evidence, instead of plain decoding being chosen forever. A size predicted clearly slower
+than plain decoding is never tried this way (after the 6 calibration steps the bound is 1.2x the
+prediction, so below 0.92x nothing is tried; it shrinks to the prediction within a call or two),
+and ``tau`` is non-decreasing in the tree size for nested trees, so a larger size is credited with
+at least the tau of any smaller one.
 
 Calibration runs stay inside what the call may generate: at most ``max_new_tokens`` new tokens
 per row and never past a hard position limit (GPT-2's ``n_positions``), so a long prompt near the
@@ -32,7 +45,9 @@ import torch
 from tree_attention.decode import SpeculativeDecoder
 
 CALIBRATION_STEPS = 6
-SMOOTHING = 0.5  # weight of a new measurement of a step cost against the running estimate
+COST_SAMPLES = 8  # a step cost is the median of the last this many measurements of its setting
+BORROW_LENGTHS = 4  # a new prompt-length bucket starts from costs measured within this factor
+EXPLORE = 0.5  # upper-confidence bonus: predicted x (1 + EXPLORE / sqrt(row steps seen))
 
 
 def _bucket(value: int) -> int:
@@ -60,6 +75,7 @@ class SpeculationPolicy:
     sizes: tuple[int, ...]
     margin: float = 1.1
     step_costs: dict = field(default_factory=dict)  # ((B bucket, T bucket), n) -> seconds per step
+    cost_samples: dict = field(default_factory=dict)  # same keys -> the last COST_SAMPLES measurements
     observed: dict = field(default_factory=dict)  # (n, rule key) -> Observed
 
     def __post_init__(self) -> None:
@@ -83,8 +99,45 @@ class SpeculationPolicy:
         record.tokens += stats.new_tokens - stats.batch_size  # the prefill's token is not a step's
         record.row_steps += stats.row_forwards - stats.batch_size
         if key is not None and steps > 0 and (key, size) in self.step_costs:
-            measured = (stats.draft_seconds + stats.verify_seconds) / steps
-            self.step_costs[(key, size)] += SMOOTHING * (measured - self.step_costs[(key, size)])
+            self.record_cost(key, size, (stats.draft_seconds + stats.verify_seconds) / steps)
+
+    def record_cost(self, key: tuple[int, int], size: int, seconds: float) -> None:
+        """A measured cost per step of ``size`` drafted nodes (0: plain) in bucket ``key``; the
+        estimate is the median of the last :data:`COST_SAMPLES`."""
+        samples = self.cost_samples.setdefault((key, size), [])
+        samples.append(seconds)
+        del samples[:-COST_SAMPLES]
+        self.step_costs[(key, size)] = statistics.median(samples)
+
+    def _borrow_costs(self, key: tuple[int, int]) -> None:
+        """Start a new bucket from the measured costs of the nearest one with the same batch bucket
+        and a prompt length within a factor of :data:`BORROW_LENGTHS` (refined by every later run),
+        rather than calibrating again: costs change slowly with the prompt length."""
+        if (key, 0) in self.step_costs:
+            return
+        near = [other for other, size in self.cost_samples if size == 0 and other[0] == key[0]
+                and max(other[1], key[1]) <= BORROW_LENGTHS * min(other[1], key[1])]
+        if not near:
+            return
+        source = min(near, key=lambda other: abs(other[1].bit_length() - key[1].bit_length()))
+        for (other, size), samples in list(self.cost_samples.items()):
+            if other == source:
+                self.cost_samples[(key, size)] = list(samples)
+                self.step_costs[(key, size)] = self.step_costs[(other, size)]
+
+    def taus(self, rule_key: str) -> dict[int, float]:
+        """Tokens per row-step by size: the observed ones, each at least any smaller size's (nested
+        trees accept at least as much), 1.0 for sizes never seen."""
+        taus, best = {}, 1.0
+        for size in sorted(self.sizes):
+            record = self.observed.get((size, rule_key))
+            best = max(best, (record.tau if record is not None else None) or 1.0)
+            taus[size] = best
+        return taus
+
+    def evidence(self, rule_key: str) -> dict[int, int]:
+        """Row-steps seen per size under ``rule_key``."""
+        return {size: getattr(self.observed.get((size, rule_key)), "row_steps", 0) for size in self.sizes}
 
     def _plain_step(self, spec, input_ids, attention_mask, budget: int) -> float:
         """Seconds per token of the backbone's own ``generate`` at this batch (best of two), from
@@ -141,20 +194,24 @@ class SpeculationPolicy:
             return {"policy": "auto", "tree": 0, "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1],
                     "reason": f"room for {max(budget, 0)} new token(s) (max_new_tokens or the position limit): "
                               "nothing to speculate on"}
+        self._borrow_costs(key)
         if (key, 0) not in self.step_costs:
-            self.step_costs[(key, 0)] = self._plain_step(spec, input_ids, attention_mask, budget)
+            self.record_cost(key, 0, self._plain_step(spec, input_ids, attention_mask, budget))
         for size in self.sizes:
             if (key, size) not in self.step_costs or (size, rule.key) not in self.observed:
                 cost = self._spec_step(spec, size, input_ids, attention_mask, rule, budget)
-                self.step_costs.setdefault((key, size), cost)
+                if (key, size) not in self.step_costs:
+                    self.record_cost(key, size, cost)
         plain = self.step_costs[(key, 0)]
-        taus = {size: self.observed[(size, rule.key)].tau or 1.0 for size in self.sizes}
+        taus, evidence = self.taus(rule.key), self.evidence(rule.key)
         predicted = {size: taus[size] * plain / self.step_costs[(key, size)] for size in self.sizes}
-        best = max(predicted, key=predicted.get)
-        chosen = best if predicted[best] >= self.margin else 0
+        bound = {size: predicted[size] * (1 + EXPLORE / max(1, evidence[size]) ** 0.5) for size in self.sizes}
+        best = max(bound, key=bound.get)
+        chosen = best if bound[best] >= self.margin else 0
         return {
             "policy": "auto", "tree": chosen, "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1],
             "plain_step_ms": 1000 * plain,
             "step_ms": {size: 1000 * self.step_costs[(key, size)] for size in self.sizes},
-            "tau": taus, "predicted_speedup": predicted, "margin": self.margin,
+            "tau": taus, "row_steps": evidence, "predicted_speedup": predicted, "upper_bound": bound,
+            "exploring": bool(chosen) and predicted[chosen] < self.margin, "margin": self.margin,
         }

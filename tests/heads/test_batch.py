@@ -188,9 +188,10 @@ def test_speculate_auto_records_its_choice_and_stays_identical():
     choice = spec.last_stats.speculation
     assert choice["policy"] == "auto" and choice["tree"] in (0, *spec.policy.sizes)
     assert set(choice["predicted_speedup"]) == set(spec.policy.sizes) and choice["plain_step_ms"] > 0
-    predicted = choice["predicted_speedup"]
-    best = max(predicted, key=predicted.get)
-    assert choice["tree"] == (best if predicted[best] >= spec.policy.margin else 0)
+    predicted, bound = choice["predicted_speedup"], choice["upper_bound"]
+    assert all(bound[size] >= predicted[size] for size in predicted)
+    best = max(bound, key=bound.get)
+    assert choice["tree"] == (best if bound[best] >= spec.policy.margin else 0)
     assert spec.last_stats.tree_size == (1 if choice["tree"] == 0 else spec.last_stats.tree_size)
     spec.policy.margin = 1e9  # no prediction beats that: plain decoding, the backbone's own generate
     output = spec.generate(ids, attention_mask=mask, max_new_tokens=12, speculate="auto")
@@ -243,3 +244,64 @@ def test_mask_inferred_from_pad_tokens_as_generate_does():
     with torch.no_grad():
         expected = model.generate(ids, do_sample=False, max_new_tokens=10)
     assert torch.equal(spec.generate(ids, max_new_tokens=10), expected)
+
+
+def test_auto_tries_a_size_its_calibration_underrated():
+    """A size whose few calibration steps drafted nothing (tau 1) is tried on real traffic while its
+    evidence is thin (the upper confidence bound), and chosen from then on once its real tau shows;
+    sizes well evidenced as no faster than plain decoding are not tried; a larger nested tree is
+    credited with a smaller one's tau; one stalled step does not move the median cost."""
+    from types import SimpleNamespace
+
+    from heads.policy import Observed, SpeculationPolicy
+
+    spec = heads.attach_heads(build_model("llama", seed=9), tree=8)
+    ids, mask = padded_batch(seed=10)
+    policy = SpeculationPolicy((2, 8))
+    key, rule = policy.key(ids), SimpleNamespace(key="greedy")
+    for size, cost in ((0, 1.0), (2, 1.2), (8, 1.5)):
+        policy.record_cost(key, size, cost)  # measured: nothing is calibrated below
+
+    def choose(tau2, steps2, tau8, steps8):
+        policy.observed[(2, "greedy")] = Observed(tokens=round(tau2 * steps2), row_steps=steps2)
+        policy.observed[(8, "greedy")] = Observed(tokens=round(tau8 * steps8), row_steps=steps8)
+        return policy.choose(spec, ids, mask, rule, max_new_tokens=12)
+
+    assert choose(1, 6, 1, 6)["tree"] == 0  # predicted 0.83 / 0.67: below the margin even optimistically
+    choice = choose(2, 2, 1, 6)  # size 2 drafted twice in two steps
+    assert choice["tau"] == {2: 2.0, 8: 2.0}  # size 8 credited with size 2's tau
+    assert choice["tree"] == 2 and choice["exploring"] is False  # predicted 1.67
+    choice = choose(1.15, 6, 1.15, 6)  # both thin: predicted 0.96 / 0.77, bounds 1.15 / 0.92
+    assert choice["tree"] == 2 and choice["exploring"] is True
+    assert choose(1.15, 1000, 1.15, 6)["tree"] == 0  # size 2 well seen at 0.96: no more trying
+    assert choose(1, 1000, 4, 1000)["tree"] == 8
+    for seconds in (1.5, 1.5, 50.0):
+        policy.record_cost(key, 8, seconds)
+    assert policy.step_costs[(key, 8)] == 1.5
+
+
+def test_auto_borrows_costs_for_a_nearby_prompt_length(monkeypatch):
+    """A new prompt-length bucket within a factor 4 of a measured one (same batch bucket) starts from
+    its costs instead of calibrating again; a far one, or another batch size, calibrates."""
+    from types import SimpleNamespace
+
+    from heads.policy import Observed, SpeculationPolicy
+
+    spec = heads.attach_heads(build_model("llama", seed=9), tree=8)
+    policy = SpeculationPolicy((2,))
+    policy.observed[(2, "greedy")] = Observed(tokens=300, row_steps=100)
+    for size, cost in ((0, 1.0), (2, 1.2)):
+        policy.record_cost((1, 8), size, cost)
+    calibrated = []
+    monkeypatch.setattr(policy, "_plain_step", lambda *args: calibrated.append(args[1].shape) or 1.0)
+    rule = SimpleNamespace(key="greedy")
+    near = torch.ones(1, 30, dtype=torch.long)  # bucket 32: within 4x of 8
+    choice = policy.choose(spec, near, torch.ones_like(near), rule, max_new_tokens=4)
+    assert calibrated == [] and choice["step_ms"] == {2: 1200.0} and choice["tree"] == 2
+    far = torch.ones(1, 60, dtype=torch.long)  # bucket 64: 8x from 8, but 2x from 32
+    policy.choose(spec, far, torch.ones_like(far), rule, max_new_tokens=4)
+    assert calibrated == []
+    batch = torch.ones(2, 8, dtype=torch.long)  # another batch bucket
+    monkeypatch.setattr(policy, "_spec_step", lambda *args: 2.0)
+    policy.choose(spec, batch, torch.ones_like(batch), rule, max_new_tokens=4)
+    assert calibrated == [(2, 8)]
