@@ -16,17 +16,18 @@ divergence at T = 0 expresses; at T = 1.0 it is the serving temperature itself).
 
 Each draft is served at T = 0, 0.7 and 1.0 (sampling with top_k 0, top_p 1) as a chain (depth 4,
 sampled from the draft's own q under sampling, Leviathan's rule) and as a dynamic tree (depth 4,
-top-k 2, 8 nodes, top-k candidates), and by ``model.generate(assistant_model=draft)``, all side by
-side in one process: per prompt, plain ``generate`` and every method in a rotating order. Reported
-per (draft, method, temperature): wall-clock speedup (median over prompts of t_generate /
-t_method), tau (tokens per target forward; for assisted generation counted with a forward hook on
-the target), the per-token acceptance alpha of chains (accepted / (accepted + rejected) drafted
+top-k 2, 8 nodes, top-k candidates), as a chain of up to 8 that stops below a node the draft is less
+than 40% sure of (``chain_c``: transformers' assistant confidence threshold), and by
+``model.generate(assistant_model=draft)``, all side by side in one process: per prompt, plain
+``generate`` and every method in a rotating order. Reported per (draft, method, temperature):
+wall-clock speedup (median over prompts of t_generate / t_method), tau (tokens per target forward;
+for assisted generation counted with a forward hook on the target), the per-token acceptance alpha of chains (accepted / (accepted + rejected) drafted
 tokens), acceptance by depth, draft and verify ms per step and the bound
 tau x t_generate_step / (t_draft + t_verify).
 
 ``best_distilled_over_undistilled``: the best distilled draft's speedup divided by the undistilled
 draft's, each at the temperature the distilled one was trained for (T = 0 for ``*_T0``, 1.0 for
-``*_T1``), each draft at its better shape; also per training and per serving temperature. ``goals``:
+``*_T1``), each draft at its best shape; also per training and per serving temperature. ``goals``:
 the issue's (>= 1.10x greedy and at T = 1.0; selfdraft >= 1.1x assisted generation greedy).
 
 Writes ``benchmarks/results/distillspec.json`` and ``distillspec.png``. Drafts are cached under
@@ -59,7 +60,9 @@ DRAFTS_DIR = RESULTS / "adapters" / "distillspec"
 DIVERGENCES = ("fkl", "rkl", "jsd", "tvd")
 TEMPERATURES = (0.0, 0.7, 1.0)
 COLUMNS = ["speedup", "tau", "alpha", "draft_ms_per_step", "verify_ms_per_step", "bound"]
-SHAPES = {"chain": dict(depth=4, top_k=1, total_tokens=4), "tree": dict(depth=4, top_k=2, total_tokens=8)}
+SHAPES = {"chain": dict(depth=4, top_k=1, total_tokens=4), "tree": dict(depth=4, top_k=2, total_tokens=8),
+          # a chain that stops below a node the draft is less than 40% sure of (transformers' assistant default)
+          "chain_c": dict(depth=8, top_k=1, total_tokens=8, confidence=0.4)}
 
 
 def recipes(only: list[str] | None = None) -> dict[str, dict]:
@@ -125,14 +128,15 @@ class ForwardCounter:
         self.calls += self.active
 
 
-def methods(target, drafts: dict, counter: ForwardCounter) -> dict:
+def methods(target, drafts: dict, counter: ForwardCounter, shapes: list[str]) -> dict:
     """``{(draft, method): callable(prompt, max_new, settings, generator) -> (output, stats, forwards)}``."""
     import heads
 
     pad = target.generation_config.pad_token_id
     table = {}
     for name, model in drafts.items():
-        for shape, tree in SHAPES.items():
+        for shape in shapes:
+            tree = SHAPES[shape]
             spec = heads.attach_heads(target, kind="draft", draft_model=model, **tree)
             table[(name, shape)] = lambda p, n, settings, generator, spec=spec: (
                 spec.generate(p, max_new_tokens=n, generator=generator, **settings), spec.last_stats, None)
@@ -223,7 +227,7 @@ def summarise(runs: dict, sampled: bool) -> dict:
 
 
 def best_selfdraft(entry: dict) -> tuple[str, float]:
-    shape = max(SHAPES, key=lambda s: entry[s]["speedup"])
+    shape = max((s for s in SHAPES if s in entry), key=lambda s: entry[s]["speedup"])
     return shape, entry[shape]["speedup"]
 
 
@@ -287,13 +291,15 @@ def plot(results: dict, path: Path) -> None:
     drafts = list(results[keys[0]]["drafts"])
     figure, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4.5), sharey=True, squeeze=False)
     axes = axes[0]
-    width = 0.27
+    methods = list(results[keys[0]]["drafts"][drafts[0]])
+    width = 0.8 / len(methods)
     for axis, key in zip(axes, keys):
         entries = results[key]["drafts"]
         positions = range(len(drafts))
-        for offset, method in enumerate(("chain", "tree", "assisted")):
-            axis.bar([x + (offset - 1) * width for x in positions], [entries[d][method]["speedup"] for d in drafts],
-                     width, label=method if method != "assisted" else "transformers assisted")
+        for offset, method in enumerate(methods):
+            axis.bar([x + (offset - (len(methods) - 1) / 2) * width for x in positions],
+                     [entries[d][method]["speedup"] for d in drafts], width,
+                     label=method if method != "assisted" else "transformers assisted")
         axis.axhline(1.0, color="black", linewidth=0.8)
         axis.set_xticks(list(positions), drafts, rotation=60, ha="right", fontsize=8)
         axis.set_title(f"demo-llama, serving {key}")
@@ -317,7 +323,7 @@ def measure_all(args, summaries: dict) -> None:
     for name in chosen:
         drafts[name] = heads.load_heads(target, args.drafts_dir / name).heads.model
     counter = ForwardCounter(target)
-    table_ = methods(target, drafts, counter)
+    table_ = methods(target, drafts, counter, args.shapes)
     results = {}
     for temperature in args.temperatures:
         started = time.perf_counter()
@@ -332,7 +338,8 @@ def measure_all(args, summaries: dict) -> None:
         "acceptance_definition": ACCEPTANCE_DEFINITION,
         "alpha_definition": "chains: accepted / (accepted + rejected) drafted tokens over all verify steps",
         "setup": {"prompts_per_mix": args.prompts, "mixes": ["code", "prose"], "max_new_tokens": args.max_new_tokens,
-                  "shapes": SHAPES, "temperatures": list(args.temperatures), "sampling": "top_k 0, top_p 1",
+                  "shapes": {name: SHAPES[name] for name in args.shapes}, "temperatures": list(args.temperatures),
+                  "sampling": "top_k 0, top_p 1",
                   "threads": torch.get_num_threads(),
                   "assisted": "model.generate(assistant_model=draft) with transformers' defaults (up to 20 tokens "
                               "per step, heuristic schedule, assistant confidence threshold 0.4)",
@@ -375,12 +382,16 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperatures", type=lambda text: [float(t) for t in text.split(",")],
                         default=list(TEMPERATURES), help="serving temperatures, e.g. 0,0.7,1")
+    parser.add_argument("--shapes", type=lambda text: text.split(","), default=list(SHAPES),
+                        help=f"selfdraft shapes to serve, of {list(SHAPES)}")
     parser.add_argument("--out", type=Path, default=RESULTS / "distillspec.json", help="result JSON (PNG beside it)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 3 drafts of 4 steps in /tmp, 1 prompt per mix, 16 tokens, T 0 and 1")
     parser.add_argument("--retrain", action="store_true")
     parser.add_argument("--train-only", action="store_true")
     args = parser.parse_args()
+    if set(args.shapes) - set(SHAPES):
+        parser.error(f"--shapes: unknown {sorted(set(args.shapes) - set(SHAPES))}; choose from {list(SHAPES)}")
     if args.quick:
         args.drafts_dir, args.out = Path("/tmp/distillspec_quick"), Path("/tmp/distillspec_quick/distillspec.json")
         args.drafts = args.drafts or ["off_fkl_T0", "on_fkl_T0", "on_tvd_T1"]
