@@ -21,9 +21,9 @@ than 40% sure of (``chain_c``: transformers' assistant confidence threshold), an
 ``model.generate(assistant_model=draft)``, all side by side in one process: per prompt, plain
 ``generate`` and every method in a rotating order. Reported per (draft, method, temperature):
 wall-clock speedup (median over prompts of t_generate / t_method), tau (tokens per target forward;
-for assisted generation counted with a forward hook on the target), the per-token acceptance alpha of chains (accepted / (accepted + rejected) drafted
-tokens), acceptance by depth, draft and verify ms per step and the bound
-tau x t_generate_step / (t_draft + t_verify).
+for assisted generation counted with a forward hook on the target), the per-token acceptance alpha
+of chains (accepted / (accepted + rejected) drafted tokens), acceptance by depth, draft and verify
+ms per step and the bound tau x t_generate_step / (t_draft + t_verify).
 
 ``best_distilled_over_undistilled``: the best distilled draft's speedup divided by the undistilled
 draft's, each at the temperature the distilled one was trained for (T = 0 for ``*_T0``, 1.0 for
