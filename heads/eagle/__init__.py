@@ -12,17 +12,19 @@ from .checkpoint import FORMATS
 from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, LAYOUTS, EagleConfig
 from .drafter import EagleDrafter
 from .loss import EagleLoss
-from .modules import Eagle3Midlayer, EagleHeads, unrolled_attention_mask
+from .modules import Eagle3Midlayer, EagleHeads, parallel_attention_mask, unrolled_attention_mask
+from .parallel import ParallelEagleDrafter, parallel_template
 
 __all__ = ["KIND", "EagleConfig", "EagleDrafter", "EagleHeads", "Eagle3Midlayer", "unrolled_attention_mask",
-           "DEFAULT_DEPTH", "DEFAULT_TOP_K", "DEFAULT_TOTAL_TOKENS", "LAYOUTS"]
+           "ParallelEagleDrafter", "parallel_attention_mask", "parallel_template", "DEFAULT_DEPTH", "DEFAULT_TOP_K",
+           "DEFAULT_TOTAL_TOKENS", "LAYOUTS"]
 
-OPTIONS = ("num_layers", "depth", "top_k", "total_tokens", "feature_layers", "draft_vocab_size", "layout")
+OPTIONS = ("num_layers", "depth", "top_k", "total_tokens", "feature_layers", "draft_vocab_size", "layout", "parallel")
 
 
 def make_config(num_layers: int | None = None, depth: int | None = None, top_k: int | None = None,
                 total_tokens: int | None = None, feature_layers=None, draft_vocab_size: int | None = None,
-                layout: str | None = None, **others) -> EagleConfig:
+                layout: str | None = None, parallel: int | None = None, **others) -> EagleConfig:
     """The config ``attach_heads(kind="eagle", ...)`` builds; a lone ``total_tokens`` lowers the
     default depth to fit it."""
     refuse_options("eagle", OPTIONS, others)
@@ -30,6 +32,7 @@ def make_config(num_layers: int | None = None, depth: int | None = None, top_k: 
              if value is not None}
     return EagleConfig(num_layers=1 if num_layers is None else num_layers, feature_layers=feature_layers,
                        draft_vocab_size=draft_vocab_size, layout=layout or "native",
+                       parallel=1 if parallel is None else parallel,
                        **EagleConfig().with_tree(shape).tree)
 
 
@@ -37,8 +40,11 @@ def build_heads(target, config: EagleConfig) -> EagleHeads:
     return EagleHeads(config, target)
 
 
-def build_drafter(spec, tree) -> EagleDrafter:
-    return EagleDrafter(spec.heads, spec.target, spec.config.with_tree(tree))
+def build_drafter(spec, tree) -> EagleDrafter | ParallelEagleDrafter:
+    config = spec.config.with_tree(tree)
+    if config.parallel > 1:
+        return ParallelEagleDrafter(spec.heads, spec.target, config, spec.accuracy)
+    return EagleDrafter(spec.heads, spec.target, config)
 
 
 def target_view(target, config: EagleConfig):

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="drafter architecture: native (default; selfdraft's, any family), eagle1 (the EAGLE-1 "
                             "layer, exportable with --format eagle) or eagle3 (the EAGLE-3 midlayer, needs three "
                             "--feature-layers, exportable with --format eagle3); Llama-family targets only")
+    group.add_argument("--parallel", type=int, default=None,
+                       help="depths drafted in one drafter forward with learned mask queries (P-EAGLE style; "
+                            "default 1: sequential EAGLE, one forward per tree level). K > 1 drafts a static "
+                            "top-k tree of min(depth, K) levels from one forward per step")
     group.add_argument("--feature-weight", type=float, default=1.0,
                        help="weight of the smooth-L1 next-feature regression (default 1.0)")
     group.add_argument("--token-weight", type=float, default=TOKEN_WEIGHT,
@@ -56,7 +60,8 @@ def options(args: argparse.Namespace) -> dict:
     """The ``attach_heads(kind="eagle", ...)`` options; None where a flag was not given."""
     return {"num_layers": args.num_layers, "depth": args.depth, "top_k": args.top_k,
             "total_tokens": args.total_tokens, "feature_layers": args.feature_layers,
-            "draft_vocab_size": args.draft_vocab_size, "layout": args.eagle_layout}
+            "draft_vocab_size": args.draft_vocab_size, "layout": args.eagle_layout,
+            "parallel": args.parallel}
 
 
 def train_options(args: argparse.Namespace) -> dict:

@@ -24,6 +24,14 @@ identity and a copy of the output head); a random EAGLE drafter does not, and on
 to 0.68 / 0.63 (0.52 -> 0.65 at step 1 with a learning rate of 1e-3); see
 ``benchmarks/bench_eagle_recipe.py``.
 
+Parallel drafting (``EagleConfig.parallel = K > 1``, :mod:`heads.eagle.parallel`): the drafter's
+one training forward runs the teacher-forced pairs and ``K - 1`` blocks of mask queries
+(:meth:`~heads.eagle.modules.EagleHeads.parallel_forward`); anchor ``t``'s mask query ``j`` sees the
+pairs ``<= t`` and its own earlier mask queries, as at decode time, and is scored like unrolled
+step ``j + 1`` (feature at ``t + j + 1``, the same loss and ``head_decay`` weights). The mask
+queries' inputs start at the data's mean next-token embedding and mean input feature
+(:meth:`EagleLoss.fit_mask_inputs`); held-out per-depth accuracy shapes the static tree.
+
 The divergences come from the trainer (``context.losses``): this package does not import
 ``training``.
 """
@@ -122,6 +130,10 @@ class EagleLoss:
         self.context = context
         self.spec = context.spec
         self.config = context.config
+        self.parallel = self.spec.config.parallel
+        if self.parallel > 1 and context.config.unroll_steps > 1:
+            raise ValueError(f"unroll_steps ({context.config.unroll_steps}) trains sequential drafting; a parallel "
+                             f"drafter (parallel={self.parallel}) trains its mask queries instead: use unroll_steps 1")
 
     def prepare(self) -> None:
         """Fit the projection (:meth:`fit_projection`); with a reduced draft vocabulary, choose it
@@ -131,6 +143,8 @@ class EagleLoss:
             heads.set_token_map(frequent_tokens(self.context.train_sequences, self.spec.target.vocab_size,
                                                 heads.draft_vocab_size))
         self.fit_projection()
+        if heads.mask_feature is not None:
+            self.fit_mask_inputs()
 
     @torch.no_grad()
     def fit_projection(self) -> None:
@@ -157,6 +171,26 @@ class EagleLoss:
         weight, bias = fit_linear(gram, cross)
         heads.projection.weight.copy_(weight)
         heads.projection.bias.copy_(bias)
+
+    @torch.no_grad()
+    def fit_mask_inputs(self) -> None:
+        """Parallel drafting: start the mask queries' inputs at the mean next-token embedding and the
+        mean drafter input feature of the first :data:`FIT_SEQUENCES` training sequences (with the fitted
+        projection, a mask query then starts from the average next feature)."""
+        heads = self.spec.heads
+        embedding_sum = torch.zeros(heads.hidden_size, dtype=torch.float64, device=heads.mask_embedding.device)
+        feature_sum, count = torch.zeros_like(embedding_sum), 0
+        sequences = self.context.train_sequences[:FIT_SEQUENCES]
+        for start in range(0, len(sequences), 8):
+            input_ids, attention_mask = self.context.collate(sequences[start:start + 8])
+            _, inputs, _, embeddings = self._targets(input_ids, attention_mask)
+            valid = attention_mask[:, 1:].bool()  # (B, T - 1)
+            embedding_sum += embeddings[:, 1:][valid].double().sum(0)
+            feature_sum += heads.fuse(inputs)[:, :-1][valid].double().sum(0)
+            count += int(valid.sum())
+        if count:
+            heads.mask_embedding.copy_(embedding_sum / count)
+            heads.mask_feature.copy_(feature_sum / count)
 
     @torch.no_grad()
     def _targets(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -187,8 +221,8 @@ class EagleLoss:
         top, inputs, teacher, embeddings = self._targets(input_ids, attention_mask)
         if noise_indices is not None and self.config.feature_noise:
             inputs = inputs + self._noise(inputs, attention_mask, noise_indices, step)
-        with accelerator.autocast():
-            predictions = heads(inputs, embeddings, steps)
+        with accelerator.autocast():  # parallel drafting: the K depths of one forward with mask queries
+            predictions = heads(inputs, embeddings, steps, parallel=self.parallel > 1)
         drafter = accelerator.unwrap_model(heads)
         rows = drafter.draft_rows(self.spec.target)
 
@@ -205,15 +239,20 @@ class EagleLoss:
         return loss, agreement
 
     def finish(self, accuracy: list[list[float]]) -> None:
-        """Nothing to update: EAGLE's tree is built dynamically."""
+        """Sequential drafting: nothing to update (its tree is built dynamically). Parallel drafting:
+        the measured per-depth accuracy shapes its static tree from now on (kept in the adapter)."""
+        if self.parallel > 1:
+            self.spec.accuracy = accuracy
+            self.spec.set_tree(None)
 
     @torch.no_grad()
     def rank_accuracy(self, max_rank: int = 10, steps: int | None = None) -> list[list[float]]:
         """On held-out sequences, drafting a chain on its own predictions (no noise): per step
         ``j`` (default ``max(unroll_steps, 3)``), the share of positions where the target's token
-        at ``t + j`` is the drafter's rank-r candidate, r < ``max_rank``."""
+        at ``t + j`` is the drafter's rank-r candidate, r < ``max_rank``. Parallel drafting: per
+        depth ``j = 1..parallel`` of its one forward (the real pair, then the mask queries)."""
         heads = self.spec.heads
-        steps = steps or max(self.config.unroll_steps, 3)
+        steps = self.parallel if self.parallel > 1 else steps or max(self.config.unroll_steps, 3)
         counts, total = torch.zeros(steps, max_rank), 0
         validation = self.context.validation_sequences
         for start in range(0, len(validation), 4):

@@ -78,6 +78,28 @@ def unrolled_attention_mask(length: int, step: int, layout, dtype: torch.dtype,
     return layout_masks(visible, (origins + step - 1).unsqueeze(0), key_positions, layout, dtype)
 
 
+def parallel_attention_mask(length: int, parallel: int, layout, dtype: torch.dtype,
+                            device: torch.device | str) -> AttentionMask:
+    """Mask of the parallel-drafting training forward over one extended sequence of ``parallel``
+    blocks of ``length`` entries (queries and keys alike).
+
+    Block 0 holds the teacher-forced pairs at positions ``0..length-1`` (causal). Block ``j >= 1``
+    holds mask query ``j`` of every anchor ``t``, at position ``t + j``: it sees block-0 entries
+    ``<= t`` and the same anchor's mask queries in blocks ``1..j``, exactly what that query sees at
+    decode time (the committed pairs up to ``t``, then the earlier mask queries of its row).
+    Returns ``[1, 1, parallel * length, parallel * length]`` (or a dict per layer type).
+    """
+    origins = torch.arange(length, device=device)
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril_()
+    same_anchor = torch.eye(length, dtype=torch.bool, device=device)
+    nothing = torch.zeros(length, length, dtype=torch.bool, device=device)
+    rows = [torch.cat([causal] + [same_anchor if 1 <= key <= query else nothing for key in range(1, parallel)], dim=1)
+            for query in range(parallel)]
+    visible = torch.cat(rows, dim=0).unsqueeze(0)  # (1, K*T, K*T)
+    positions = torch.cat([origins + block for block in range(parallel)]).unsqueeze(0)
+    return layout_masks(visible, positions, positions, layout, dtype)
+
+
 def _expand_batch(mask: AttentionMask, batch: int) -> AttentionMask:
     if isinstance(mask, dict):
         return {kind: value.expand(batch, -1, -1, -1) for kind, value in mask.items()}
@@ -134,6 +156,11 @@ class EagleHeads(nn.Module):
             self.decoder = decoder_copy(target, config.num_layers, config.layout)
             self._cache_keyword = cache_ops.cache_keyword(self.decoder)
         self.layout = attention_layout(self.decoder.config)
+        if config.parallel > 1:  # the inputs of parallel drafting's mask queries (set from data by EagleLoss)
+            self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+            self.mask_feature = nn.Parameter(torch.zeros(hidden))
+        else:
+            self.mask_embedding = self.mask_feature = None
         if config.draft_vocab_size is not None:
             self.register_buffer("token_map", torch.arange(config.draft_vocab_size))
         else:
@@ -193,8 +220,10 @@ class EagleHeads(nn.Module):
                                use_cache=cache is not None, **{self._cache_keyword: cache})
         return outputs.last_hidden_state
 
-    def forward(self, features: torch.Tensor, token_embeddings: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
-        """Training forward, unrolled ``steps`` drafting steps over whole sequences.
+    def forward(self, features: torch.Tensor, token_embeddings: torch.Tensor, steps: int = 1,
+                parallel: bool = False) -> list[torch.Tensor]:
+        """Training forward, unrolled ``steps`` drafting steps over whole sequences (``parallel``:
+        :meth:`parallel_forward` instead, ``steps`` ignored).
 
         Args:
             features: ``[B, T, F]`` the backbone's features at every position (noise already added).
@@ -203,6 +232,8 @@ class EagleHeads(nn.Module):
         the feature at ``t + j`` after ``j - 1`` steps on the drafter's own predicted features
         (rows with ``t + j >= T`` are padding).
         """
+        if parallel:
+            return self.parallel_forward(features, token_embeddings)
         batch, length, _ = features.shape
         cache = cache_ops.new_cache()
         inputs = self.fuse(features)
@@ -215,6 +246,34 @@ class EagleHeads(nn.Module):
                                _expand_batch(mask, batch), cache)  # (B, T, d)
             outputs.append(inputs)
         return outputs
+
+    def mask_inputs(self, batch: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs of ``count`` mask queries per row: features and token embeddings ``[batch, count, d]``."""
+        if self.mask_feature is None:
+            raise ValueError("this EAGLE drafter has no mask queries (EagleConfig.parallel is 1)")
+        shape = (batch, count, self.hidden_size)
+        return self.mask_feature.expand(shape), self.mask_embedding.expand(shape)
+
+    def parallel_forward(self, features: torch.Tensor, token_embeddings: torch.Tensor) -> list[torch.Tensor]:
+        """Training forward of parallel drafting (``config.parallel = K``): one drafter forward over
+        the teacher-forced pairs and ``K - 1`` blocks of mask queries (:func:`parallel_attention_mask`).
+
+        Args and returns as :meth:`forward` with ``steps = K``: ``K`` tensors ``[B, T, d]``; entry
+        ``j`` at anchor ``t`` predicts the feature at ``t + j + 1`` (entry 0: the pair at ``t`` itself,
+        entry ``j >= 1``: anchor ``t``'s mask query ``j``).
+        """
+        batch, length, _ = features.shape
+        parallel = self.config.parallel
+        mask_features, mask_embeddings = self.mask_inputs(batch, (parallel - 1) * length)
+        next_embeddings = torch.cat([token_embeddings[:, 1:], token_embeddings.new_zeros(batch, 1, self.hidden_size)],
+                                    dim=1)  # (B, T, d): e_{t+1}
+        inputs = torch.cat([self.fuse(features), mask_features.to(features.dtype)], dim=1)  # (B, K*T, d)
+        embeddings = torch.cat([next_embeddings, mask_embeddings.to(next_embeddings.dtype)], dim=1)
+        origins = torch.arange(length, device=features.device)
+        positions = torch.cat([origins + block for block in range(parallel)]).expand(batch, -1)  # (B, K*T)
+        mask = parallel_attention_mask(length, parallel, self.layout, inputs.dtype, features.device)
+        outputs = self.step(inputs, embeddings, positions, _expand_batch(mask, batch), None)  # (B, K*T, d)
+        return list(outputs.split(length, dim=1))
 
 
 def check_against_target(config: EagleConfig, target: Backbone) -> None:

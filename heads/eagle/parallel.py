@@ -1,0 +1,149 @@
+"""Parallel drafting for EAGLE (``EagleConfig.parallel = K > 1``; P-EAGLE / PARD style).
+
+Sequential EAGLE runs one drafter forward per tree level; on small targets each forward costs
+about as much as a fraction of the whole verification forward, so drafting, not verification,
+bounds the speed. Here the forward that commits each row's new (feature, next token) pairs also
+runs ``K - 1`` mask queries after the row's last pair: query ``j`` sits at position
+``last + j``, reads the learned ``mask_feature`` and ``mask_embedding`` and attends to the row's
+committed entries and its earlier mask queries. The last pair's output gives the depth-1
+distribution, mask query ``j``'s output the depth-``j + 1`` one; a static top-k tree over those
+depths (as Medusa's) is filled from them. One drafter forward per step, whatever the depth.
+
+Tree shape (:func:`parallel_template`): ``min(depth, K)`` deep, ranks below ``top_k`` at every
+depth, the ``total_tokens`` best nodes best-first by per-depth, per-rank accuracy (measured on
+held-out data at training time and kept in the adapter as ``tree_accuracy``; before that, the
+prior of :func:`tree_attention.tree.prior_accuracy`). The defaults (``top_k`` 1) give a chain.
+
+The mask queries' cache entries lie past the drafter cache's bookkeeping width, like the last tree
+expansion of the sequential drafter, and the next step's :meth:`RaggedCache.crop` drops them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tree_attention import cache as cache_ops
+from tree_attention.decode import DraftBatch
+from tree_attention.mask import causal_visibility
+from tree_attention.tree import (
+    TreeBatch, TreeTemplate, best_first_choices, from_choices, prior_accuracy, truncate_batch,
+)
+
+from ..backbone import Backbone
+from ..families import position_limit
+from .config import EagleConfig
+from .modules import EagleHeads, check_against_target
+
+
+def parallel_template(config: EagleConfig, accuracy: Sequence[Sequence[float]] | None = None) -> TreeTemplate:
+    """The static tree of a parallel drafter: ``min(depth, parallel)`` deep, ranks ``< top_k``, the
+    ``total_tokens`` best nodes best-first over ``accuracy`` (per depth, per rank; None or a table
+    that does not cover every depth: the prior)."""
+    depths = min(config.depth, config.parallel)
+    table = [list(row) for row in accuracy] if accuracy is not None else []
+    if len(table) < depths or any(len(row) < 1 for row in table[:depths]):
+        table = [list(row) for row in prior_accuracy(depths)]
+    table = [row[:config.top_k] for row in table[:depths]]
+    return from_choices(best_first_choices(table, config.total_tokens))
+
+
+class ParallelEagleDrafter:
+    """Proposes one static-shape tree per row and step (``tree_attention.decode.Drafter``) from one
+    drafter forward over all rows: the newly committed pairs plus ``K - 1`` mask queries per row.
+
+    The cache bookkeeping is the sequential :class:`~heads.eagle.drafter.EagleDrafter`'s: a row's
+    live entries are its committed pairs (entry ``i``: target feature at ``i``, token at ``i + 1``),
+    ragged rows leave holes, and everything a forward appends past the committed pairs (here the
+    mask queries) is cropped at the next step.
+    """
+
+    def __init__(self, heads: EagleHeads, target: Backbone, config: EagleConfig,
+                 accuracy: Sequence[Sequence[float]] | None = None) -> None:
+        check_against_target(config, target)
+        if config.parallel < 2 or heads.mask_feature is None:
+            raise ValueError(f"ParallelEagleDrafter needs a drafter trained for parallel drafting (parallel >= 2); "
+                             f"config.parallel is {config.parallel}")
+        self.heads = heads
+        self.target = target
+        self.parallel = config.parallel
+        self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
+        device = next(heads.parameters()).device
+        self.template = parallel_template(config, accuracy).to(device)
+        self.top_k = self.template.max_rank + 1
+        # flat index into the (depth, top_k) candidate table for every non-root node
+        self._candidate_index = (self.template.depths[1:] - 1) * self.top_k + self.template.ranks[1:]
+        self.reset(1)
+
+    def reset(self, batch_size: int) -> None:
+        """Forget earlier sequences: an empty cache for ``batch_size`` rows."""
+        device = next(self.heads.parameters()).device
+        self.cache = cache_ops.RaggedCache(batch_size, device)
+        self.committed = torch.zeros(batch_size, dtype=torch.long, device=device)  # pairs per row
+
+    def retire(self, keep: torch.Tensor) -> None:
+        """Drop the cache rows of sequences that left the batch."""
+        self.cache.select_rows(keep)
+        self.committed = self.committed[keep]
+
+    def _draft(self, batch: DraftBatch) -> torch.Tensor:
+        """Append each row's pairs (features[i], tokens[i + 1]) and (features[-1], root), run the
+        mask queries behind them in the same forward; the predicted features of depths 1..K
+        ``[R, K, d]``."""
+        self.cache.crop()
+        counts = batch.lengths.to(self.committed.device)
+        rows, width = batch.tokens.shape
+        masks = self.parallel - 1
+        device, dtype = self.committed.device, self.target.dtype
+        last = counts - 1
+        row_index = torch.arange(rows, device=device)
+        next_tokens = torch.cat([batch.tokens[:, 1:], batch.tokens.new_zeros(rows, 1)], dim=1).to(device)
+        next_tokens[row_index, last] = batch.roots.to(device)
+        columns = torch.arange(width, device=device)
+        valid = columns[None, :] < counts[:, None]  # (R, n)
+        visible = torch.zeros(rows, width + masks, width + masks, dtype=torch.bool, device=device)
+        visible[:, :width, :width] = causal_visibility(width, device) & (
+            valid[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)[None])
+        visible[:, width:, :width] = valid[:, None, :]  # mask queries see the row's committed pairs
+        visible[:, width:, width:] = causal_visibility(masks, device)  # and the row's earlier mask queries
+        pair_positions = self.committed[:, None] + columns[None, :]  # (R, n)
+        mask_positions = (self.committed + last)[:, None] + torch.arange(1, masks + 1, device=device)[None, :]
+        if self.position_limit is not None:  # depths beyond the limit are cut from the tree (see propose)
+            mask_positions = mask_positions.clamp(max=self.position_limit - 1)
+        positions = torch.cat([pair_positions, mask_positions], dim=1)  # (R, n + K - 1)
+        attention = self.cache.mask(positions, visible, self.heads.layout, dtype)
+        mask_features, mask_embeddings = self.heads.mask_inputs(rows, masks)
+        features = torch.cat([self.heads.fuse(batch.features.to(device=device, dtype=dtype)), mask_features], dim=1)
+        embeddings = torch.cat([self.target.input_embeddings(next_tokens), mask_embeddings.to(dtype)], dim=1)
+        predicted = self.heads.step(features, embeddings, positions, attention, self.cache.cache)  # (R, n + K - 1, d)
+        self.cache.extend(valid, pair_positions)  # the mask queries' entries stay past the width: cropped next step
+        self.committed = self.committed + counts
+        return torch.cat([predicted[row_index, last][:, None], predicted[:, width:]], dim=1)  # (R, K, d)
+
+    def _depth_limits(self) -> list[int] | None:
+        """Each row's deepest verifiable node near a hard position limit (its root sits at position
+        ``committed``); None when no row is near one."""
+        if self.position_limit is None:
+            return None
+        room = (self.position_limit - 1 - self.committed).clamp(min=0)
+        if bool((room >= self.template.max_depth).all()):
+            return None
+        return room.tolist()
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> TreeBatch:
+        """One tree per row of ``batch``, all from one drafter forward."""
+        template = self.template
+        roots = batch.roots[:, None]  # (R, 1)
+        if template.size == 1:  # total_tokens 0: nothing to draft (the cache is reset by every generate)
+            return TreeBatch.from_template(template, roots)
+        depths = template.max_depth
+        predicted = self._draft(batch)[:, :depths]  # (R, depth, d)
+        self.cache.compact()
+        logits = self.target.logits(predicted, self.heads.draft_rows(self.target))  # (R, depth, V')
+        candidates = self.heads.target_ids(torch.topk(logits, self.top_k, dim=-1).indices)  # (R, depth, top_k)
+        drafted = candidates.reshape(batch.rows, -1)[:, self._candidate_index]  # (R, N - 1)
+        trees = TreeBatch.from_template(template, torch.cat([roots.to(drafted.device), drafted], dim=1))
+        limits = self._depth_limits()
+        return trees if limits is None else truncate_batch(trees, limits)

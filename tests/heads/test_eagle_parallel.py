@@ -1,0 +1,178 @@
+"""Parallel drafting for EAGLE (``parallel=K``): greedy parity on several families and batches
+with padding, the mask queries at decode time and in the training forward against a naive
+per-anchor run, adapters (round trip, older adapters, export refusal), the static tree, training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import heads
+from heads import interop
+from heads.eagle import EagleConfig, ParallelEagleDrafter, parallel_attention_mask, parallel_template
+from tests.conftest import build_model, greedy_reference, left_pad, progression_batch, random_prompt
+from training.trainer import TrainConfig, make_trainer
+from tree_attention import cache as cache_ops
+from tree_attention.decode import DraftBatch
+from tree_attention.mask import layout_masks, prefill_attention_mask
+
+
+def _batch_parity(spec, model, prompts, max_new_tokens: int = 20) -> None:
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
+    assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens), expected)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("llama", dict(top_k=2, total_tokens=5)), ("mistral", {}), ("gpt2", dict(top_k=3, total_tokens=6)),
+    ("gemma2", dict(top_k=2, total_tokens=4)), ("qwen2", dict(layout="eagle1", draft_vocab_size=40, top_k=2)),
+    ("phi3", dict(feature_layers=(0, 1, 2))),
+])
+def test_greedy_parity_random_drafter_batch_1_and_padded(name, options):
+    model = build_model(name, seed=3)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, **options)
+    assert isinstance(spec.drafter, ParallelEagleDrafter)
+    for seed, length in enumerate((1, 15)):  # longer than the tiny sliding windows once generated
+        prompt = random_prompt(length, seed)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=20), greedy_reference(model, prompt, 20))
+    _batch_parity(spec, model, [random_prompt(length, length)[0] for length in (3, 11, 6)])
+
+
+def _mask_query_mask(prefix: int, count: int, layout):
+    """Mask of ``count`` mask queries after ``prefix`` committed pairs in a cache: query ``j`` sees
+    the pairs and mask queries ``1..j``."""
+    visible = torch.ones(1, count, prefix + count, dtype=torch.bool)
+    visible[0, :, prefix:] = torch.ones(count, count, dtype=torch.bool).tril_()
+    positions = prefix - 1 + torch.arange(1, count + 1)[None]
+    keys = torch.cat([torch.arange(prefix)[None], positions], dim=1)
+    return layout_masks(visible, positions, keys, layout, torch.float32)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("mistral", {}), ("gemma2", {}), ("gpt2", {}), ("qwen2", dict(layout="eagle1")),
+    ("llama", dict(layout="eagle3", feature_layers=(0, 1, 2))),
+])
+def test_training_forward_equals_naive_and_decode_time_mask_queries(name, options):
+    """Anchor t's mask query j in the extended-sequence training forward equals (a) committing the
+    pairs up to t and then running mask queries one by one against the cache, and (b) the drafter's
+    own decode-time forward for a sequence that ends at t (pairs, root and mask queries together)."""
+    model = build_model(name, seed=8)
+    parallel = 4
+    spec = heads.attach_heads(model, kind="eagle", parallel=parallel, **options)
+    drafter = spec.heads
+    torch.manual_seed(1)
+    with torch.no_grad():
+        drafter.mask_embedding.normal_()
+        drafter.mask_feature.normal_()
+    length = 16
+    ids = random_prompt(length, seed=9)
+    with torch.no_grad():
+        features, _ = spec.target.forward(ids, torch.arange(length)[None], None, None, "last")
+        embeddings = spec.target.input_embeddings(ids)
+        extended = drafter(features, embeddings, parallel=True)
+        assert len(extended) == parallel
+        for anchor in (0, 5, 12, length - 2):
+            cache = cache_ops.new_cache()
+            mask = prefill_attention_mask(anchor + 1, drafter.layout, torch.float32, "cpu")
+            hidden = drafter.step(drafter.fuse(features[:, :anchor + 1]), embeddings[:, 1:anchor + 2],
+                                  torch.arange(anchor + 1)[None], mask, cache)[:, -1]
+            torch.testing.assert_close(hidden, extended[0][:, anchor], rtol=1e-4, atol=1e-5)
+            for query in range(1, parallel):
+                mask_features, mask_embeddings = drafter.mask_inputs(1, 1)
+                position = torch.tensor([[anchor + query]])
+                mask = _mask_query_mask(anchor + 1, query, drafter.layout)  # the last row is this query's
+                mask = ({kind: value[:, :, -1:] for kind, value in mask.items()} if isinstance(mask, dict)
+                        else mask[:, :, -1:])
+                hidden = drafter.step(mask_features, mask_embeddings, position, mask, cache)[:, -1]
+                torch.testing.assert_close(hidden, extended[query][:, anchor], rtol=1e-4, atol=1e-5)
+            live = ParallelEagleDrafter(drafter, spec.target, spec.config)
+            batch = DraftBatch(features[:, :anchor + 1], ids[:, :anchor + 1], torch.tensor([anchor + 1]),
+                               ids[:, anchor + 1])
+            drafted = live._draft(batch)[0]  # (K, d)
+            expected = torch.stack([extended[depth][0, anchor] for depth in range(parallel)])
+            torch.testing.assert_close(drafted, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_parallel_mask_blocks():
+    mask = parallel_attention_mask(3, 3, None, torch.float32, "cpu")
+    seen = (mask[0, 0] == 0).int().tolist()
+    assert seen[0] == [1, 0, 0, 0, 0, 0, 0, 0, 0]  # real pair at 0
+    assert seen[2] == [1, 1, 1, 0, 0, 0, 0, 0, 0]  # real pair at 2: causal
+    assert seen[4] == [1, 1, 0, 0, 1, 0, 0, 0, 0]  # anchor 1, mask query 1
+    assert seen[7] == [1, 1, 0, 0, 1, 0, 0, 1, 0]  # anchor 1, mask query 2: its query 1 and itself
+
+
+def test_static_tree_shape_and_config():
+    config = EagleConfig(parallel=3, depth=4, top_k=2, total_tokens=5)
+    template = parallel_template(config)
+    assert template.max_depth <= 3 and template.max_rank == 1 and template.size == 6
+    assert parallel_template(EagleConfig(parallel=3, total_tokens=6, depth=6)).paths == ((0,), (0, 0), (0, 0, 0))
+    assert parallel_template(EagleConfig(parallel=3)).paths == ((0,), (0, 0), (0, 0, 0))  # the default chain, cut
+    measured = [[0.9, 0.05], [0.2, 0.6], [0.5, 0.1]]  # rank 1 better than rank 0 at depth 2
+    assert (0, 1) in parallel_template(config, measured).paths
+    with pytest.raises(ValueError, match="parallel must be an int >= 1"):
+        EagleConfig(parallel=0)
+    assert EagleConfig().parallel == 1 and EagleConfig().to_dict()["parallel"] == 1
+
+
+def _train(spec, sequences, steps: int, **config):
+    torch.manual_seed(0)
+    options = {**dict(steps=steps, batch_size=8, learning_rate=1e-2, warmup_steps=3, token_weight=1.0), **config}
+    return make_trainer(spec, sequences, TrainConfig(**options), progress=False).train()
+
+
+@pytest.fixture(scope="module")
+def trained(toy_target):
+    sequences = list(greedy_reference(toy_target, progression_batch(48, 6, torch.Generator().manual_seed(7)), 24))
+    spec = heads.attach_heads(toy_target, kind="eagle", parallel=3)
+    before = [row[0] for row in make_trainer(spec, sequences, TrainConfig(steps=1), progress=False).rank_accuracy()]
+    result = _train(spec, sequences, steps=120)
+    return spec, before, result
+
+
+def test_training_lifts_mask_query_accuracy_and_decodes_losslessly(trained):
+    spec, before, result = trained
+    after = [row[0] for row in result.accuracy]  # top-1 per depth, held out
+    assert len(after) == 3 and spec.accuracy == result.accuracy
+    assert min(after) > 0.3 and min(after[1] - before[1], after[2] - before[2]) > 0.25, (before, after)
+    generator = torch.Generator().manual_seed(11)
+    prompts = [progression_batch(1, length, generator)[0] for length in (5, 8, 3)]
+    for prompt in prompts[:2]:
+        assert torch.equal(spec.generate(prompt[None], max_new_tokens=24),
+                           greedy_reference(spec.backbone, prompt[None], 24))
+        assert spec.last_stats.mean_accepted > 1.6  # beyond 2 only with depths 2-3 from the mask queries
+    _batch_parity(spec, spec.backbone, prompts, 24)
+    with pytest.raises(ValueError, match="unroll_steps"):
+        _train(heads.attach_heads(spec.backbone, kind="eagle", parallel=2), [prompts[0]] * 8, 1, unroll_steps=2)
+
+
+def test_adapter_round_trip_and_older_adapters(trained, tmp_path):
+    spec, _, _ = trained
+    spec.save_pretrained(tmp_path / "parallel")
+    config = json.loads((tmp_path / "parallel" / "adapter_config.json").read_text())
+    assert config["drafter"]["parallel"] == 3 and len(config["tree_accuracy"]) == 3
+    loaded = heads.load_heads(spec.backbone, tmp_path / "parallel")
+    assert loaded.config.parallel == 3 and isinstance(loaded.drafter, ParallelEagleDrafter)
+    torch.testing.assert_close(loaded.heads.mask_embedding, spec.heads.mask_embedding)
+    assert loaded.drafter.template.paths == spec.drafter.template.paths
+    prompt = progression_batch(1, 6, torch.Generator().manual_seed(5))
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=16), spec.generate(prompt, max_new_tokens=16))
+    sequential = heads.attach_heads(spec.backbone, kind="eagle")
+    assert "mask_embedding" not in sequential.heads.state_dict()
+    sequential.save_pretrained(tmp_path / "older")
+    path = tmp_path / "older" / "adapter_config.json"
+    older = json.loads(path.read_text())
+    del older["drafter"]["parallel"]  # written before the field existed
+    path.write_text(json.dumps(older))
+    assert heads.load_heads(spec.backbone, tmp_path / "older").config.parallel == 1
+
+
+def test_export_refuses_parallel_drafters(tmp_path):
+    model = build_model("llama", seed=2)
+    heads.attach_heads(model, kind="eagle", layout="eagle1", parallel=2).save_pretrained(tmp_path / "eagle")
+    with pytest.raises(heads.AdapterError, match=r"parallel > 1.*--parallel 1"):
+        interop.export_adapter(tmp_path / "eagle", "eagle", tmp_path / "out", model=model)
+    assert not (tmp_path / "out").exists()
