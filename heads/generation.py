@@ -6,7 +6,9 @@ the speculative output follows exactly the distribution ``model.generate(do_samp
 samples from. Unset ``top_k``/``top_p`` come from the model's ``generation_config``, then from
 transformers' defaults (``top_k=50``, ``top_p=1.0``), as in ``generate``. Logits processors that
 depend on the context (repetition penalty, n-gram bans, forced or suppressed tokens, minimum
-lengths) are refused rather than ignored: ignoring them would change the output.
+lengths) are applied per tree node with that node's own sequence (:mod:`heads.processors`): the
+repetition penalty, n-gram bans, minimum lengths and suppressed tokens; the others (forced tokens,
+bad words, sequence bias, ...) are refused rather than ignored: ignoring them would change the output.
 """
 
 from __future__ import annotations
@@ -26,10 +28,8 @@ ACCEPTANCE = ("auto", "greedy", "sample", "typical")
 _DEFAULT_TOP_K = 50  # transformers' default when neither the call nor the model sets it
 # generation_config fields whose processors speculative decoding does not reproduce, with neutral values
 _UNSUPPORTED = {
-    "repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,),
-    "min_length": (None, 0), "min_new_tokens": (None, 0), "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
-    "sequence_bias": (None,), "exponential_decay_length_penalty": (None,), "min_p": (None,),
+    "bad_words_ids": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "sequence_bias": (None,),
+    "exponential_decay_length_penalty": (None,), "min_p": (None,),
     "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
     "guidance_scale": (None, 1.0), "watermarking_config": (None,), "top_h": (None,),
     "encoder_repetition_penalty": (None, 1.0), "renormalize_logits": (None, False),
@@ -41,6 +41,9 @@ _UNSUPPORTED = {
 HONOURED = frozenset({
     "do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
     "max_time",
+    # context-dependent processors, applied to every tree node with its own sequence (heads/processors.py)
+    "repetition_penalty", "no_repeat_ngram_size", "min_length", "min_new_tokens", "suppress_tokens",
+    "begin_suppress_tokens",
 })
 NO_EFFECT = frozenset({
     # metadata and execution settings that do not change which tokens come out

@@ -20,6 +20,7 @@ from . import kinds
 from .backbone import Backbone
 from .families import position_limit
 from .generation import acceptance_rule, resolve_generation
+from .processors import context_processors
 
 
 logger = logging.getLogger(__name__)
@@ -226,9 +227,11 @@ class SpeculativeModel:
         backbone's) and any of its fields as keywords (``max_new_tokens``, ``max_length``,
         ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``,
         ``max_time``, ...), resolved exactly as ``generate`` resolves them (unset ``max_new_tokens``
-        → ``max_length``, 20 by default). A field whose effect speculative decoding does not
-        reproduce (beam search, repetition penalty, ...) is refused by name
-        (:data:`heads.generation.NEUTRAL`), an unknown keyword is a TypeError.
+        → ``max_length``, 20 by default). ``repetition_penalty``, ``no_repeat_ngram_size``,
+        ``min_length``/``min_new_tokens`` and ``suppress_tokens``/``begin_suppress_tokens`` process
+        every tree node's logits with that node's sequence (:mod:`heads.processors`). A field whose
+        effect speculative decoding does not reproduce (beam search, forced tokens, ...) is refused by
+        name (:data:`heads.generation.NEUTRAL`), an unknown keyword is a TypeError.
         ``stopping_criteria`` (a transformers ``StoppingCriteriaList`` or list) is checked after
         every committed token and the output is cut where ``generate`` would cut it; ``streamer``
         (``TextStreamer``, ``TextIteratorStreamer``; batch 1) receives the prompt, then each
@@ -258,6 +261,9 @@ class SpeculativeModel:
                              f"exceeds this model's {limit} positions (n_positions / max_position_embeddings)")
         rule = acceptance_rule(config, bool(config.do_sample), config.temperature, config.top_k, config.top_p,
                                generator, acceptance, posterior_threshold, posterior_alpha)
+        process = context_processors(config, settings.eos_token_ids, int(input_ids.shape[1]))
+        if process is not None:
+            rule.key = f"{rule.key} {process.key}"
         if streamer is not None and input_ids.shape[0] != 1:
             raise ValueError(f"streamer= streams one sequence (batch 1, as in transformers); got a batch of "
                              f"{input_ids.shape[0]}")
@@ -286,7 +292,7 @@ class SpeculativeModel:
             decoder = SpeculativeDecoder(self.target, drafter, input_ids, settings.max_new_tokens,
                                          settings.eos_token_ids, rule, attention_mask, settings.pad_token_id,
                                          stop=criteria, on_commit=None if streamer is None else
-                                         (lambda row, tokens: streamer.put(torch.tensor(tokens))))
+                                         (lambda row, tokens: streamer.put(torch.tensor(tokens))), process=process)
             output, stats = decoder.run()
         if streamer is not None:
             streamer.end()

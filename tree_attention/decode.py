@@ -22,6 +22,7 @@ from typing import Callable, Collection, Protocol, Sequence
 import torch
 
 from . import cache as cache_ops
+from .context import ContextProcessor, ContextTracker
 from .mask import AttentionMask, MaskLayout
 from .mask import causal_visibility
 from .tree import Tree, TreeBatch, truncate_batch
@@ -200,13 +201,18 @@ class SpeculativeDecoder:
                  eos_token_ids: Collection[int] = (), rule: AcceptanceRule | None = None,
                  attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None,
                  stop: Callable[[int, list[int]], bool] | None = None,
-                 on_commit: Callable[[int, list[int]], None] | None = None) -> None:
+                 on_commit: Callable[[int, list[int]], None] | None = None,
+                 process: ContextProcessor | None = None) -> None:
         """``stop(row, output)``: checked after every committed token (True ends the row there);
-        ``on_commit(row, tokens)``: called with each chunk a row commits (streaming)."""
+        ``on_commit(row, tokens)``: called with each chunk a row commits (streaming); ``process``:
+        logits processors that read each position's sequence (repetition penalty, n-gram bans, ...),
+        applied to the prefill's last logits and to every tree node's with that node's own sequence."""
         self.target, self.drafter, self.rule = target, drafter, rule or GreedyRule()
         self.stop, self.on_commit = stop, on_commit
         self.input_ids = input_ids
         self.prompt_mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
+        self.process = process
+        self.contexts = None if process is None else ContextTracker(input_ids, self.prompt_mask, max_new_tokens)
         self.max_new_tokens, self.eos = max_new_tokens, frozenset(eos_token_ids)
         self.pad_token_id = pad_token_id
         batch = input_ids.shape[0]
@@ -235,6 +241,8 @@ class SpeculativeDecoder:
                 break
         if self.on_commit is not None and len(output) > start:
             self.on_commit(row, output[start:])
+        if self.contexts is not None and len(output) > start:
+            self.contexts.append(row, output[start:])
         return done or len(output) >= self.max_new_tokens
 
     def _keep_rows(self, done: list[bool]) -> None:
@@ -264,7 +272,8 @@ class SpeculativeDecoder:
         self.stats.target_forwards, self.stats.row_forwards = 1, batch
         self.cache.extend(mask.clone(), positions)
         self.lengths = mask.long().sum(dim=1)
-        roots = self.rule.first_tokens(logits[:, -1])  # (B,)
+        last = logits[:, -1] if self.process is None else self.process(self.contexts.prompts(), logits[:, -1])
+        roots = self.rule.first_tokens(last)  # (B,)
         self.draft = DraftBatch(left_align(features, mask), left_align(ids, mask), self.lengths.clone(), roots)
         self._keep_rows([self._emit(row, [root]) for row, root in enumerate(roots.tolist())])
 
@@ -285,6 +294,9 @@ class SpeculativeDecoder:
         self._lap("mask")
         features, logits = self.target.forward(trees.tokens, query_positions, mask, self.cache.cache, "all")
         self._lap("forward")
+        if self.process is not None:
+            contexts = self.contexts.nodes(self.rows, trees)
+            logits = self.process(contexts, logits.reshape(-1, logits.shape[-1])).view(*logits.shape[:2], -1)
         accepted = self.rule.accept_batch(trees, logits)
         paths, lengths = accepted.paths, accepted.lengths  # (R, L) padded with the last kept node, (R,)
         self._lap("accept")

@@ -34,9 +34,9 @@ def test_every_generation_config_field_is_honoured_or_refused_by_name():
     assert not (HONOURED & NO_EFFECT) and not (HONOURED & set(NEUTRAL)) and not (NO_EFFECT & set(NEUTRAL))
 
 
-@pytest.mark.parametrize("field, value", [("num_beams", 4), ("repetition_penalty", 1.3), ("num_return_sequences", 2),
-                                          ("no_repeat_ngram_size", 3), ("output_scores", True),
-                                          ("return_dict_in_generate", True), ("min_new_tokens", 4)])
+@pytest.mark.parametrize("field, value", [("num_beams", 4), ("bad_words_ids", [[5]]), ("num_return_sequences", 2),
+                                          ("forced_eos_token_id", 3), ("output_scores", True),
+                                          ("return_dict_in_generate", True), ("min_p", 0.1)])
 def test_refused_fields_name_themselves(field, value):
     model, spec = _spec()
     with pytest.raises(NotImplementedError, match=field):

@@ -142,14 +142,15 @@ def test_typical_needs_sampling(model):
         heads.attach_heads(model).generate(PROMPT, acceptance="typical")
 
 
-def test_context_dependent_processors_are_refused(model):
+def test_processors_speculation_does_not_reproduce_are_refused(model):
+    """Context-dependent processors are honoured (tests/heads/test_processors*.py); the others are refused."""
     spec = heads.attach_heads(model)
-    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.sequence_bias = {(5,): 2.0}
     try:
-        with pytest.raises(NotImplementedError, match="repetition_penalty"):
+        with pytest.raises(NotImplementedError, match="sequence_bias"):
             spec.generate(PROMPT)
     finally:
-        model.generation_config.repetition_penalty = None
+        model.generation_config.sequence_bias = None
 
 
 def test_unset_top_k_resolves_like_generate(model):
