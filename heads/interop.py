@@ -78,7 +78,8 @@ def detect_format(directory: str | os.PathLike) -> str:
         f"{directory} is not a recognised adapter directory. Looked for: {CONFIG_NAME} (selfdraft); config.json "
         "with medusa_num_heads (FasterDecoding Medusa); config.json with model_type 'medusa' or architectures "
         "['MedusaModel'] (vLLM Medusa); config.json with eagle_config or draft_vocab_size, or midlayer.* tensors "
-        "(EAGLE-3); an Eagle architecture, or fc.weight and layers.0.* tensors in *.safetensors (EAGLE-1). "
+        "(EAGLE-3); config.json with speculators_model_type (vLLM speculators); an Eagle architecture, or "
+        "fc.weight and layers.0.* tensors in *.safetensors (EAGLE-1). "
         f"Found: {found}"
     )
 

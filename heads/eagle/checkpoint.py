@@ -1,4 +1,6 @@
 """EAGLE-1 and EAGLE-3 checkpoint layouts: export of ``eagle1``/``eagle3``-layout drafters, import.
+vLLM speculators' EAGLE-3 layout (``speculators``) is the ``eagle3`` layout translated by
+:mod:`heads.eagle.speculators`.
 
 Matched against these loaders (source read at these commits):
 
@@ -59,6 +61,8 @@ from ..adapter import FORMAT_VERSION, AdapterError, TargetPin, json_writer, read
 from ..families import is_llama, llama_config, llama_config_differences
 from ..kind import CheckpointFormat
 from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
+from .speculators import SPECULATORS, eagle3_view, speculators_files
+from .speculators import detect as detect_speculators
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,7 @@ EAGLE1_ARCHITECTURES = ["LlamaForCausalLMEagle", "LlamaForCausalLM"]
 EAGLE3_ARCHITECTURES = ["LlamaForCausalLMEagle3"]
 _LABEL = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
 _LAYOUT = {"eagle": "eagle1", "eagle3": "eagle3"}
+# speculators (heads/eagle/speculators.py) wraps the eagle3 layout: everything else is eagle3's
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -207,10 +212,11 @@ def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model
                  adapter_dir) -> dict[str, Callable[[Path], None]]:
     """The files of the ``fmt`` checkpoint of an EAGLE adapter; :class:`AdapterError` listing every
     reason when the layout cannot hold the drafter exactly."""
+    wrapper, fmt = fmt, ("eagle3" if fmt == SPECULATORS else fmt)
     target_layers = None if model is None else int(model.config.num_hidden_layers)
     reasons = eagle_refusals(config, fmt, target_layers)
     if reasons:
-        raise AdapterError(f"{adapter_dir}: cannot export this EAGLE drafter as {fmt!r} without changing what it "
+        raise AdapterError(f"{adapter_dir}: cannot export this EAGLE drafter as {wrapper!r} without changing what it "
                            "predicts: " + "; ".join(reasons))
     model = _pinned_model(model, config, adapter_dir, fmt)
     drafter, dtype = config["drafter"], config["target"].get("dtype") or "float32"
@@ -231,6 +237,8 @@ def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model
         payload.update(draft_vocab_size=int(ids.numel()), **aux_layer_keys(layers))
         if int(head.in_features) != payload["hidden_size"]:  # SafeAILab skips the target's embeddings when present
             payload["target_hidden_size"] = int(head.in_features)
+        if wrapper == SPECULATORS:
+            payload, external = speculators_files(payload, external, config, model)
     return {"config.json": json_writer(payload),
             EAGLE_TENSORS: lambda path: save_file(external, str(path), metadata={"format": "pt"})}
 
@@ -292,10 +300,14 @@ def _draft_vocabulary(tensors: dict, model, where: Path) -> torch.Tensor | None:
 
 
 def read_eagle(directory: Path, config: dict, fmt: str, model) -> tuple[dict, dict[str, torch.Tensor]]:
-    """An EAGLE-1/EAGLE-3 checkpoint as (selfdraft adapter config, ``{selfdraft name: tensor}``)."""
+    """An EAGLE-1/EAGLE-3 (or speculators EAGLE-3) checkpoint as (selfdraft adapter config,
+    ``{selfdraft name: tensor}``)."""
     where = directory / "config.json"
+    tensors, depth = _read_tensors(directory), None
+    if fmt == SPECULATORS:
+        config, tensors, depth = eagle3_view(config, tensors, model, where)
+        fmt = "eagle3"
     _check_llama_config(config, model, where)
-    tensors = _read_tensors(directory)
     dropped = sorted(name for name in tensors if "embed_tokens" in name)
     if dropped:
         logger.info("%s: ignoring %s (the loaders share the target's embeddings)", directory, dropped)
@@ -321,10 +333,14 @@ def read_eagle(directory: Path, config: dict, fmt: str, model) -> tuple[dict, di
         ours["token_map"] = token_ids
     drafter = {"num_layers": 1, "layout": "eagle3", "feature_layers": layers,
                "draft_vocab_size": None if token_ids is None else int(token_ids.numel())}
+    if depth is not None:  # speculators' greedy proposal: a chain of speculative_tokens drafts
+        drafter.update(depth=depth, top_k=1, total_tokens=depth)
     return _imported_config(drafter, config, vocab, hidden), ours
 
 
 def _is_eagle3(config: dict, architectures: list[str], names) -> bool:
+    if "speculators_model_type" in config:
+        return False
     return ("eagle_config" in config or "draft_vocab_size" in config or any("Eagle3" in a for a in architectures)
             or any(name.startswith("midlayer.") for name in names()))
 
@@ -335,6 +351,7 @@ def _is_eagle1(config: dict, architectures: list[str], names) -> bool:
 
 
 FORMATS = (
+    CheckpointFormat(SPECULATORS, detect_speculators, export_files, read_eagle, ("config.json", EAGLE_TENSORS)),
     CheckpointFormat("eagle3", _is_eagle3, export_files, read_eagle, ("config.json", EAGLE_TENSORS)),
     CheckpointFormat("eagle", _is_eagle1, export_files, read_eagle, ("config.json", EAGLE_TENSORS)),
 )

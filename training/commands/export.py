@@ -15,9 +15,10 @@ def add_parser(commands) -> None:
     parser = commands.add_parser(
         "export", help="write an adapter in another layout, or a folder ready for the Hugging Face hub",
         description="--format/--out: write the checkpoint layout that FasterDecoding Medusa (medusa), vLLM Medusa "
-                    "(medusa-vllm) or the EAGLE loaders (eagle, eagle3) load; refuses when the layout cannot hold "
-                    "the drafter exactly (EAGLE: train with --eagle-layout eagle1/eagle3). --hub-dir: copy the "
-                    "adapter and write a model card (README.md) for `selfdraft push`.",
+                    "(medusa-vllm), the EAGLE loaders (eagle, eagle3) or vLLM speculators (speculators, EAGLE-3) "
+                    "load; refuses when the layout cannot hold the drafter exactly (EAGLE: train with --eagle-layout "
+                    "eagle1/eagle3). --hub-dir: copy the adapter and write a model card (README.md) for "
+                    "`selfdraft push`.",
     )
     parser.add_argument("--adapter", required=True, help="selfdraft adapter directory")
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -25,7 +26,7 @@ def add_parser(commands) -> None:
     mode.add_argument("--hub-dir", help="folder to write for upload: adapter files + README.md model card")
     parser.add_argument("--out", help="output directory of --format")
     parser.add_argument("--model", default=None,
-                        help="the target model directory; needed for --format eagle/eagle3 (its config and "
+                        help="the target model directory; needed for --format eagle/eagle3/speculators (its config and "
                              "output-head rows go into the checkpoint) and for Medusa adapters that share its head")
     parser.add_argument("--repo-id", default=None, help="hub repository id, for the model card's loading snippet")
     parser.add_argument("--license", default="other",
