@@ -12,6 +12,12 @@ from torch import nn
 
 Writer = Callable[[Path], None]
 
+SAMPLE_MODES = ("auto", "never", "always")
+"""A kind's ``sample`` option (candidates under the lossless sampling rule): ``auto`` draws them
+from the drafter's own warped distribution where the kind can, ``never`` keeps the top-k tokens
+(point masses), ``always`` is ``auto`` that refuses shapes the kind cannot sample. Greedy and
+lossy rules always get the top-k tokens."""
+
 
 def default_policy_sizes(spec) -> tuple[int, ...]:
     return (2, 4, 8, 16)

@@ -155,7 +155,8 @@ class SpeculationPolicy:
     def _spec_step(self, spec, size: int, input_ids, attention_mask, rule, budget: int) -> float:
         """Median seconds per speculative step with ``size`` drafted nodes (the first step excluded
         when there are more), from a run of at most ``budget`` new tokens per row."""
-        decoder = SpeculativeDecoder(spec.target, spec.drafter_for(size), input_ids, budget, (), rule, attention_mask)
+        drafter = spec._bind(spec.drafter_for(size), rule)  # the candidates generate will draft (sampled or top-k)
+        decoder = SpeculativeDecoder(spec.target, drafter, input_ids, budget, (), rule, attention_mask)
         decoder.prefill()
         times = []
         for _ in range(CALIBRATION_STEPS + 1):

@@ -1,9 +1,15 @@
 """EAGLE (Li et al. 2024; EAGLE-2's dynamic tree, EAGLE-3's fused features): an autoregressive
-drafter in the backbone's feature space. Registered as ``KIND`` (see :mod:`heads.kinds`)."""
+drafter in the backbone's feature space. Registered as ``KIND`` (see :mod:`heads.kinds`).
+
+Under lossless sampling the sequential drafter's candidates are drawn from its warped distribution
+(``sample="auto"``, the default) or are its top-k tokens (``sample="never"``); see
+:class:`EagleConfig`. Parallel drafting (``parallel`` > 1) drafts its top-k tokens."""
 
 from __future__ import annotations
 
 from typing import Mapping
+
+from tree_attention.verify import SamplingRule
 
 from ..adapter import AdapterError
 from ..kind import DrafterKind, refuse_options
@@ -19,12 +25,14 @@ __all__ = ["KIND", "EagleConfig", "EagleDrafter", "EagleHeads", "Eagle3Midlayer"
            "ParallelEagleDrafter", "parallel_attention_mask", "parallel_template", "DEFAULT_DEPTH", "DEFAULT_TOP_K",
            "DEFAULT_TOTAL_TOKENS", "LAYOUTS"]
 
-OPTIONS = ("num_layers", "depth", "top_k", "total_tokens", "feature_layers", "draft_vocab_size", "layout", "parallel")
+OPTIONS = ("num_layers", "depth", "top_k", "total_tokens", "feature_layers", "draft_vocab_size", "layout", "parallel",
+           "sample")
 
 
 def make_config(num_layers: int | None = None, depth: int | None = None, top_k: int | None = None,
                 total_tokens: int | None = None, feature_layers=None, draft_vocab_size: int | None = None,
-                layout: str | None = None, parallel: int | None = None, **others) -> EagleConfig:
+                layout: str | None = None, parallel: int | None = None, sample: str | None = None,
+                **others) -> EagleConfig:
     """The config ``attach_heads(kind="eagle", ...)`` builds; a lone ``total_tokens`` lowers the
     default depth to fit it."""
     refuse_options("eagle", OPTIONS, others)
@@ -32,7 +40,7 @@ def make_config(num_layers: int | None = None, depth: int | None = None, top_k: 
              if value is not None}
     return EagleConfig(num_layers=1 if num_layers is None else num_layers, feature_layers=feature_layers,
                        draft_vocab_size=draft_vocab_size, layout=layout or "native",
-                       parallel=1 if parallel is None else parallel,
+                       parallel=1 if parallel is None else parallel, sample=sample or "auto",
                        **EagleConfig().with_tree(shape).tree)
 
 
@@ -45,6 +53,17 @@ def build_drafter(spec, tree) -> EagleDrafter | ParallelEagleDrafter:
     if config.parallel > 1:
         return ParallelEagleDrafter(spec.heads, spec.target, config, spec.accuracy)
     return EagleDrafter(spec.heads, spec.target, config)
+
+
+def bind_rule(drafter, rule):
+    """``drafter`` set up for the serving ``rule``: sampled candidates (drawn from the drafter's
+    distribution under the rule's own warp and generator) when the rule samples losslessly and the
+    config's ``sample`` mode allows it; top-k candidates otherwise (greedy, typical, ``never``)."""
+    if not isinstance(drafter, EagleDrafter):
+        return drafter
+    sampled = isinstance(rule, SamplingRule) and rule.lossless and drafter.sample != "never"
+    drafter.sample_with(rule.warp if sampled else None, rule.generator if sampled else None)
+    return drafter
 
 
 def target_view(target, config: EagleConfig):
@@ -67,5 +86,6 @@ KIND = DrafterKind(
     name="eagle", config_class=EagleConfig, make_config=make_config, build_heads=build_heads,
     build_drafter=build_drafter, options=OPTIONS, target_view=target_view, policy_sizes=policy_sizes,
     check_drafter=check_drafter, formats=FORMATS,
-    sidecar_keys=("num_layers", "layout", "feature_layers", "draft_vocab_size"), loss=EagleLoss, cli=cli,
+    sidecar_keys=("num_layers", "layout", "feature_layers", "draft_vocab_size"), bind_rule=bind_rule, loss=EagleLoss,
+    cli=cli,
 )

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Mapping, Sequence
 
 from ..families import EAGLE_LAYOUT_FAMILIES
+from ..kind import SAMPLE_MODES
 
 # Defaults of the dynamic tree: the wall-clock optimum (highest speedup over model.generate, averaged over
 # the code and prose mixes) of benchmarks/bench_speedup.py on the demo target, 2-core CPU, 1 thread, in two
@@ -58,10 +59,21 @@ class EagleConfig:
     candidates per depth, ``total_tokens`` nodes chosen best-first by measured (else prior)
     per-depth, per-rank accuracy. Adds the ``mask_embedding`` and ``mask_feature`` tensors."""
 
+    sample: str = "auto"
+    """Candidates under lossless sampling (``do_sample=True``): ``auto`` (and ``always``, the same
+    here) draws each expanded node's ``top_k`` children without replacement from the drafter's
+    distribution warped like the target's and keeps the ``total_tokens`` best slots by a key fixed
+    before their tokens are drawn (:func:`tree_attention.sampled.grow_sampled_tree`: every node
+    that can still enter the budget is expanded, so a level may expand more than ``top_k`` nodes);
+    ``never`` keeps EAGLE-2's tree of top-k tokens (point masses). Greedy decoding and typical
+    acceptance always draft the top-k tree."""
+
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"EagleConfig.layout must be one of {LAYOUTS}; got {self.layout!r}")
         _positive_int(self.num_layers, "num_layers")
+        if self.sample not in SAMPLE_MODES:
+            raise ValueError(f"EagleConfig.sample must be one of {SAMPLE_MODES}; got {self.sample!r}")
         _positive_int(self.depth, "depth")
         _positive_int(self.top_k, "top_k")
         _positive_int(self.total_tokens, "total_tokens", low=0)

@@ -1,4 +1,6 @@
-"""The EAGLE drafter: all rows' dynamic trees grown in lockstep, one drafter forward per level."""
+"""The EAGLE drafter: all rows' dynamic trees grown in lockstep, one drafter forward per level;
+top-k candidates (EAGLE-2), or under lossless sampling candidates drawn from the drafter's own
+warped distribution."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from tree_attention import cache as cache_ops
 from tree_attention.decode import DraftBatch
 from tree_attention.mask import causal_visibility
 from tree_attention.dynamic import grow_dynamic_tree
+from tree_attention.sampled import draw_without_replacement, drawn_from, grow_sampled_tree
 from tree_attention.tree import Tree, TreeBatch
 
 from ..backbone import Backbone
@@ -28,6 +31,12 @@ class EagleDrafter:
     bookkeeping's width. Each :meth:`propose` crops the expansion away, appends every row's newly
     committed pairs (ragged: shorter rows leave holes) and grows all rows' trees in lockstep
     (:func:`tree_attention.tree.grow_dynamic_tree`).
+
+    Candidates are the drafter's top-k tokens (point masses for the sampling rule) unless
+    :meth:`sample_with` set a warp: then every expanded node's children are drawn without
+    replacement from the drafter's warped distribution q and the tree is grown by
+    :func:`tree_attention.sampled.grow_sampled_tree`, carrying q rows in ``draft_probs``.
+    ``sample`` is the config's mode, read by the kind's ``bind_rule``.
     """
 
     def __init__(self, heads: EagleHeads, target: Backbone, config: EagleConfig) -> None:
@@ -35,8 +44,19 @@ class EagleDrafter:
         self.heads = heads
         self.target = target
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
+        self.sample = config.sample
+        self.warp = self.generator = None
         self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
         self.reset(1)
+
+    def sample_with(self, warp, generator: torch.Generator | None) -> None:
+        """Draw candidates from ``softmax(warp(drafter logits))`` with ``generator`` (the serving
+        rule's warp and draws); ``warp=None``: top-k candidates again."""
+        self.warp, self.generator = warp, generator
+
+    @property
+    def sampling(self) -> bool:
+        return self.warp is not None
 
     def _row_depths(self) -> list[int]:
         """Each row's tree depth: the configured one, lowered near a hard position limit so that no
@@ -55,8 +75,17 @@ class EagleDrafter:
 
     def _children(self, hidden: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k next tokens (target ids) and their log-probabilities ``[m, top_k]`` from predicted
-        features ``[m, d]``."""
-        log_probs = torch.log_softmax(self.target.logits(hidden, rows).float(), dim=-1)  # (m, V')
+        features ``[m, d]``; when sampling, ``top_k`` draws without replacement (target ids) and the
+        rows of the target vocabulary ``[m, top_k, V]`` they were drawn from."""
+        logits = self.target.logits(hidden, rows).float()  # (m, V')
+        if self.sampling:
+            if self.heads.token_map is not None:  # a reduced draft vocabulary: no probability elsewhere
+                full = logits.new_full((logits.shape[0], self.target.vocab_size), -torch.inf)
+                logits = full.index_copy_(1, self.heads.token_map, logits)
+            q = torch.softmax(self.warp(logits), dim=-1)  # (m, V)
+            tokens = draw_without_replacement(logits, q, self.top_k, self.generator)
+            return tokens, drawn_from(q, tokens)
+        log_probs = torch.log_softmax(logits, dim=-1)  # (m, V')
         best = torch.topk(log_probs, self.top_k, dim=-1)
         return self.heads.target_ids(best.indices), best.values
 
@@ -99,8 +128,9 @@ class EagleDrafter:
         child_tokens, child_log_probs = self._children(root_features, draft_rows)
         count, device = len(roots), root_features.device
         depths = self._row_depths()
-        growths = [grow_dynamic_tree(root, (child_tokens[row], child_log_probs[row]), depths[row], self.top_k,
-                                     self.total_tokens) for row, root in enumerate(roots)]
+        grow = grow_sampled_tree if self.sampling else grow_dynamic_tree
+        growths = [grow(root, (child_tokens[row], child_log_probs[row]), depths[row], self.top_k, self.total_tokens)
+                   for row, root in enumerate(roots)]
         trees: list[Tree | None] = [None] * count
         requests = [self._advance(growth, None, trees, row) for row, growth in enumerate(growths)]
         outputs = [root_features[row:row + 1] for row in range(count)]  # per row: the root's, then each expanded node's

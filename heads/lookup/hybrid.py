@@ -3,9 +3,12 @@
 Per row, the lookup proposal is merged into the trained drafter's tree as a trie: a lookup node
 whose path already exists in the tree is the same node, the others are appended below their
 (merged) parent. Rows where lookup finds nothing keep the trained tree unchanged, so the verify
-forward grows only where the text repeats itself. Trees that carry draft probabilities (sampled
-candidates) are left unmerged: a deterministic lookup child among sampled ones would need its own
-draft distribution.
+forward grows only where the text repeats itself.
+
+Trees of sampled candidates (``draft_probs``) are merged too: a lookup node is a point mass, its
+row one-hot at its token. Appended after every drafted sibling, it is tried last, and whether it
+is there (its token not drawn already) depends only on those earlier siblings, never on its own
+draw: the sampling rule (accept with ``r(x)``, remove ``x`` from the residual) stays exact.
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ def merge_proposal(tree: Tree, proposal: Proposal) -> Tree:
         mapping.append(node)
     if len(tokens) == tree.size:
         return tree
-    return Tree.from_parents(torch.tensor(tokens, dtype=torch.long, device=tree.tokens.device), parents)
+    merged = Tree.from_parents(torch.tensor(tokens, dtype=torch.long, device=tree.tokens.device), parents)
+    if tree.draft_probs is None:
+        return merged
+    points = torch.nn.functional.one_hot(merged.tokens[tree.size:], tree.draft_probs.shape[-1])
+    probs = torch.cat([tree.draft_probs, points.to(tree.draft_probs.dtype)])  # (N', V) lookup nodes: point masses
+    return Tree(merged.tokens, merged.parents, merged.depths, merged.ancestors, probs)
 
 
 class HybridDrafter:
@@ -58,7 +66,7 @@ class HybridDrafter:
     def propose(self, batch: DraftBatch) -> TreeBatch:
         trees = self.base.propose(batch)
         proposals = self.lookup.proposals(batch)
-        if trees.draft_probs is not None or not any(proposal.tokens for proposal in proposals):
+        if not any(proposal.tokens for proposal in proposals):
             return trees
         return TreeBatch.from_trees([merge_proposal(tree, proposal) if proposal.tokens else tree
                                      for tree, proposal in zip(trees.trees(), proposals)])

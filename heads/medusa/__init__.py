@@ -1,7 +1,13 @@
 """Medusa heads (Cai et al. 2024): ``K`` extra next-next-token predictors on the backbone's
-top-layer features, verified as a static tree. Registered as ``KIND`` (see :mod:`heads.kinds`)."""
+top-layer features, verified as a static tree. Registered as ``KIND`` (see :mod:`heads.kinds`).
+
+Under lossless sampling the tree's tokens are drawn from the heads' warped distributions
+(``sample="auto"``, the default) or are their top-k tokens (``sample="never"``); see
+:class:`MedusaConfig`."""
 
 from __future__ import annotations
+
+from tree_attention.verify import SamplingRule
 
 from ..kind import DrafterKind, refuse_options
 from . import cli
@@ -11,18 +17,18 @@ from .drafter import MedusaDrafter, resolve_tree
 from .loss import MedusaLoss
 from .modules import MedusaHeads, ResidualBlock
 
-__all__ = ["KIND", "MedusaConfig", "MedusaDrafter", "MedusaHeads", "ResidualBlock", "resolve_tree"]
+__all__ = ["KIND", "MedusaConfig", "MedusaDrafter", "MedusaHeads", "ResidualBlock", "resolve_tree", "bind_rule"]
 
-OPTIONS = ("num_heads", "num_layers", "share_lm_head", "tree")
+OPTIONS = ("num_heads", "num_layers", "share_lm_head", "tree", "sample")
 
 
 def make_config(num_heads: int | None = None, num_layers: int | None = None, share_lm_head: bool | None = None,
-                tree=None, **others) -> MedusaConfig:
+                tree=None, sample: str | None = None, **others) -> MedusaConfig:
     """The config ``attach_heads(kind="medusa", ...)`` builds (defaults: 4 heads of 1 block)."""
     refuse_options("medusa", OPTIONS, others)
     return MedusaConfig(num_heads=4 if num_heads is None else num_heads,
                         num_layers=1 if num_layers is None else num_layers,
-                        share_lm_head=bool(share_lm_head), tree=tree)
+                        share_lm_head=bool(share_lm_head), tree=tree, sample=sample or "auto")
 
 
 def build_heads(target, config: MedusaConfig) -> MedusaHeads:
@@ -32,12 +38,25 @@ def build_heads(target, config: MedusaConfig) -> MedusaHeads:
 
 def build_drafter(spec, tree) -> MedusaDrafter:
     template = resolve_tree(tree if tree is not None else spec.config.tree, spec.config.num_heads, spec.accuracy)
-    return MedusaDrafter(spec.heads, template, spec.shared_logits if spec.config.share_lm_head else None)
+    return MedusaDrafter(spec.heads, template, spec.shared_logits if spec.config.share_lm_head else None,
+                         spec.config.sample)
+
+
+def bind_rule(drafter, rule):
+    """``drafter`` set up for the serving ``rule``: candidates drawn from the heads' distributions
+    under the rule's own warp and generator when the rule samples losslessly and the config's
+    ``sample`` mode allows it; the heads' top-k tokens otherwise (greedy, typical, ``never``)."""
+    if not isinstance(drafter, MedusaDrafter):
+        return drafter
+    sampled = isinstance(rule, SamplingRule) and rule.lossless and drafter.sample != "never"
+    drafter.sample_with(rule.warp if sampled else None, rule.generator if sampled else None)
+    return drafter
 
 
 KIND = DrafterKind(
     name="medusa", config_class=MedusaConfig, make_config=make_config, build_heads=build_heads,
     build_drafter=build_drafter, options=OPTIONS, static_tree=True, formats=FORMATS,
-    sidecar_keys=("num_heads", "num_layers"), restore_sidecar=restore_sidecar, loss=MedusaLoss, cli=cli,
+    sidecar_keys=("num_heads", "num_layers"), restore_sidecar=restore_sidecar, bind_rule=bind_rule,
+    loss=MedusaLoss, cli=cli,
     extra={"joint_training": True},  # Medusa-2: TrainConfig.joint trains a LoRA on the backbone too
 )

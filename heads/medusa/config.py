@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from ..kind import SAMPLE_MODES
+
 
 @dataclass
 class MedusaConfig:
@@ -18,12 +20,21 @@ class MedusaConfig:
     """Use the backbone's frozen output head instead of one trainable projection per head."""
     tree: Sequence[Sequence[int]] | int | None = None
     """Verification tree: a choice list of rank paths, or a node count for a default tree (None: 16)."""
+    sample: str = "auto"
+    """Candidates under lossless sampling (``do_sample=True``): ``auto`` (and ``always``, the same
+    here: every tree can be sampled) draws each node's children without replacement from the
+    head's distribution warped like the target's (temperature, top-k, top-p), accepted with
+    min(1, p/q) and the residual; ``never`` keeps each head's top-k tokens (point masses, accepted
+    with p(x)). The tree's shape is the same either way. Greedy decoding and typical acceptance
+    always draft the top-k tokens."""
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MedusaConfig.{name} must be a positive int; got {value!r}")
+        if self.sample not in SAMPLE_MODES:
+            raise ValueError(f"MedusaConfig.sample must be one of {SAMPLE_MODES}; got {self.sample!r}")
         if self.tree is not None and not isinstance(self.tree, int):
             self.tree = [list(path) for path in self.tree]
 

@@ -1,4 +1,5 @@
-"""The Medusa drafter: a static tree filled with the heads' ranked candidates."""
+"""The Medusa drafter: a static tree filled with the heads' ranked candidates, or under lossless
+sampling with candidates drawn from the heads' warped distributions."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from tree_attention.decode import DraftBatch
+from tree_attention.sampled import depleted, draw_without_replacement
 from tree_attention.tree import InvalidTreeError, TreeBatch, TreeTemplate, default_tree, from_choices
 
 from .modules import MedusaHeads
@@ -27,16 +29,33 @@ def resolve_tree(tree: Sequence[Sequence[int]] | int | None, num_heads: int,
 
 
 class MedusaDrafter:
-    """Fills a static tree with the heads' ranked candidates (``tree_attention.decode.Drafter``).
+    """Fills a static tree with the heads' candidates (``tree_attention.decode.Drafter``).
 
-    The node at depth ``d`` with rank ``r`` takes head ``d - 1``'s ``r``-th most likely token.
+    The node at depth ``d`` with rank ``r`` takes head ``d - 1``'s ``r``-th most likely token
+    (point masses for the sampling rule), unless :meth:`sample_with` set a warp: then the ``k``
+    children of each node are ``k`` draws without replacement from head ``d - 1``'s warped
+    distribution q (in rank order; draws of different nodes independent), each carrying in
+    ``draft_probs`` the distribution it was drawn from (q without its earlier siblings, renormalised).
+    The tree's shape is fixed, so which nodes exist never depends on the drawn tokens. ``sample`` is
+    the config's mode (:data:`heads.medusa.config.SAMPLE_MODES`), read by the kind's ``bind_rule``.
     """
 
     def __init__(self, heads: MedusaHeads, template: TreeTemplate,
-                 shared_logits: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 shared_logits: Callable[[torch.Tensor], torch.Tensor] | None = None, sample: str = "auto") -> None:
         self.heads = heads
         self.shared_logits = shared_logits
+        self.sample = sample
+        self.warp = self.generator = None
         self.set_template(template)
+
+    def sample_with(self, warp, generator: torch.Generator | None) -> None:
+        """Draw candidates from ``softmax(warp(head logits))`` with ``generator`` (the serving rule's
+        warp and draws); ``warp=None``: the top-k candidates again."""
+        self.warp, self.generator = warp, generator
+
+    @property
+    def sampling(self) -> bool:
+        return self.warp is not None
 
     def set_template(self, template: TreeTemplate) -> None:
         """Use ``template``; InvalidTreeError when a node's rank needs more candidates than the
@@ -50,6 +69,19 @@ class MedusaDrafter:
         # flat index into the (K, top_k) candidate table for every non-root node
         nodes = self.template.depths[1:]
         self._candidate_index = (nodes - 1) * self.top_k + self.template.ranks[1:]
+        # sampled candidates: the nodes with children ("families"), each non-root node's family and
+        # its place among its siblings (node order), and the siblings drawn before it
+        parents = template.parents[1:].tolist()
+        families = sorted(set(parents))
+        family = [families.index(parent) for parent in parents]
+        sibling = [parents[:node].count(parent) for node, parent in enumerate(parents)]
+        self._families = torch.tensor(families, dtype=torch.long, device=device)  # (P,) parent nodes
+        self._family = torch.tensor(family, dtype=torch.long, device=device)  # (N - 1,)
+        self._sibling = torch.tensor(sibling, dtype=torch.long, device=device)  # (N - 1,)
+        self._children = max(sibling, default=-1) + 1  # the most children of one node
+        if self._children > self.heads.vocab_size:
+            raise InvalidTreeError(f"a tree node has {self._children} children, but the vocabulary has "
+                                   f"{self.heads.vocab_size} tokens")
 
     def reset(self, batch_size: int) -> None:
         """Medusa heads keep no state between steps."""
@@ -67,6 +99,24 @@ class MedusaDrafter:
         rows = torch.arange(batch.rows, device=batch.features.device)
         last = batch.features[rows, batch.lengths - 1]  # (R, d)
         logits = self.heads(last, self.shared_logits, count=template.max_depth)  # (depth, R, V)
+        if self.sampling:
+            return self._sampled(roots, logits)
         candidates = torch.topk(logits, self.top_k, dim=-1).indices.transpose(0, 1)  # (R, depth, top_k)
         drafted = candidates.reshape(batch.rows, -1)[:, self._candidate_index]  # (R, N - 1)
         return TreeBatch.from_template(template, torch.cat([roots.to(drafted.device), drafted], dim=1))
+
+    def _sampled(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
+        """Every node's children drawn without replacement from its depth's head (``logits``
+        ``[depth, R, V]``), with the rows they were drawn from as ``draft_probs``."""
+        _, count, vocab = logits.shape
+        family_logits = logits[self.template.depths[self._families]].transpose(0, 1).float()  # (R, P, V)
+        q = torch.softmax(self.warp(family_logits.reshape(-1, vocab)), dim=-1).view_as(family_logits)
+        drawn = draw_without_replacement(family_logits, q, self._children, self.generator)  # (R, P, children)
+        tokens = drawn[:, self._family, self._sibling]  # (R, N - 1)
+        siblings = drawn[:, self._family]  # (R, N - 1, children) every node's family's draws
+        before = torch.arange(self._children, device=tokens.device)[None, :] < self._sibling[:, None]
+        probs = depleted(q[:, self._family], tokens, siblings, before)  # (R, N - 1, V)
+        probs = torch.cat([probs.new_zeros(count, 1, vocab), probs], dim=1)  # the roots' rows are unused
+        tree = TreeBatch.from_template(self.template, torch.cat([roots.to(tokens.device), tokens], dim=1))
+        return TreeBatch(tree.tokens, tree.parents, tree.depths, tree.visibility, tree.sizes, probs,
+                         uniform=True, depth=tree.depth)
