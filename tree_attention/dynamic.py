@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Callable, Generator
+from typing import Callable, Generator, Mapping
 
 import torch
 
@@ -44,6 +44,33 @@ class Expansion:
 ExpandChildren = Callable[[Expansion], tuple[torch.Tensor, torch.Tensor]]
 """Callback of :func:`dynamic_tree`: children ``(tokens [m, top_k] long, log_probs [m, top_k])``
 of each requested node, the drafter's ``top_k`` most likely next tokens and their log-probabilities."""
+
+
+DYNAMIC_FIELDS = ("depth", "top_k", "total_tokens")
+"""The fields of a dynamic tree's shape."""
+
+
+def dynamic_shape_overrides(tree, depth: int, label: str) -> dict | None:
+    """The field overrides a ``with_tree(tree)`` asks of a config whose tree is ``depth`` deep: a
+    node count (``total_tokens``) or a mapping of :data:`DYNAMIC_FIELDS` (None: no change). A node
+    count (>= 1) without ``depth`` lowers the depth to fit it, never widening the tree; ``label``
+    names the kind in errors (e.g. ``"EAGLE"``)."""
+    if tree is None:
+        return None
+    if isinstance(tree, Mapping):
+        unknown = set(tree) - set(DYNAMIC_FIELDS)
+        if unknown:
+            raise ValueError(f"{label} tree options are {DYNAMIC_FIELDS}; got unknown {sorted(unknown)}")
+        shape = dict(tree)
+    elif isinstance(tree, bool) or not isinstance(tree, int):
+        raise ValueError(f"a{'n' if label[:1] in 'AEIOU' else ''} {label} tree is a node count (total_tokens) or a "
+                         f"mapping of {DYNAMIC_FIELDS}; got {tree!r}")
+    else:
+        shape = {"total_tokens": tree}
+    total = shape.get("total_tokens")
+    if "depth" not in shape and isinstance(total, int) and not isinstance(total, bool) and total >= 1:
+        shape["depth"] = min(depth, total)
+    return shape
 
 
 def _check_dynamic_shape(depth: int, top_k: int, total_tokens: int) -> None:

@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from tree_attention.dynamic import DYNAMIC_FIELDS, dynamic_shape_overrides
+
 # A chain of 4 (Leviathan et al.'s gamma): on this CPU every drafting level is one more forward of
 # the draft model, so chains beat wide trees unless the draft is nearly free (see heads/eagle/config.py).
 DEFAULT_DEPTH = 4
 DEFAULT_TOP_K = 1
 DEFAULT_TOTAL_TOKENS = 4
 SAMPLE_MODES = ("auto", "never", "always")
-_TREE_FIELDS = ("depth", "top_k", "total_tokens")
+_TREE_FIELDS = DYNAMIC_FIELDS
 
 
 def _positive_int(value: object, name: str, low: int = 1) -> None:
@@ -70,21 +72,9 @@ class DraftConfig:
     def with_tree(self, tree: int | Mapping[str, int] | None) -> "DraftConfig":
         """This config with another tree shape: a node count (``total_tokens``; lowers ``depth``
         to fit, never widens) or a mapping of ``depth``/``top_k``/``total_tokens`` (None: unchanged)."""
-        if tree is None:
+        shape = dynamic_shape_overrides(tree, self.depth, "draft")
+        if shape is None:
             return self
-        if isinstance(tree, Mapping):
-            unknown = set(tree) - set(_TREE_FIELDS)
-            if unknown:
-                raise ValueError(f"draft tree options are {_TREE_FIELDS}; got unknown {sorted(unknown)}")
-            shape = dict(tree)
-        elif isinstance(tree, bool) or not isinstance(tree, int):
-            raise ValueError(f"a draft tree is a node count (total_tokens) or a mapping of {_TREE_FIELDS}; "
-                             f"got {tree!r}")
-        else:
-            shape = {"total_tokens": tree}
-        total = shape.get("total_tokens")
-        if "depth" not in shape and isinstance(total, int) and not isinstance(total, bool) and total >= 1:
-            shape["depth"] = min(self.depth, total)
         return replace(self, **shape)
 
     def to_dict(self) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Mapping, Sequence
 
+from tree_attention.dynamic import DYNAMIC_FIELDS, dynamic_shape_overrides
+
 from ..families import EAGLE_LAYOUT_FAMILIES
 from ..kind import SAMPLE_MODES
 
@@ -19,7 +21,7 @@ from ..kind import SAMPLE_MODES
 DEFAULT_DEPTH = 4
 DEFAULT_TOP_K = 1
 DEFAULT_TOTAL_TOKENS = 4
-_TREE_FIELDS = ("depth", "top_k", "total_tokens")
+_TREE_FIELDS = DYNAMIC_FIELDS
 LAYOUTS = tuple(EAGLE_LAYOUT_FAMILIES)
 
 
@@ -117,21 +119,9 @@ class EagleConfig:
         A shape that sets ``total_tokens`` (>= 1) but not ``depth`` lowers ``depth`` to fit it:
         ``with_tree(4)`` of a depth-6 config gives depth 4. An explicit ``depth`` deeper than
         ``total_tokens`` is a ValueError, as in the constructor."""
-        if tree is None:
+        shape = dynamic_shape_overrides(tree, self.depth, "EAGLE")
+        if shape is None:
             return self
-        if isinstance(tree, Mapping):
-            unknown = set(tree) - set(_TREE_FIELDS)
-            if unknown:
-                raise ValueError(f"EAGLE tree options are {_TREE_FIELDS}; got unknown {sorted(unknown)}")
-            shape = dict(tree)
-        elif isinstance(tree, bool) or not isinstance(tree, int):
-            raise ValueError(f"an EAGLE tree is a node count (total_tokens) or a mapping of {_TREE_FIELDS}; "
-                             f"got {tree!r}")
-        else:
-            shape = {"total_tokens": tree}
-        total = shape.get("total_tokens")
-        if "depth" not in shape and isinstance(total, int) and not isinstance(total, bool) and total >= 1:
-            shape["depth"] = min(self.depth, total)
         return replace(self, **shape)
 
     def to_dict(self) -> dict:
