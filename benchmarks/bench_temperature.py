@@ -14,6 +14,13 @@ speculative and plain generation alternate prompt by prompt in one process at th
 bonus included), tokens/s each way and speedup per cell, per mix; writes
 ``benchmarks/results/temperature.json`` and ``temperature.png``. Adapters are cached under
 ``benchmarks/results/adapters`` (``--retrain`` to redo them).
+
+Candidates under sampling (``--candidates``): ``sampled`` (the kinds' default ``sample="auto"``:
+each node's children drawn from the drafter's warped distribution, accepted with min(1, p/q)),
+``top-k`` (``sample="never"``: the drafter's top-k tokens as point masses) or ``both``, side by
+side in the same cells (greedy cells are the same either way and are measured once); the plot and
+the winners use the first mode listed. ``--quick``: a smoke run (tiny budgets, written to
+``temperature_quick.json``).
 """
 
 from __future__ import annotations
@@ -40,7 +47,11 @@ RECIPES = {
 MATCHED = {0.0: "greedy-off", 0.7: "T0.7-on", 1.0: "T1.0-on"}
 """The draft trained for each serving temperature (0.5 has none)."""
 SERVING = (0.0, 0.5, 0.7, 1.0)
-COLUMNS = ["kind", "recipe", "serve_T", "mix", "tau", "tok/s plain", "tok/s spec", "speedup", "accept"]
+COLUMNS = ["kind", "recipe", "candidates", "serve_T", "mix", "tau", "tok/s plain", "tok/s spec", "speedup", "accept"]
+CANDIDATES = {"sampled": "auto", "top-k": "never"}
+"""``--candidates`` choice -> the kinds' ``sample`` mode."""
+QUICK = {"steps": [4, 4], "train_prompts": 4, "train_new_tokens": 12, "max_length": 32, "pool_prompts": 2,
+         "prompts": 2, "max_new_tokens": 12}
 
 
 def mixed_file(per_mix: int) -> Path:
@@ -56,7 +67,7 @@ def train(kind: str, recipe: str, data: Path, args) -> tuple[Path, dict]:
     """The cached adapter of ``kind`` x ``recipe`` (trained with ``selfdraft train`` if missing)."""
     from training.cli import main as selfdraft
 
-    adapter = RESULTS / "adapters" / f"temperature-{kind}-{recipe}"
+    adapter = RESULTS / "adapters" / f"temperature-{kind}-{recipe}{'-quick' if args.quick else ''}"
     steps = args.steps[("medusa", "eagle").index(kind)]
     summary = adapter.parent / f"{adapter.name}.json"
     if not (adapter / "adapter_config.json").is_file() or not summary.is_file() or args.retrain:
@@ -104,6 +115,18 @@ def plot(rows: list[dict], kinds: list[str], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def candidate_comparison(rows: list[dict]) -> list[dict]:
+    """Per sampled cell measured with both candidate modes: tau and speedup of each, side by side."""
+    cells = {}
+    for row in rows:
+        if row["serve_T"] > 0:
+            cells.setdefault((row["kind"], row["recipe"], row["serve_T"], row["mix"]), {})[row["candidates"]] = row
+    return [{"kind": kind, "recipe": recipe, "serve_T": temperature, "mix": mix,
+             "tau sampled": pair["sampled"]["tau"], "tau top-k": pair["top-k"]["tau"],
+             "speedup sampled": pair["sampled"]["speedup"], "speedup top-k": pair["top-k"]["speedup"]}
+            for (kind, recipe, temperature, mix), pair in cells.items() if len(pair) == 2]
+
+
 def winners(rows: list[dict], kinds: list[str]) -> dict:
     """Per kind and serving temperature: the recipe with the highest tau summed over mixes."""
     best = {}
@@ -130,7 +153,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
     parser.add_argument("--train-threads", type=int, default=2, help="torch threads while distilling")
     parser.add_argument("--retrain", action="store_true", help="retrain cached adapters")
+    parser.add_argument("--candidates", choices=("sampled", "top-k", "both"), default="sampled",
+                        help="candidates under sampling: drawn from the drafter's q (the default), its top-k "
+                             "tokens, or both side by side")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny budgets, temperature_quick.json")
     args = parser.parse_args()
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    modes = list(CANDIDATES) if args.candidates == "both" else [args.candidates]
+    suffix = "_quick" if args.quick else ""
 
     import heads
     from training.commands.common import load_model
@@ -151,31 +183,43 @@ def main() -> None:
     rows = []
     for (kind, recipe), adapter in adapters.items():
         spec = heads.load_heads(model, adapter)
-        for temperature in SERVING:
-            for mix in MIXES:
-                report = measure(spec, prompts[mix], args.max_new_tokens, temperature=temperature, seed=0)
-                rows.append({"kind": kind, "recipe": recipe, "serve_T": temperature, "mix": mix, "tau": report.tau,
-                             "tok/s plain": report.tokens_per_s_plain, "tok/s spec": report.tokens_per_s_spec,
-                             "speedup": report.speedup,
-                             "accept": " ".join(f"{a:.2f}" for a in report.acceptance_by_position[:6]),
-                             "identical": report.identical if temperature == 0 else None})
-                print(table([rows[-1]], COLUMNS), flush=True)
+        for mode in modes:
+            spec.config.sample = CANDIDATES[mode]
+            spec.set_tree(None)  # a drafter built for this sample mode
+            for temperature in SERVING:
+                if temperature == 0 and mode != modes[0]:
+                    continue  # greedy drafts the top-k tokens in every mode
+                for mix in MIXES:
+                    report = measure(spec, prompts[mix], args.max_new_tokens, temperature=temperature, seed=0)
+                    rows.append({"kind": kind, "recipe": recipe, "candidates": mode if temperature else "top-k",
+                                 "serve_T": temperature, "mix": mix, "tau": report.tau,
+                                 "tok/s plain": report.tokens_per_s_plain, "tok/s spec": report.tokens_per_s_spec,
+                                 "speedup": report.speedup,
+                                 "accept": " ".join(f"{a:.2f}" for a in report.acceptance_by_position[:6]),
+                                 "identical": report.identical if temperature == 0 else None})
+                    print(table([rows[-1]], COLUMNS), flush=True)
     print("\n" + table(rows, COLUMNS))
-    best = winners(rows, args.kinds)
+    comparison = candidate_comparison(rows)
+    if comparison:
+        print("\nsampled vs top-k candidates:\n" + table(comparison, list(comparison[0])))
+    primary = [row for row in rows if row["serve_T"] == 0 or row["candidates"] == modes[0]]
+    best = winners(primary, args.kinds)
     matched = {key: best[key] == MATCHED[float(key.split("=")[1])] for key in best
                if float(key.split("=")[1]) in MATCHED}
     print("\nbest draft by tau (summed over mixes):", json.dumps(best, indent=1))
     print("matched draft wins its column:", json.dumps(matched, indent=1))
-    path = write_json("temperature.json", {
+    path = write_json(f"temperature{suffix}.json", {
         "target": str(TARGET), "prompts_per_mix": args.prompts, "max_new_tokens": args.max_new_tokens,
         "settings": {key: getattr(args, key) for key in ("steps", "lr", "train_prompts", "train_new_tokens",
                                                           "max_length", "pool_prompts", "threads",
-                                                          "train_threads")},
-        "recipes": RECIPES, "cells": rows, "winners": winners(rows, args.kinds), "matched_wins": matched,
+                                                          "train_threads", "candidates")},
+        "recipes": RECIPES, "cells": rows, "candidate_comparison": comparison, "winners": best,
+        "matched_wins": matched,
         "training": training, "seconds": time.perf_counter() - started,
     })
-    plot(rows, args.kinds, RESULTS / "temperature.png")
-    print(f"wrote {path} and {RESULTS / 'temperature.png'} ({time.perf_counter() - started:.0f} s)")
+    figure = RESULTS / f"temperature{suffix}.png"
+    plot(primary, args.kinds, figure)
+    print(f"wrote {path} and {figure} ({time.perf_counter() - started:.0f} s)")
 
 
 if __name__ == "__main__":
