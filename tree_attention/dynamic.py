@@ -191,3 +191,13 @@ def grow_dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor
         frontier = sorted(newest)
     keep = best_nodes(torch.tensor(scores, dtype=torch.float64), torch.tensor(depths), total_tokens).tolist()
     return _tree_from_candidates(root, tokens, parents, depths, keep, device)
+
+
+def advance_growth(growth: Generator, children, trees: list, row: int):
+    """Send ``children`` to row ``row``'s growing tree (:func:`grow_dynamic_tree`; None: start it);
+    its next :class:`Expansion` request, or None once it is done, its tree then in ``trees[row]``."""
+    try:
+        return next(growth) if children is None else growth.send(children)
+    except StopIteration as finished:
+        trees[row] = finished.value
+        return None

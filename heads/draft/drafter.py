@@ -7,7 +7,7 @@ import torch
 
 from tree_attention import cache as cache_ops
 from tree_attention.decode import DraftBatch
-from tree_attention.dynamic import grow_dynamic_tree
+from tree_attention.dynamic import advance_growth, grow_dynamic_tree
 from tree_attention.mask import causal_visibility
 from tree_attention.tree import Tree, TreeBatch
 
@@ -145,7 +145,7 @@ class DraftModelDrafter:
         growths = [grow_dynamic_tree(root, (child_tokens[row], child_scores[row]), self.depth, self.top_k,
                                      self.total_tokens) for row, root in enumerate(roots)]
         trees: list[Tree | None] = [None] * count
-        requests = [_advance(growth, None, trees, row) for row, growth in enumerate(growths)]
+        requests = [advance_growth(growth, None, trees, row) for row, growth in enumerate(growths)]
         expansion_positions = torch.zeros(count, 0, dtype=torch.long, device=device)
         columns: list[list[int]] = [[] for _ in range(count)]  # per row: expansion slot of each expanded node
         while any(request is not None for request in requests):
@@ -177,17 +177,8 @@ class DraftModelDrafter:
                     continue
                 children = (flat_tokens[start:start + size], flat_scores[start:start + size])
                 start += size
-                requests[row] = _advance(growths[row], children, trees, row)
+                requests[row] = advance_growth(growths[row], children, trees, row)
         return TreeBatch.from_trees(trees)
-
-
-def _advance(growth, children, trees: list, row: int):
-    """Send ``children`` to a row's growing tree; its next request, or None once it is done."""
-    try:
-        return next(growth) if children is None else growth.send(children)
-    except StopIteration as finished:
-        trees[row] = finished.value
-        return None
 
 
 def chain_batch(tokens: torch.Tensor, sizes: torch.Tensor, draws: list[torch.Tensor] | None) -> TreeBatch:

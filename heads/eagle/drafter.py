@@ -11,7 +11,7 @@ import torch
 from tree_attention import cache as cache_ops
 from tree_attention.decode import DraftBatch
 from tree_attention.mask import causal_visibility
-from tree_attention.dynamic import grow_dynamic_tree
+from tree_attention.dynamic import advance_growth, grow_dynamic_tree
 from tree_attention.sampled import draw_without_replacement, drawn_from, grow_sampled_tree
 from tree_attention.tree import Tree, TreeBatch
 
@@ -132,7 +132,7 @@ class EagleDrafter:
         growths = [grow(root, (child_tokens[row], child_log_probs[row]), depths[row], self.top_k, self.total_tokens)
                    for row, root in enumerate(roots)]
         trees: list[Tree | None] = [None] * count
-        requests = [self._advance(growth, None, trees, row) for row, growth in enumerate(growths)]
+        requests = [advance_growth(growth, None, trees, row) for row, growth in enumerate(growths)]
         outputs = [root_features[row:row + 1] for row in range(count)]  # per row: the root's, then each expanded node's
         columns: list[list[int]] = [[] for _ in range(count)]  # per row: expansion slot of each expanded node
         expansion_positions = torch.zeros(count, 0, dtype=torch.long, device=device)
@@ -169,14 +169,5 @@ class EagleDrafter:
                 outputs[row] = torch.cat([outputs[row], predicted[row, :size]])
                 children = (flat_tokens[start:start + size], flat_log_probs[start:start + size])
                 start += size
-                requests[row] = self._advance(growths[row], children, trees, row)
+                requests[row] = advance_growth(growths[row], children, trees, row)
         return TreeBatch.from_trees(trees)
-
-    @staticmethod
-    def _advance(growth, children, trees: list, row: int):
-        """Send ``children`` to a row's growing tree; its next request, or None once it is done."""
-        try:
-            return next(growth) if children is None else growth.send(children)
-        except StopIteration as finished:
-            trees[row] = finished.value
-            return None
