@@ -378,7 +378,7 @@ def main() -> None:
     parser.add_argument("--refresh", type=int, default=20, help="on-policy pool regenerated every N steps")
     parser.add_argument("--pool", type=int, default=32, help="prompts per on-policy pool")
     parser.add_argument("--checkpoint-every", type=int, default=20)
-    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per mix (code, prose)")
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per mix (code, prose)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperatures", type=lambda text: [float(t) for t in text.split(",")],
                         default=list(TEMPERATURES), help="serving temperatures, e.g. 0,0.7,1")
