@@ -50,6 +50,15 @@ BORROW_LENGTHS = 4  # a new prompt-length bucket starts from costs measured with
 EXPLORE = 0.5  # upper-confidence bonus: predicted x (1 + EXPLORE / sqrt(row steps seen))
 
 
+def step_seconds(stats) -> float:
+    """Seconds a speculative call spent in its steps: every phase of the loop but the prefill and
+    the output's assembly (acceptance, cache and bookkeeping included, which grow with the batch),
+    or drafting plus verifying where no phases were recorded."""
+    if stats.phases:
+        return max(0.0, stats.total_seconds - stats.phases.get("prefill", 0.0) - stats.phases.get("result", 0.0))
+    return stats.draft_seconds + stats.verify_seconds
+
+
 def _bucket(value: int) -> int:
     """The next power of two (cost changes slowly with batch size and prompt length)."""
     return 1 << max(0, int(value) - 1).bit_length()
@@ -99,7 +108,7 @@ class SpeculationPolicy:
         record.tokens += stats.new_tokens - stats.batch_size  # the prefill's token is not a step's
         record.row_steps += stats.row_forwards - stats.batch_size
         if key is not None and steps > 0 and (key, size) in self.step_costs:
-            self.record_cost(key, size, (stats.draft_seconds + stats.verify_seconds) / steps)
+            self.record_cost(key, size, step_seconds(stats) / steps)
 
     def record_cost(self, key: tuple[int, int], size: int, seconds: float) -> None:
         """A measured cost per step of ``size`` drafted nodes (0: plain) in bucket ``key``; the

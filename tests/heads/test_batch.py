@@ -305,3 +305,22 @@ def test_auto_borrows_costs_for_a_nearby_prompt_length(monkeypatch):
     monkeypatch.setattr(policy, "_spec_step", lambda *args: 2.0)
     policy.choose(spec, batch, torch.ones_like(batch), rule, max_new_tokens=4)
     assert calibrated == [(2, 8)]
+
+
+def test_auto_costs_a_step_by_all_its_phases():
+    """A run's cost per step counts every phase but the prefill and the result (acceptance, cache and
+    bookkeeping grow with the batch), not drafting plus verifying alone, which underestimates it."""
+    from heads.policy import SpeculationPolicy, step_seconds
+    from tree_attention.decode import DecodeStats
+
+    stats = DecodeStats(new_tokens=30, target_forwards=11, row_forwards=11, batch_size=1, draft_seconds=0.2,
+                        verify_seconds=0.5, total_seconds=1.5,
+                        phases={"prefill": 0.1, "draft": 0.2, "forward": 0.5, "accept": 0.3, "cache": 0.35,
+                                "result": 0.05})
+    assert abs(step_seconds(stats) - 1.35) < 1e-9
+    policy = SpeculationPolicy((4,))
+    policy.record_cost((1, 8), 4, 1.0)
+    for _ in range(3):
+        policy.observe(4, "greedy", stats, (1, 8))
+    assert abs(policy.step_costs[((1, 8), 4)] - 0.135) < 1e-9  # the median of 1.0 and three 0.135s
+    assert abs(step_seconds(DecodeStats(draft_seconds=0.2, verify_seconds=0.5)) - 0.7) < 1e-9
