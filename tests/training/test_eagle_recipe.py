@@ -118,7 +118,7 @@ def test_eagle_beats_medusa_head1_with_the_default_recipe(target, sequences):
     medusa = _depth1_accuracy(target, sequences, "medusa")
     eagle = _depth1_accuracy(target, sequences, "eagle")
     before = _depth1_accuracy(target, sequences, "eagle", fit=False, learning_rate=1e-3, token_weight=0.1)
-    assert eagle > medusa + 0.1, (eagle, medusa)
+    assert eagle > medusa + 0.03, (eagle, medusa)  # both at their defaults (lr 1e-2): 0.99 vs 0.92
     assert eagle > before + 0.05, (eagle, before)
 
 
@@ -154,10 +154,10 @@ def test_training_starts_from_the_fitted_projection(target, sequences):
 
 
 def test_command_line_defaults_per_kind():
-    """``--lr`` defaults to the kind's rate (EAGLE 1e-2, Medusa 1e-3); ``--token-weight`` to 1.0; an
-    explicit ``--lr`` wins."""
+    """``--lr`` defaults to the kind's rate (EAGLE and Medusa 1e-2; the draft kind TrainConfig's 1e-3);
+    ``--token-weight`` to 1.0; an explicit ``--lr`` wins."""
     assert _command_line_config("eagle").learning_rate == 1e-2
-    assert _command_line_config("medusa").learning_rate == 1e-3
+    assert _command_line_config("medusa").learning_rate == 1e-2
     assert _command_line_config("eagle").token_weight == 1.0
     args = build_parser().parse_args(["train", "--model", "m", "--kind", "eagle", "--data", "d", "--out", "o",
                                       "--lr", "3e-3"])
