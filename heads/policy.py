@@ -30,8 +30,10 @@ and ``tau`` is non-decreasing in the tree size for nested trees, so a larger siz
 at least the tau of any smaller one.
 
 Calibration runs stay inside what the call may generate: at most ``max_new_tokens`` new tokens
-per row and never past a hard position limit (GPT-2's ``n_positions``), so a long prompt near the
-limit or a call for one token calibrates with fewer steps, or not at all.
+per row and never past a hard position limit (GPT-2's ``n_positions``). A call with room for fewer
+than :data:`MIN_CALIBRATION_TOKENS` new tokens in a bucket not yet measured runs plain decoding
+instead of calibrating on one or two steps (whose costs and tau are noise that later calls would
+inherit); a later, longer call calibrates the bucket.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 from tree_attention.decode import SpeculativeDecoder
 
 CALIBRATION_STEPS = 6
+MIN_CALIBRATION_TOKENS = CALIBRATION_STEPS + 2  # a shorter call runs plain rather than calibrate on noise
 COST_SAMPLES = 8  # a step cost is the median of the last this many measurements of its setting
 BORROW_LENGTHS = 4  # a new prompt-length bucket starts from costs measured within this factor
 EXPLORE = 0.5  # upper-confidence bonus: predicted x (1 + EXPLORE / sqrt(row steps seen))
@@ -205,6 +208,11 @@ class SpeculationPolicy:
                     "reason": f"room for {max(budget, 0)} new token(s) (max_new_tokens or the position limit): "
                               "nothing to speculate on"}
         self._borrow_costs(key)
+        calibrated = (key, 0) in self.step_costs and all((key, size) in self.step_costs for size in self.sizes)
+        if not calibrated and budget < MIN_CALIBRATION_TOKENS:
+            return {"policy": "auto", "tree": 0, "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1],
+                    "reason": f"room for {budget} new tokens: too few to calibrate this batch size and prompt length "
+                              f"on (at least {MIN_CALIBRATION_TOKENS}); plain decoding until a longer call does"}
         if (key, 0) not in self.step_costs:
             self.record_cost(key, 0, self._plain_step(spec, input_ids, attention_mask, budget))
         for size in self.sizes:

@@ -76,8 +76,12 @@ def test_auto_speculation_calibrates_within_max_new_tokens(short_gpt2, monkeypat
     one = spec.policy.choose(spec, prompt, mask, rule, max_new_tokens=1)
     assert one["tree"] == 0 and "nothing to speculate on" in one["reason"] and not lengths
     assert not spec.policy.step_costs  # nothing measured, nothing cached
-    choice = spec.policy.choose(spec, prompt, mask, rule, max_new_tokens=3)
-    assert lengths and max(lengths) <= 3 and choice["plain_step_ms"] > 0
+    short = spec.policy.choose(spec, prompt, mask, rule, max_new_tokens=3)
+    assert short["tree"] == 0 and "too few to calibrate" in short["reason"] and not lengths
+    choice = spec.policy.choose(spec, prompt, mask, rule, max_new_tokens=9)
+    assert lengths and max(lengths) <= 9 and choice["plain_step_ms"] > 0
+    again = spec.policy.choose(spec, prompt, mask, rule, max_new_tokens=3)  # calibrated: a short call may speculate
+    assert "reason" not in again and set(again["predicted_speedup"]) == set(spec.policy.sizes)
     assert spec.policy.budget(spec, mask, None) == POSITIONS - 10  # the position limit alone
 
 
