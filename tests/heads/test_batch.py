@@ -303,7 +303,8 @@ def test_auto_borrows_costs_for_a_nearby_prompt_length(monkeypatch):
     assert calibrated == []
     batch = torch.ones(2, 8, dtype=torch.long)  # another batch bucket
     monkeypatch.setattr(policy, "_spec_step", lambda *args: 2.0)
-    assert "too few to calibrate" in policy.choose(spec, batch, torch.ones_like(batch), rule, max_new_tokens=4)["reason"]
+    short = policy.choose(spec, batch, torch.ones_like(batch), rule, max_new_tokens=4)
+    assert "too few to calibrate" in short["reason"]
     policy.choose(spec, batch, torch.ones_like(batch), rule, max_new_tokens=12)
     assert calibrated == [(2, 8)]
 
