@@ -154,6 +154,19 @@ def dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor], ex
         return finished.value
 
 
+def expansion_request(frontier: list[int], tokens: list[int], parents: list[int], slot: dict[int, int],
+                      chains: list[list[int]], level: int, device) -> tuple[Expansion, list[list[int]]]:
+    """The :class:`Expansion` asking for the children of candidates ``frontier`` (all at depth
+    ``level``), given each candidate's token and parent candidate, the expansion slot of every
+    candidate expanded so far and their chains of expanded ancestors; also the new nodes' chains."""
+    grown, parent_slots = len(chains), [slot.get(parents[candidate], -1) for candidate in frontier]
+    new_chains = [(chains[p] if p >= 0 else []) + [grown + i] for i, p in enumerate(parent_slots)]
+    request = Expansion(torch.tensor([tokens[c] for c in frontier], dtype=torch.long, device=device),
+                        torch.tensor(parent_slots, dtype=torch.long, device=device), level,
+                        _bool_rows(new_chains, grown + len(frontier), device))
+    return request, new_chains
+
+
 def grow_dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor], depth: int, top_k: int,
                       total_tokens: int) -> Generator[Expansion, tuple[torch.Tensor, torch.Tensor], Tree]:
     """:func:`dynamic_tree` as a generator: yields each :class:`Expansion` request, takes the
@@ -173,11 +186,8 @@ def grow_dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor
             frontier = [candidate for candidate in frontier if scores[candidate] > threshold]
         if not frontier:
             break
-        grown, parent_slots = len(chains), [slot.get(parents[candidate], -1) for candidate in frontier]
-        new_chains = [(chains[p] if p >= 0 else []) + [grown + i] for i, p in enumerate(parent_slots)]
-        request = Expansion(torch.tensor([tokens[c] for c in frontier], dtype=torch.long, device=device),
-                            torch.tensor(parent_slots, dtype=torch.long, device=device), level,
-                            _bool_rows(new_chains, grown + len(frontier), device))
+        grown = len(chains)
+        request, new_chains = expansion_request(frontier, tokens, parents, slot, chains, level, device)
         child_tokens, child_scores = _checked_children((yield request), len(frontier), top_k)
         slot.update({candidate: grown + i for i, candidate in enumerate(frontier)})
         chains += new_chains

@@ -24,7 +24,7 @@ from typing import Generator
 
 import torch
 
-from .dynamic import Expansion, _bool_rows, _check_dynamic_shape, _tree_from_candidates, best_nodes
+from .dynamic import Expansion, _check_dynamic_shape, _tree_from_candidates, best_nodes, expansion_request
 from .tree import Tree
 
 
@@ -145,11 +145,8 @@ def grow_sampled_tree(root: int, root_children: SampledChildren, depth: int, top
         frontier = [c for c in newest if min(keys[c], scores[c]) > threshold]
         if not frontier:
             break
-        grown, parent_slots = len(chains), [slot.get(parents[candidate], -1) for candidate in frontier]
-        new_chains = [(chains[p] if p >= 0 else []) + [grown + i] for i, p in enumerate(parent_slots)]
-        request = Expansion(torch.tensor([tokens[c] for c in frontier], dtype=torch.long, device=device),
-                            torch.tensor(parent_slots, dtype=torch.long, device=device), level,
-                            _bool_rows(new_chains, grown + len(frontier), device))
+        grown = len(chains)
+        request, new_chains = expansion_request(frontier, tokens, parents, slot, chains, level, device)
         child_tokens, child_rows = yield request
         if child_tokens.shape != (len(frontier), top_k) or child_rows.shape[:2] != (len(frontier), top_k):
             raise ValueError(f"expand must return tokens [{len(frontier)}, {top_k}] and rows [{len(frontier)}, "

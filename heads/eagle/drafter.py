@@ -21,6 +21,18 @@ from .config import EagleConfig
 from .modules import EagleHeads, check_against_target
 
 
+def committed_pairs(batch: DraftBatch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a step appends to an EAGLE drafter's cache: per row the pairs (features[i], tokens[i + 1])
+    and (features[-1], root). Returns ``(counts [R], next_tokens [R, n], valid [R, n])``: the pairs per
+    row, the token of each pair (the root after the row's last feature), and which columns are real."""
+    counts = batch.lengths.to(device)
+    rows, width = batch.tokens.shape
+    next_tokens = torch.cat([batch.tokens[:, 1:], batch.tokens.new_zeros(rows, 1)], dim=1).to(device)
+    next_tokens[torch.arange(rows, device=device), counts - 1] = batch.roots.to(device)
+    valid = torch.arange(width, device=device)[None, :] < counts[:, None]
+    return counts, next_tokens, valid
+
+
 class EagleDrafter:
     """Proposes one dynamic tree per row and step (``tree_attention.decode.Drafter``), all rows
     of a batch in one drafter forward per tree level.
@@ -98,15 +110,10 @@ class EagleDrafter:
         """Append each row's pairs (features[i], tokens[i + 1]) and (features[-1], root); return
         the predicted features at the roots' positions ``[R, d]``."""
         self.cache.crop()
-        counts = batch.lengths.to(self.committed.device)
+        counts, next_tokens, valid = committed_pairs(batch, self.committed.device)
         rows, width = batch.tokens.shape
         device, dtype = self.committed.device, self.target.dtype
-        last = counts - 1
-        row_index = torch.arange(rows, device=device)
-        next_tokens = torch.cat([batch.tokens[:, 1:], batch.tokens.new_zeros(rows, 1)], dim=1).to(device)
-        next_tokens[row_index, last] = batch.roots.to(device)
-        columns = torch.arange(width, device=device)
-        valid = columns[None, :] < counts[:, None]  # (R, n)
+        last, row_index, columns = counts - 1, torch.arange(rows, device=device), torch.arange(width, device=device)
         visible = causal_visibility(width, device) & (valid[:, None, :] | torch.eye(width, dtype=torch.bool,
                                                                                     device=device)[None])
         positions = self.committed[:, None] + columns[None, :]

@@ -34,6 +34,7 @@ from tree_attention.tree import (
 from ..backbone import Backbone
 from ..families import position_limit
 from .config import EagleConfig
+from .drafter import committed_pairs
 from .modules import EagleHeads, check_against_target
 
 
@@ -92,16 +93,11 @@ class ParallelEagleDrafter:
         mask queries behind them in the same forward; the predicted features of depths 1..K
         ``[R, K, d]``."""
         self.cache.crop()
-        counts = batch.lengths.to(self.committed.device)
+        counts, next_tokens, valid = committed_pairs(batch, self.committed.device)
         rows, width = batch.tokens.shape
         masks = self.parallel - 1
         device, dtype = self.committed.device, self.target.dtype
-        last = counts - 1
-        row_index = torch.arange(rows, device=device)
-        next_tokens = torch.cat([batch.tokens[:, 1:], batch.tokens.new_zeros(rows, 1)], dim=1).to(device)
-        next_tokens[row_index, last] = batch.roots.to(device)
-        columns = torch.arange(width, device=device)
-        valid = columns[None, :] < counts[:, None]  # (R, n)
+        last, row_index, columns = counts - 1, torch.arange(rows, device=device), torch.arange(width, device=device)
         visible = torch.zeros(rows, width + masks, width + masks, dtype=torch.bool, device=device)
         visible[:, :width, :width] = causal_visibility(width, device) & (
             valid[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)[None])
