@@ -221,9 +221,15 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
                        "differ from the original model's (drift measured after training: %s); generation is "
                        "lossless against the tuned backbone, not against the original", directory,
                        "merged" if backbone_lora.merged else "unmerged", backbone_lora.drift or "not recorded")
-    if config.get("lookup") is not None:
-        try:
-            spec.set_lookup(dict(config["lookup"]))
-        except (TypeError, ValueError) as error:
-            raise AdapterError(f"{directory}: bad lookup settings: {error}") from error
+    restore_lookup(spec, config, directory)
     return spec
+
+
+def restore_lookup(spec: SpeculativeModel, config: Mapping, directory) -> None:
+    """Re-attach the lookup part of a hybrid recorded in an adapter's ``lookup`` field (if any)."""
+    if config.get("lookup") is None:
+        return
+    try:
+        spec.set_lookup(dict(config["lookup"]))
+    except (TypeError, ValueError) as error:
+        raise AdapterError(f"{directory}: bad lookup settings: {error}") from error

@@ -148,7 +148,7 @@ def load_adapter(model, directory: Path, config: dict, strict: bool = True, merg
     Raises ``TargetMismatchError`` when ``model`` is not the pinned target (``strict``; a warning
     otherwise) and ``AdapterError`` for a missing, swapped or unreadable draft or LoRA."""
     from .. import lora
-    from ..loading import attach_backbone
+    from ..loading import attach_backbone, restore_lookup
     from ..model import build_spec
 
     directory = Path(directory)
@@ -170,9 +170,5 @@ def load_adapter(model, directory: Path, config: dict, strict: bool = True, merg
     spec.backbone_lora = backbone_lora
     spec.metadata = {"training": config.get("training", {}), "acceptance": config.get("acceptance", {}),
                      "target": config["target"], "source_format": "selfdraft", "draft": dict(block)}
-    if config.get("lookup") is not None:
-        try:
-            spec.set_lookup(dict(config["lookup"]))
-        except (TypeError, ValueError) as error:
-            raise AdapterError(f"{directory}: bad lookup settings: {error}") from error
+    restore_lookup(spec, config, directory)
     return spec
