@@ -20,15 +20,20 @@ from tests.training.test_cli import REPO, _tokenizer, _write_prompts
 from training.cli import main
 
 
-@pytest.fixture(scope="module")
-def dirs(toy_target, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("draft-cli")
+def save_target_and_draft(toy_target, root: Path) -> None:
+    """``root/model``: the target with a tokenizer; ``root/draft``: a random 1-layer copy of its config."""
     toy_target.save_pretrained(root / "model")
     _tokenizer().save_pretrained(root / "model")
     config = copy.deepcopy(toy_target.config)
     config.num_hidden_layers = 1
     torch.manual_seed(3)
     LlamaForCausalLM(config).save_pretrained(root / "draft")
+
+
+@pytest.fixture(scope="module")
+def dirs(toy_target, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("draft-cli")
+    save_target_and_draft(toy_target, root)
     _write_prompts(root / "prompts.jsonl", 16, seed=5)
     return {"root": root, "model": root / "model", "draft": root / "draft", "data": root / "prompts.jsonl"}
 

@@ -3,28 +3,21 @@ with the bound's terms; argument mistakes refused in one line before any model i
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaForCausalLM
 
 import heads
-from tests.training.test_cli import _tokenizer, _write_prompts
+from tests.training.test_cli import _write_prompts
+from tests.training.test_draft_cli import save_target_and_draft
 from training.cli import main
 
 
 @pytest.fixture(scope="module")
 def dirs(toy_target, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("select")
-    toy_target.save_pretrained(root / "model")
-    _tokenizer().save_pretrained(root / "model")
-    config = copy.deepcopy(toy_target.config)
-    config.num_hidden_layers = 1
-    torch.manual_seed(3)
-    LlamaForCausalLM(config).save_pretrained(root / "draft")
+    save_target_and_draft(toy_target, root)
     # the target as its own draft, saved as a draft adapter: every drafted token is accepted (11 = 1 + 2 x 5)
     heads.attach_heads(toy_target, kind="draft", draft_model=toy_target).save_pretrained(root / "self-draft")
     _write_prompts(root / "prompts.jsonl", 6, seed=4)
