@@ -58,7 +58,17 @@ VARIANTS = {"medusa1": [], "medusa2": JOINT}
 """The compared variants: ``selfdraft train`` flags beyond the shared ones."""
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 SWEEP = {"medusa2-lambda0.05": [*JOINT, "--joint-lambda", "0.05"], "medusa2-lambda1": [*JOINT, "--joint-lambda", "1"],
+         "medusa2-lambda0.1": [*JOINT, "--joint-lambda", "0.1"],
          "medusa2-all-linear": [*JOINT[:-1], ALL_LINEAR],
+         "medusa2-all-linear-lambda0.05": [*JOINT[:-1], ALL_LINEAR, "--joint-lambda", "0.05"],
+         "medusa2-all-linear-r64-lambda0.05": ["--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets",
+                                               ALL_LINEAR, "--joint-lambda", "0.05"],
+         "medusa2-all-linear-r64-lambda0.03-lora-lr1e-3": [
+             "--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", ALL_LINEAR, "--joint-lambda", "0.03",
+             "--lora-lr", "1e-3"],
+         "medusa2-all-linear-r64-lambda0.015-lora-lr1e-3": [
+             "--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", ALL_LINEAR, "--joint-lambda", "0.015",
+             "--lora-lr", "1e-3"],
          "medusa2-all-linear-on-policy": [*JOINT[:-1], ALL_LINEAR, "--on-policy", "--on-policy-temperature", "0",
                                           "--on-policy-refresh", "60", "--on-policy-prompts", "16"]}
 """More joint settings (``--sweep``, on the small target): the trade-off between tau and drift. The
@@ -67,8 +77,9 @@ on-policy variant trains half of each batch on the *tuned* backbone's own greedy
 COLUMNS = ["target", "variant", "mix", "tau", "accept", "tok/s plain", "tok/s spec", "speedup", "identical"]
 
 
-def adapter_path(target: str, variant: str) -> Path:
-    return RESULTS / "adapters" / f"medusa2-{target}-{variant}"
+def adapter_path(target: str, variant: str, lr: float = 1e-3) -> Path:
+    """The cached adapter of ``target`` x ``variant`` trained at heads' learning rate ``lr``."""
+    return RESULTS / "adapters" / (f"medusa2-{target}-{variant}" + ("" if lr == 1e-3 else f"-lr{lr:g}"))
 
 
 def train(target: str, variant: str, args) -> dict:
@@ -76,7 +87,7 @@ def train(target: str, variant: str, args) -> dict:
     from training.cli import main as selfdraft
 
     settings = TARGETS[target]
-    adapter = adapter_path(target, variant)
+    adapter = adapter_path(target, variant, args.lr)
     summary = adapter.parent / f"{adapter.name}.json"
     steps = args.steps.get(target, settings["steps"])
     if not (adapter / "adapter_config.json").is_file() or not summary.is_file() or args.retrain:
@@ -135,10 +146,11 @@ def measure_target(target: str, variants: list[str], args) -> tuple[list[dict], 
 
     settings = TARGETS[target]
     original, tokenizer = load_model(str(settings["model"]))
-    specs = {"medusa1": heads.load_heads(original, adapter_path(target, "medusa1"))}
+    specs = {"medusa1": heads.load_heads(original, adapter_path(target, "medusa1", args.lr))}
     for variant in variants:  # each Medusa-2 adapter merges its LoRA into a fresh copy of the target
         if variant != "medusa1":
-            specs[variant] = heads.load_heads(load_model(str(settings["model"]))[0], adapter_path(target, variant))
+            specs[variant] = heads.load_heads(load_model(str(settings["model"]))[0],
+                                             adapter_path(target, variant, args.lr))
     rows = []
     texts, agreement_prompts = [], []
     for mix, path in settings["mixes"].items():

@@ -3,10 +3,8 @@ what the backbone's own ``generate`` returns."""
 
 from __future__ import annotations
 
-import copy
 import logging
-import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -244,7 +242,8 @@ class SpeculativeModel:
         settings; draws come from ``generator`` (or torch's global RNG). ``acceptance="typical"``
         selects Medusa's typical acceptance (``posterior_threshold``/``posterior_alpha``): faster,
         **lossy**. ``speculate="auto"``: choose the tree size for this batch size from costs
-        measured on this machine (:mod:`heads.policy`), down to plain decoding; the choice is in
+        measured on this machine while serving (:mod:`heads.policy`), down to plain decoding steps,
+        and stop drafting within the call when it does not pay; the choice is in
         ``last_stats.speculation``. None: the configured tree.
         """
         if input_ids is None:
@@ -274,31 +273,25 @@ class SpeculativeModel:
         criteria = stopping(stopping_criteria, config, input_ids)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        drafter, choice = self._drafter, None
+        drafter, choice, schedule = self._drafter, None, None
         with _evaluation(self.backbone), _evaluation(self.heads):
-            if speculate == "auto" and settings.max_new_tokens > 0:
-                state = generator.get_state() if generator is not None else None
-                choice = self.policy.choose(self, input_ids, attention_mask, rule, settings.max_new_tokens)
-                if state is not None:  # calibration draws do not shift the caller's random stream
-                    generator.set_state(state)
-                if choice["tree"] == 0:
-                    output, stats = self._plain_generate(input_ids, attention_mask, settings, stopping_criteria,
-                                                         streamer, generator)
-                    stats.speculation = choice
-                    self.last_stats = stats
-                    return output
-                drafter = self.drafter_for(choice["tree"])
+            if speculate == "auto":
+                choice = self.policy.choose(input_ids, rule, settings.max_new_tokens)
+                schedule = choice["controller"]
+                if choice["tree"]:
+                    drafter = self.drafter_for(choice["tree"])
             drafter = self._bind(drafter, rule)
             decoder = SpeculativeDecoder(self.target, drafter, input_ids, settings.max_new_tokens,
                                          settings.eos_token_ids, rule, attention_mask, settings.pad_token_id,
                                          stop=criteria, on_commit=None if streamer is None else
-                                         (lambda row, tokens: streamer.put(torch.tensor(tokens))), process=process)
+                                         (lambda row, tokens: streamer.put(torch.tensor(tokens))), process=process,
+                                         schedule=schedule)
             output, stats = decoder.run()
         if streamer is not None:
             streamer.end()
         if choice is not None:
+            self.policy.observe(choice, stats)
             stats.speculation = choice
-            self.policy.observe(choice["tree"], rule.key, stats, self.policy.key(input_ids))
         self.last_stats = stats
         return output
 
@@ -323,30 +316,6 @@ class SpeculativeModel:
 
             self._policy = SpeculationPolicy(kinds.get(self.kind).policy_sizes(self))
         return self._policy
-
-    def _plain_generate(self, input_ids, attention_mask, settings, stopping_criteria, streamer,
-                        generator) -> tuple[torch.Tensor, DecodeStats]:
-        """The backbone's own ``generate`` at the same settings (what ``speculate="auto"`` falls
-        back to), seeded from ``generator`` when one is given."""
-        start = time.perf_counter()
-        config = copy.deepcopy(settings.config)
-        config.max_new_tokens, config.pad_token_id = settings.max_new_tokens, settings.pad_token_id
-        seed = None if generator is None else int(torch.randint(1 << 62, (1,), generator=generator))
-        context = nullcontext() if seed is None else torch.random.fork_rng(devices=[])
-        with context:
-            if seed is not None:
-                torch.manual_seed(seed)
-            output = self.backbone.generate(input_ids, attention_mask=attention_mask, generation_config=config,
-                                            stopping_criteria=stopping_criteria, streamer=streamer)
-        steps = output.shape[1] - input_ids.shape[1]
-        new = output[:, input_ids.shape[1]:]
-        pad = settings.pad_token_id
-        stats = DecodeStats(batch_size=input_ids.shape[0], target_forwards=steps)
-        stats.new_tokens = int((new != pad).sum()) if pad is not None else new.numel()
-        stats.row_forwards = stats.new_tokens
-        stats.tree_size = 1
-        stats.total_seconds = stats.verify_seconds = time.perf_counter() - start
-        return output, stats
 
     def save_pretrained(self, directory: str, **metadata) -> None:
         """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (atomically); a kind with

@@ -1,4 +1,4 @@
-"""``speculate="auto"``: how much to draft for a batch, from costs measured on this machine.
+"""``speculate="auto"``: how much to draft for a batch, from costs measured on this machine while serving.
 
 Speculation pays when ``tau(n) x t_plain(B) > t_step(B, n)``: the tokens a row commits per step
 with ``n`` drafted nodes, times the cost of one plain decoding step at batch size ``B``, must beat
@@ -7,59 +7,48 @@ batch 1 a small model's forward is overhead-bound and extra nodes are nearly fre
 the verify forward becomes compute-bound, ``t_step`` grows with ``B x (n + 1)`` and the win
 shrinks, then turns into a loss.
 
-The policy measures both costs the first time it sees a (batch size, prompt length) bucket (a
-bucket within a factor 4 of a measured prompt length at the same batch size starts from that one's
-costs instead): a few real speculative steps per candidate tree size on the caller's prompts, and a
-few plain steps of the backbone's own ``generate``; every later run in the bucket refines the
-estimate of the setting it used. ``tau(n)`` comes from every speculative step seen with that tree
-size under the same acceptance rule and sampling settings (acceptance falls with temperature),
-calibration steps included, so it follows the traffic actually served. It picks the size with the
-best predicted speedup, and no speculation at all (the backbone's own ``generate``) unless that
-prediction beats plain decoding by ``margin``.
+Every ``auto`` call runs in the speculative loop, which decides before each step whether to draft
+(:class:`CallController`); a step that drafts nothing verifies each row's root alone, a plain
+decoding step (on the shipped targets the loop's plain steps are as fast as the backbone's own
+``generate``, token for token the same). So nothing is measured off to the side and no token is
+thrown away:
 
-Two safeguards keep one unlucky measurement from deciding for good. Step costs are the median of
-the last :data:`COST_SAMPLES` measurements of a setting, not a running mean that one stalled step
-drags. And a size seen for only a few steps is given the benefit of the doubt: its predicted
-speedup is scaled by ``1 + EXPLORE / sqrt(row steps seen)`` when choosing (an upper confidence
-bound), so a size whose calibration happened to fall on text it could not draft (prompt lookup at
-the start of a reply, before anything repeats) is tried on real traffic until its estimate is
-backed by evidence, instead of plain decoding being chosen forever. A size predicted clearly slower
-than plain decoding is never tried this way (after the 6 calibration steps the bound is 1.2x the
-prediction, so below 0.92x nothing is tried; it shrinks to the prediction within a call or two),
-and ``tau`` is non-decreasing in the tree size for nested trees, so a larger size is credited with
-at least the tau of any smaller one.
-
-Calibration runs stay inside what the call may generate: at most ``max_new_tokens`` new tokens
-per row and never past a hard position limit (GPT-2's ``n_positions``). A call with room for fewer
-than :data:`MIN_CALIBRATION_TOKENS` new tokens in a bucket not yet measured runs plain decoding
-instead of calibrating on one or two steps (whose costs and tau are noise that later calls would
-inherit); a later, longer call calibrates the bucket.
+- **Costs** are kept per (batch size, prompt length) bucket (powers of two): the plain step cost
+  from plain steps, each tree size's step cost from its drafted steps, each the median of the last
+  :data:`COST_SAMPLES` calls' medians. A bucket never served starts from the costs of one at the
+  same batch bucket and a prompt length within a factor :data:`BORROW_LENGTHS`, if any.
+- **Calibration inside the call**: in a bucket whose plain cost is unknown the call starts with
+  :data:`PLAIN_STEPS` plain steps; a tree size whose cost is unknown in the bucket is tried (the
+  largest first) on the call's own traffic.
+- **tau(n)** comes from every drafted step seen with that tree size under the same acceptance rule
+  and sampling settings (acceptance falls with temperature), so it follows the traffic actually
+  served; it is non-decreasing in the tree size for nested trees, so a larger size is credited
+  with at least the tau of any smaller one.
+- **Choosing** (per call): the size with the best predicted speedup ``tau(n) x t_plain / t_step(n)``,
+  scaled by ``1 + EXPLORE / sqrt(row steps seen)`` (an upper confidence bound: a size seen for only
+  a few steps, e.g. prompt lookup measured at the start of a reply before anything repeats, is
+  tried again until its estimate is backed by evidence); plain decoding unless that beats 1 by
+  ``margin``.
+- **Choosing again within the call**: once the call has drafted :data:`SWITCH_STEPS` steps, it
+  compares what drafting realised in this call (its tau times ``t_plain`` over its median drafted
+  step cost) with plain decoding, and stops drafting for the rest of the call when that falls below
+  :data:`SWITCH_BELOW`. A wrong choice (a size explored, an estimate from other traffic) so costs
+  a few steps, not a call.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from tree_attention.decode import SpeculativeDecoder
-
-CALIBRATION_STEPS = 6
-MIN_CALIBRATION_TOKENS = CALIBRATION_STEPS + 2  # a shorter call runs plain rather than calibrate on noise
-COST_SAMPLES = 8  # a step cost is the median of the last this many measurements of its setting
+PLAIN_STEPS = 3  # plain steps that open a call in a bucket whose plain cost is unknown
+SWITCH_STEPS = 6  # drafted steps of a call before it may give up drafting
+SWITCH_BELOW = 0.97  # ... when drafting realised less than this times plain decoding's speed
+COST_SAMPLES = 8  # a step cost is the median of the last this many calls' measurements
 BORROW_LENGTHS = 4  # a new prompt-length bucket starts from costs measured within this factor
 EXPLORE = 0.5  # upper-confidence bonus: predicted x (1 + EXPLORE / sqrt(row steps seen))
-
-
-def step_seconds(stats) -> float:
-    """Seconds a speculative call spent in its steps: every phase of the loop but the prefill and
-    the output's assembly (acceptance, cache and bookkeeping included, which grow with the batch),
-    or drafting plus verifying where no phases were recorded."""
-    if stats.phases:
-        return max(0.0, stats.total_seconds - stats.phases.get("prefill", 0.0) - stats.phases.get("result", 0.0))
-    return stats.draft_seconds + stats.verify_seconds
 
 
 def _bucket(value: int) -> int:
@@ -69,7 +58,7 @@ def _bucket(value: int) -> int:
 
 @dataclass
 class Observed:
-    """Tokens committed per row and step with one tree size, summed over all steps seen."""
+    """Tokens committed per row and drafted step with one tree size, summed over all steps seen."""
 
     tokens: int = 0
     row_steps: int = 0
@@ -77,6 +66,46 @@ class Observed:
     @property
     def tau(self) -> float | None:
         return self.tokens / self.row_steps if self.row_steps else None
+
+
+class CallController:
+    """The per-step schedule of one ``auto`` call (``SpeculativeDecoder(schedule=...)``): plain steps
+    while the bucket's plain cost is being measured, then drafting with the chosen size until the
+    call has shown that drafting loses (see the module docstring)."""
+
+    def __init__(self, plain_cost: float | None, size: int) -> None:
+        self.plain_cost, self.size = plain_cost, size
+        self.plain_first = PLAIN_STEPS if plain_cost is None else 0
+        self.switched_at: int | None = None  # drafted steps when drafting stopped
+        self.realized: float | None = None
+
+    def __call__(self, decoder) -> bool:
+        steps = decoder.stats.steps
+        if not self.size:
+            decoder.drafting = False
+            return False
+        if len(steps) < self.plain_first:
+            return False
+        drafted = [step for step in steps if step[0]]
+        if len(drafted) >= SWITCH_STEPS:
+            plain = self.plain_cost
+            if plain is None:
+                plain = statistics.median(step[1] for step in steps if not step[0])
+            self.realized = realised_speedup(drafted, plain)
+            if self.realized < SWITCH_BELOW:
+                self.switched_at = len(drafted)
+                decoder.drafting = False
+                return False
+        return True
+
+
+def realised_speedup(drafted: list[tuple], plain_cost: float) -> float:
+    """What drafted steps ``(drafted, seconds, tokens, rows)`` achieved against plain steps of
+    ``plain_cost`` seconds: tokens per row-step times ``plain_cost`` over their median cost (the
+    first drafted step, which also feeds the drafter the prompt, left out when there are others)."""
+    timed = drafted[1:] or drafted
+    tau = sum(step[2] for step in drafted) / max(1, sum(step[3] for step in drafted))
+    return tau * plain_cost / max(1e-12, statistics.median(step[1] for step in timed))
 
 
 @dataclass
@@ -100,19 +129,6 @@ class SpeculationPolicy:
     def key(input_ids: torch.Tensor) -> tuple[int, int]:
         return _bucket(input_ids.shape[0]), _bucket(input_ids.shape[1])
 
-    def observe(self, size: int, rule_key: str, stats, key: tuple[int, int] | None = None) -> None:
-        """Record a speculative run with ``size`` drafted nodes: its tokens per row-step and, with
-        the bucket ``key``, its cost per step (the plain cost stays the calibrated one: a plain
-        run's time includes its prefill)."""
-        steps = stats.target_forwards - 1  # the prefill is not a step
-        if not size:
-            return
-        record = self.observed.setdefault((size, rule_key), Observed())
-        record.tokens += stats.new_tokens - stats.batch_size  # the prefill's token is not a step's
-        record.row_steps += stats.row_forwards - stats.batch_size
-        if key is not None and steps > 0 and (key, size) in self.step_costs:
-            self.record_cost(key, size, step_seconds(stats) / steps)
-
     def record_cost(self, key: tuple[int, int], size: int, seconds: float) -> None:
         """A measured cost per step of ``size`` drafted nodes (0: plain) in bucket ``key``; the
         estimate is the median of the last :data:`COST_SAMPLES`."""
@@ -123,8 +139,7 @@ class SpeculationPolicy:
 
     def _borrow_costs(self, key: tuple[int, int]) -> None:
         """Start a new bucket from the measured costs of the nearest one with the same batch bucket
-        and a prompt length within a factor of :data:`BORROW_LENGTHS` (refined by every later run),
-        rather than calibrating again: costs change slowly with the prompt length."""
+        and a prompt length within a factor of :data:`BORROW_LENGTHS` (refined by every later call)."""
         if (key, 0) in self.step_costs:
             return
         near = [other for other, size in self.cost_samples if size == 0 and other[0] == key[0]
@@ -151,85 +166,80 @@ class SpeculationPolicy:
         """Row-steps seen per size under ``rule_key``."""
         return {size: getattr(self.observed.get((size, rule_key)), "row_steps", 0) for size in self.sizes}
 
-    def _plain_step(self, spec, input_ids, attention_mask, budget: int) -> float:
-        """Seconds per token of the backbone's own ``generate`` at this batch (best of two), from
-        runs of at most ``budget`` new tokens."""
-        def timed(count: int) -> float:
-            start = time.perf_counter()
-            spec.backbone.generate(input_ids, attention_mask=attention_mask, max_new_tokens=count, min_new_tokens=count,
-                                   do_sample=False, pad_token_id=spec.pad_token_id)
-            return time.perf_counter() - start
+    def choose(self, input_ids: torch.Tensor, rule, max_new_tokens: int | None = None) -> dict:
+        """The setting for this call: ``{"tree": n or 0, "predicted_speedup": {...}, ...}`` (plus the
+        :class:`CallController` under ``"controller"``, which the call's loop consults per step).
 
-        steps = min(CALIBRATION_STEPS, budget - 1)
-        timed(min(2, budget))  # warm-up
-        return max(1e-9, min((timed(steps + 1) - timed(1)) / steps for _ in range(2)))
-
-    def _spec_step(self, spec, size: int, input_ids, attention_mask, rule, budget: int) -> float:
-        """Median seconds per speculative step with ``size`` drafted nodes (the first step excluded
-        when there are more), from a run of at most ``budget`` new tokens per row."""
-        drafter = spec._bind(spec.drafter_for(size), rule)  # the candidates generate will draft (sampled or top-k)
-        decoder = SpeculativeDecoder(spec.target, drafter, input_ids, budget, (), rule, attention_mask)
-        decoder.prefill()
-        times = []
-        for _ in range(CALIBRATION_STEPS + 1):
-            if not decoder.rows:
-                break
-            start = time.perf_counter()
-            decoder.step()
-            times.append(time.perf_counter() - start)
-        decoder.stats.new_tokens = sum(len(output) for output in decoder.outputs)
-        self.observe(size, rule.key, decoder.stats)
-        return statistics.median(times[1:] or times)
-
-    @staticmethod
-    def budget(spec, attention_mask: torch.Tensor, max_new_tokens: int | None) -> int:
-        """New tokens a calibration run may generate: ``max_new_tokens`` (None: unbounded), and no
-        more than the positions the longest row has left under a hard position limit (GPT-2's
-        ``n_positions``)."""
-        from .families import position_limit
-
-        budget = 1 << 30 if max_new_tokens is None else int(max_new_tokens)
-        limit = position_limit(spec.target)
-        if limit is not None:
-            budget = min(budget, limit - int(attention_mask.long().sum(dim=1).max()))
-        return budget
-
-    def choose(self, spec, input_ids: torch.Tensor, attention_mask: torch.Tensor, rule,
-               max_new_tokens: int | None = None) -> dict:
-        """The setting for this batch: ``{"tree": n or 0, "predicted_speedup": {...}, ...}``.
-
-        Calibration generates at most ``max_new_tokens`` tokens per row and stays inside the
-        model's position limit; with room for one new token at most there is nothing to speculate
-        on: plain decoding, nothing measured (``"reason"`` says so)."""
+        With room for one new token at most there is nothing to speculate on (``"reason"``)."""
         key = self.key(input_ids)
-        budget = self.budget(spec, attention_mask, max_new_tokens)
-        if budget <= 1:
-            return {"policy": "auto", "tree": 0, "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1],
-                    "reason": f"room for {max(budget, 0)} new token(s) (max_new_tokens or the position limit): "
-                              "nothing to speculate on"}
+        base = {"policy": "auto", "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1]}
+        if max_new_tokens is not None and max_new_tokens <= 1:
+            return {**base, "tree": 0, "controller": CallController(None, 0),
+                    "reason": f"room for {max(max_new_tokens, 0)} new token(s): nothing to speculate on"}
         self._borrow_costs(key)
-        calibrated = (key, 0) in self.step_costs and all((key, size) in self.step_costs for size in self.sizes)
-        if not calibrated and budget < MIN_CALIBRATION_TOKENS:
-            return {"policy": "auto", "tree": 0, "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1],
-                    "reason": f"room for {budget} new tokens: too few to calibrate this batch size and prompt length "
-                              f"on (at least {MIN_CALIBRATION_TOKENS}); plain decoding until a longer call does"}
-        if (key, 0) not in self.step_costs:
-            self.record_cost(key, 0, self._plain_step(spec, input_ids, attention_mask, budget))
-        for size in self.sizes:
-            if (key, size) not in self.step_costs or (size, rule.key) not in self.observed:
-                cost = self._spec_step(spec, size, input_ids, attention_mask, rule, budget)
-                if (key, size) not in self.step_costs:
-                    self.record_cost(key, size, cost)
-        plain = self.step_costs[(key, 0)]
+        plain = self.step_costs.get((key, 0))
         taus, evidence = self.taus(rule.key), self.evidence(rule.key)
-        predicted = {size: taus[size] * plain / self.step_costs[(key, size)] for size in self.sizes}
-        bound = {size: predicted[size] * (1 + EXPLORE / max(1, evidence[size]) ** 0.5) for size in self.sizes}
+        measured = [size for size in self.sizes if (key, size) in self.step_costs]
+        explore = self._worth_measuring(key, plain, taus, measured)
+        if plain is None and explore is None:  # sizes measured but no plain step yet: this call measures one
+            explore = max(self.sizes)
+        if explore is not None:  # measured on this call's own steps (the mid-call switch bounds the cost)
+            return {**base, "tree": explore, "controller": CallController(plain, explore), "exploring": True,
+                    "plain_step_ms": None if plain is None else 1000 * plain,
+                    "reason": f"no step cost measured yet for {explore} drafted nodes at this batch size and "
+                              "prompt length: measured on this call"}
+        if not measured:  # every size ruled out without measuring it: plain decoding
+            return {**base, "tree": 0, "controller": CallController(plain, 0), "plain_step_ms": 1000 * plain,
+                    "predicted_speedup": {}, "upper_bound": {}, "exploring": False, "margin": self.margin}
+        predicted = {size: taus[size] * plain / self.step_costs[(key, size)] for size in measured}
+        bound = {size: predicted[size] * (1 + EXPLORE / max(1, evidence[size]) ** 0.5) for size in measured}
         best = max(bound, key=bound.get)
         chosen = best if bound[best] >= self.margin else 0
         return {
-            "policy": "auto", "tree": chosen, "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1],
+            **base, "tree": chosen, "controller": CallController(plain, chosen),
             "plain_step_ms": 1000 * plain,
-            "step_ms": {size: 1000 * self.step_costs[(key, size)] for size in self.sizes},
+            "step_ms": {size: 1000 * self.step_costs[(key, size)] for size in measured},
             "tau": taus, "row_steps": evidence, "predicted_speedup": predicted, "upper_bound": bound,
             "exploring": bool(chosen) and predicted[chosen] < self.margin, "margin": self.margin,
         }
+
+    def _worth_measuring(self, key, plain: float | None, taus: dict, measured: list[int]) -> int | None:
+        """The largest size not yet measured in bucket ``key`` that could beat plain decoding by
+        ``margin``, or None. Without a plain cost, the largest unmeasured size. Otherwise a size
+        ``n`` below a measured size ``m`` is judged optimistically from it: ``m``'s tau (a nested
+        tree of ``n`` nodes accepts no more) over a cost interpolated between plain decoding and
+        ``m``'s (drafting costs do not shrink with ``n``, so that underestimates); a size above
+        every measured one is worth measuring."""
+        for size in sorted(self.sizes, reverse=True):
+            if size in measured:
+                continue
+            if plain is None:
+                return size
+            larger = [other for other in measured if other > size]
+            if not larger:
+                return size
+            above = min(larger)
+            cost = plain + (self.step_costs[(key, above)] - plain) * size / above
+            if taus[above] * plain / max(cost, 1e-12) >= self.margin:
+                return size
+        return None
+
+    def observe(self, choice: dict, stats) -> None:
+        """Learn from a finished ``auto`` call: its plain and drafted step costs (medians over the
+        call, into the bucket's estimates), the tokens per row-step of its drafted steps, and what
+        the call's controller did (into ``choice``)."""
+        key, size = (choice["batch_bucket"], choice["length_bucket"]), choice["tree"]
+        controller = choice.pop("controller", None)
+        plain = [step for step in stats.steps if not step[0]]
+        drafted = [step for step in stats.steps if step[0]]
+        if plain:
+            self.record_cost(key, 0, statistics.median(step[1] for step in plain))
+        if drafted and size:
+            timed = drafted[1:] or drafted
+            self.record_cost(key, size, statistics.median(step[1] for step in timed))
+            record = self.observed.setdefault((size, choice["rule"]), Observed())
+            record.tokens += sum(step[2] for step in drafted)
+            record.row_steps += sum(step[3] for step in drafted)
+        choice.update({"plain_steps": len(plain), "drafted_steps": len(drafted)})
+        if controller is not None and size:
+            choice.update({"stopped_drafting_after": controller.switched_at, "realized_speedup": controller.realized})

@@ -62,6 +62,19 @@ class DraftBatch:
     def rows(self) -> int:
         return int(self.roots.shape[0])
 
+    def then(self, later: "DraftBatch") -> "DraftBatch":
+        """This batch's entries followed, row by row, by ``later``'s (same rows), with ``later``'s
+        roots: what a drafter that skipped a step must see at its next call."""
+        rows, width = self.features.shape[0], int(self.lengths.max()) + later.features.shape[1]
+        features = self.features.new_zeros(rows, width, self.features.shape[-1])
+        tokens = self.tokens.new_zeros(rows, width)
+        features[:, :self.features.shape[1]] = self.features
+        tokens[:, :self.tokens.shape[1]] = self.tokens
+        columns = (self.lengths[:, None] + torch.arange(later.features.shape[1], device=self.lengths.device)[None, :])
+        features.scatter_(1, columns[..., None].expand(-1, -1, features.shape[-1]), later.features.to(features.dtype))
+        tokens.scatter_(1, columns, later.tokens)
+        return DraftBatch(features, tokens, self.lengths + later.lengths, later.roots)
+
 
 class Drafter(Protocol):
     """Proposes one tree per step for every row still decoding."""
@@ -138,6 +151,9 @@ class DecodeStats:
     speculation: dict | None = None  # the setting an adaptive policy chose, and why
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the loop (:data:`PHASES`); contiguous laps, so they sum to ``total_seconds``."""
+    steps: list[tuple[bool, float, int, int]] = field(default_factory=list)
+    """Per step after the prefill: (drafted, seconds, tokens committed over all rows, rows); a
+    step that drafted nothing is a plain decoding step inside the loop (see ``schedule``)."""
 
     @property
     def mean_accepted(self) -> float:
@@ -202,11 +218,17 @@ class SpeculativeDecoder:
                  attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None,
                  stop: Callable[[int, list[int]], bool] | None = None,
                  on_commit: Callable[[int, list[int]], None] | None = None,
-                 process: ContextProcessor | None = None) -> None:
+                 process: ContextProcessor | None = None,
+                 schedule: Callable[["SpeculativeDecoder"], bool] | None = None) -> None:
         """``stop(row, output)``: checked after every committed token (True ends the row there);
         ``on_commit(row, tokens)``: called with each chunk a row commits (streaming); ``process``:
         logits processors that read each position's sequence (repetition penalty, n-gram bans, ...),
-        applied to the prefill's last logits and to every tree node's with that node's own sequence."""
+        applied to the prefill's last logits and to every tree node's with that node's own sequence.
+
+        ``schedule(decoder)``: asked before every step whether to draft (None: always). A step
+        that does not draft verifies each row's root alone (a plain decoding step) and keeps what
+        it committed for the drafter's next call; setting ``decoder.drafting = False`` ends
+        drafting for the rest of the call (nothing more is kept for the drafter)."""
         self.target, self.drafter, self.rule = target, drafter, rule or GreedyRule()
         self.stop, self.on_commit = stop, on_commit
         self.input_ids = input_ids
@@ -224,6 +246,8 @@ class SpeculativeDecoder:
         self.stats.phases = dict.fromkeys(PHASES, 0.0)
         self._stamp = time.perf_counter()
         self.holes = 0  # slots appended since the last compaction that no row kept (a bound on any row's holes)
+        self.schedule = schedule
+        self.drafting = True  # False: plain steps until the end of the call
 
     # -- state per row ------------------------------------------------------------------------
 
@@ -283,9 +307,13 @@ class SpeculativeDecoder:
         self.stats.phases[phase] += now - self._stamp
         self._stamp = now
 
-    def step(self) -> None:
-        """One draft → verify → accept → commit step for every row still decoding."""
-        trees = self.drafter.propose(self.draft)
+    def step(self, draft: bool | None = None) -> None:
+        """One draft → verify → accept → commit step for every row still decoding (``draft``
+        False: verify the roots alone; None: as :attr:`schedule` says, drafting by default)."""
+        started = time.perf_counter()
+        if draft is None:
+            draft = self.drafting and (self.schedule is None or bool(self.schedule(self)))
+        trees = self.drafter.propose(self.draft) if draft else TreeBatch.roots_only(self.draft.roots)
         self._lap("draft")
         trees = truncate_batch(trees, [self.max_new_tokens - 1 - len(self.outputs[row]) for row in self.rows])
         self._lap("tree")
@@ -306,7 +334,9 @@ class SpeculativeDecoder:
         self.lengths = self.lengths + lengths
         path_tokens = trees.tokens.gather(1, paths)  # (R, L)
         path_features = features.gather(1, paths[..., None].expand(-1, -1, features.shape[-1]))
-        self.draft = DraftBatch(path_features, path_tokens, lengths, accepted.next_tokens)
+        committed = DraftBatch(path_features, path_tokens, lengths, accepted.next_tokens)
+        # a step that did not draft leaves the drafter's pending entries in place and adds its own
+        self.draft = committed if draft or not self.drafting else self.draft.then(committed)
         rows = len(self.rows)
         self.stats.target_forwards += 1
         self.stats.row_forwards += rows
@@ -326,6 +356,7 @@ class SpeculativeDecoder:
         if self.rows and 2 * self.holes >= self.cache.width and self.cache.compact():
             self.holes = 0
         self._lap("cache")
+        self.stats.steps.append((draft, self._stamp - started, sum(counts), rows))
 
     def result(self) -> torch.Tensor:
         """Prompts plus new tokens, rows that stopped early filled with ``pad_token_id`` (as ``generate``)."""

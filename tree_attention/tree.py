@@ -207,6 +207,15 @@ class TreeBatch:
                    depth=template.max_depth)
 
     @classmethod
+    def roots_only(cls, roots: torch.Tensor) -> "TreeBatch":
+        """One node per row, its root ``roots`` ``[R]``: a step that drafts nothing (plain decoding)."""
+        rows, device = int(roots.shape[0]), roots.device
+        zeros = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        return cls(roots[:, None], torch.full((rows, 1), -1, dtype=torch.long, device=device), zeros,
+                   torch.ones(rows, 1, 1, dtype=torch.bool, device=device),
+                   torch.ones(rows, dtype=torch.long, device=device), uniform=True, depth=0)
+
+    @classmethod
     def from_trees(cls, trees: Sequence[Tree]) -> "TreeBatch":
         """Trees padded to the largest (stacked without padding when all have one size)."""
         size = max(tree.size for tree in trees)

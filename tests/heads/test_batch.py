@@ -180,37 +180,102 @@ def test_holes_are_compacted_and_decoding_stays_identical():
 
 
 def test_speculate_auto_records_its_choice_and_stays_identical():
+    from heads.policy import PLAIN_STEPS
+
     model = build_model("llama", seed=9)
     spec = heads.attach_heads(model, tree=8)
     ids, mask = padded_batch(seed=10)
+    expected = reference(model, ids, mask, 12)
     output = spec.generate(ids, attention_mask=mask, max_new_tokens=12, speculate="auto")
-    assert torch.equal(output, reference(model, ids, mask, 12))
+    assert torch.equal(output, expected)
     choice = spec.last_stats.speculation
-    assert choice["policy"] == "auto" and choice["tree"] in (0, *spec.policy.sizes)
-    assert set(choice["predicted_speedup"]) == set(spec.policy.sizes) and choice["plain_step_ms"] > 0
+    # the first call in a bucket measures plain steps, then the largest size, on its own tokens
+    assert choice["policy"] == "auto" and choice["exploring"] and choice["tree"] == max(spec.policy.sizes)
+    assert choice["plain_steps"] >= PLAIN_STEPS and "controller" not in choice
+    assert [step[0] for step in spec.last_stats.steps[:PLAIN_STEPS]] == [False] * PLAIN_STEPS
+    for _ in range(len(spec.policy.sizes) + 1):  # every size worth measuring gets measured, then it chooses
+        output = spec.generate(ids, attention_mask=mask, max_new_tokens=12, speculate="auto")
+        assert torch.equal(output, expected)
+    choice = spec.last_stats.speculation
+    assert not choice.get("reason") and choice["plain_step_ms"] > 0
     predicted, bound = choice["predicted_speedup"], choice["upper_bound"]
     assert all(bound[size] >= predicted[size] for size in predicted)
-    best = max(bound, key=bound.get)
-    assert choice["tree"] == (best if bound[best] >= spec.policy.margin else 0)
-    assert spec.last_stats.tree_size == (1 if choice["tree"] == 0 else spec.last_stats.tree_size)
-    spec.policy.margin = 1e9  # no prediction beats that: plain decoding, the backbone's own generate
+    if bound:
+        best = max(bound, key=bound.get)
+        assert choice["tree"] == (best if bound[best] >= spec.policy.margin else 0)
+    spec.policy.margin = 1e9  # no prediction beats that: plain decoding steps
     output = spec.generate(ids, attention_mask=mask, max_new_tokens=12, speculate="auto")
-    assert torch.equal(output, reference(model, ids, mask, 12))
+    assert torch.equal(output, expected)
     assert spec.last_stats.speculation["tree"] == 0 and spec.last_stats.tree_size == 1
+    assert not any(step[0] for step in spec.last_stats.steps)
     spec.policy.margin = 1.0
     spec.policy.observed.clear()
     spec.policy.observed.update({(size, "greedy"): heads.policy.Observed(tokens=100 * size, row_steps=100)
                                  for size in spec.policy.sizes})  # pretend every size accepts fully
+    for cost in list(spec.policy.step_costs):  # ... at the cost of a plain step
+        spec.policy.step_costs[cost] = 1.0
     output = spec.generate(ids, attention_mask=mask, max_new_tokens=12, speculate="auto")
-    assert torch.equal(output, reference(model, ids, mask, 12))
+    assert torch.equal(output, expected)
     assert spec.last_stats.speculation["tree"] > 0 and spec.last_stats.tree_size > 1
 
 
-def test_plain_fallback_samples_like_generate_with_a_seeded_generator():
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "lookup"])
+def test_auto_stops_drafting_within_a_call_that_loses(kind):
+    """Once drafting has realised less than plain decoding over SWITCH_STEPS drafted steps, the call
+    goes on with plain steps; outputs stay identical, and the drafter saw every committed token up
+    to then (plain steps between drafted ones keep theirs for its next call)."""
+    from heads.policy import SWITCH_STEPS
+
+    model = build_model("qwen2", seed=3)
+    spec = heads.attach_heads(model, kind=kind)
+    ids, mask = padded_batch((6, 9), seed=4)
+    expected = reference(model, ids, mask, 30)
+    key = spec.policy.key(ids)
+    spec.policy.record_cost(key, 0, 1e-9)  # plain steps "cost nothing": drafting cannot pay
+    for size in spec.policy.sizes:
+        spec.policy.record_cost(key, size, 1e-9)
+        spec.policy.observed[(size, "greedy")] = heads.policy.Observed(tokens=400, row_steps=100)
+    output = spec.generate(ids, attention_mask=mask, max_new_tokens=30, speculate="auto")
+    assert torch.equal(output, expected)
+    choice, steps = spec.last_stats.speculation, spec.last_stats.steps
+    assert choice["tree"] > 0 and choice["stopped_drafting_after"] == SWITCH_STEPS
+    assert [step[0] for step in steps] == [True] * SWITCH_STEPS + [False] * (len(steps) - SWITCH_STEPS)
+    assert choice["realized_speedup"] < 1e-3
+
+
+def test_plain_steps_between_drafted_ones_reach_the_drafter():
+    """A schedule that alternates plain and drafted steps gives the same tokens, and each drafter call
+    sees every token committed since its last one (the plain steps' ones included)."""
+    model = build_model("llama", seed=5)
+    spec = heads.attach_heads(model, kind="eagle")
+    ids, mask = padded_batch((4, 7, 10), seed=6)
+    expected = reference(model, ids, mask, 20)
+    seen = []
+    drafter = spec._drafter
+    propose = drafter.propose
+
+    def recording(batch):
+        seen.append(batch.lengths.clone())
+        return propose(batch)
+
+    drafter.propose = recording
+    decoder = SpeculativeDecoder(spec.target, drafter, ids, 20, (), None, mask, spec.pad_token_id,
+                                 schedule=lambda dec: len(dec.stats.steps) % 3 == 2)
+    with torch.no_grad():
+        output, stats = decoder.run()
+    assert torch.equal(output, expected)
+    assert [step[0] for step in stats.steps[:6]] == [False, False, True, False, False, True]
+    assert sum(int(lengths[0]) for lengths in seen) <= ids.shape[1] + 20  # nothing fed twice
+    assert int(seen[1].min()) >= 3  # two plain steps and the drafted one committed at least a token each
+
+
+def test_plain_decoding_under_auto_is_reproducible_with_a_seeded_generator():
     model = build_model("qwen2", seed=11)
     spec = heads.attach_heads(model, tree=4)
     spec.policy.margin = 1e9  # never speculate
     ids, mask = padded_batch((3, 6), seed=12)
+    for size in (0, *spec.policy.sizes):  # every size measured: nothing left to explore
+        spec.policy.record_cost(spec.policy.key(ids), size, 1.0)
     runs = [spec.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, speculate="auto",
                           generator=torch.Generator().manual_seed(5)) for _ in range(2)]
     assert torch.equal(runs[0], runs[1]) and spec.last_stats.speculation["tree"] == 0
@@ -247,25 +312,24 @@ def test_mask_inferred_from_pad_tokens_as_generate_does():
 
 
 def test_auto_tries_a_size_its_calibration_underrated():
-    """A size whose few calibration steps drafted nothing (tau 1) is tried on real traffic while its
-    evidence is thin (the upper confidence bound), and chosen from then on once its real tau shows;
-    sizes well evidenced as no faster than plain decoding are not tried; a larger nested tree is
-    credited with a smaller one's tau; one stalled step does not move the median cost."""
+    """A size seen for only a few steps that drafted nothing (tau 1) is tried on real traffic while
+    its evidence is thin (the upper confidence bound), and chosen from then on once its real tau
+    shows; sizes well evidenced as no faster than plain decoding are not tried; a larger nested
+    tree is credited with a smaller one's tau; one stalled measurement does not move the median."""
     from types import SimpleNamespace
 
     from heads.policy import Observed, SpeculationPolicy
 
-    spec = heads.attach_heads(build_model("llama", seed=9), tree=8)
-    ids, mask = padded_batch(seed=10)
+    ids, _ = padded_batch(seed=10)
     policy = SpeculationPolicy((2, 8))
     key, rule = policy.key(ids), SimpleNamespace(key="greedy")
     for size, cost in ((0, 1.0), (2, 1.2), (8, 1.5)):
-        policy.record_cost(key, size, cost)  # measured: nothing is calibrated below
+        policy.record_cost(key, size, cost)
 
     def choose(tau2, steps2, tau8, steps8):
         policy.observed[(2, "greedy")] = Observed(tokens=round(tau2 * steps2), row_steps=steps2)
         policy.observed[(8, "greedy")] = Observed(tokens=round(tau8 * steps8), row_steps=steps8)
-        return policy.choose(spec, ids, mask, rule, max_new_tokens=12)
+        return policy.choose(ids, rule, max_new_tokens=12)
 
     assert choose(1, 6, 1, 6)["tree"] == 0  # predicted 0.83 / 0.67: below the margin even optimistically
     choice = choose(2, 2, 1, 6)  # size 2 drafted twice in two steps
@@ -280,49 +344,96 @@ def test_auto_tries_a_size_its_calibration_underrated():
     assert policy.step_costs[(key, 8)] == 1.5
 
 
-def test_auto_borrows_costs_for_a_nearby_prompt_length(monkeypatch):
-    """A new prompt-length bucket within a factor 4 of a measured one (same batch bucket) starts from
-    its costs instead of calibrating again; a far one, or another batch size, calibrates."""
+def test_auto_measures_only_sizes_that_could_pay():
+    """A size not yet measured is tried when it could beat plain decoding: judged from the next
+    larger measured size's tau (a nested smaller tree accepts no more) over a cost interpolated
+    down to plain decoding's; sizes above every measured one, or any size before plain decoding is
+    measured, are tried (the largest first)."""
     from types import SimpleNamespace
 
     from heads.policy import Observed, SpeculationPolicy
 
-    spec = heads.attach_heads(build_model("llama", seed=9), tree=8)
+    ids, _ = padded_batch(seed=10)
+    rule = SimpleNamespace(key="greedy")
+    policy = SpeculationPolicy((2, 8, 16))
+    key = policy.key(ids)
+    first = policy.choose(ids, rule, 12)
+    assert first["tree"] == 16 and first["exploring"] and first["controller"].plain_first > 0
+    policy.record_cost(key, 0, 1.0)
+    policy.record_cost(key, 16, 3.0)
+    policy.observed[(16, "greedy")] = Observed(tokens=150, row_steps=100)  # tau 1.5 at 3x the cost
+    # size 8: optimistic 1.5 / (1 + 2 * 8/16) = 0.75; size 2: 1.5 / 1.25 = 1.2 >= 1.1: measure size 2
+    choice = policy.choose(ids, rule, 12)
+    assert choice["tree"] == 2 and choice["exploring"] and choice["controller"].plain_first == 0
+    policy.record_cost(key, 2, 1.3)
+    policy.observed[(2, "greedy")] = Observed(tokens=110, row_steps=100)  # 1.1 / 1.3: no
+    choice = policy.choose(ids, rule, 12)
+    assert choice["tree"] == 0 and set(choice["predicted_speedup"]) == {2, 16}  # 8 never measured
+
+
+def test_auto_borrows_costs_for_a_nearby_prompt_length():
+    """A new prompt-length bucket within a factor 4 of a measured one (same batch bucket) starts from
+    its costs; a far one, or another batch size, measures its own (plain steps first)."""
+    from types import SimpleNamespace
+
+    from heads.policy import Observed, SpeculationPolicy
+
     policy = SpeculationPolicy((2,))
     policy.observed[(2, "greedy")] = Observed(tokens=300, row_steps=100)
     for size, cost in ((0, 1.0), (2, 1.2)):
         policy.record_cost((1, 8), size, cost)
-    calibrated = []
-    monkeypatch.setattr(policy, "_plain_step", lambda *args: calibrated.append(args[1].shape) or 1.0)
     rule = SimpleNamespace(key="greedy")
     near = torch.ones(1, 30, dtype=torch.long)  # bucket 32: within 4x of 8
-    choice = policy.choose(spec, near, torch.ones_like(near), rule, max_new_tokens=4)
-    assert calibrated == [] and choice["step_ms"] == {2: 1200.0} and choice["tree"] == 2
+    choice = policy.choose(near, rule, max_new_tokens=4)
+    assert choice["step_ms"] == {2: 1200.0} and choice["tree"] == 2
     far = torch.ones(1, 60, dtype=torch.long)  # bucket 64: 8x from 8, but 2x from 32
-    policy.choose(spec, far, torch.ones_like(far), rule, max_new_tokens=4)
-    assert calibrated == []
+    assert policy.choose(far, rule, max_new_tokens=4)["tree"] == 2
     batch = torch.ones(2, 8, dtype=torch.long)  # another batch bucket
-    monkeypatch.setattr(policy, "_spec_step", lambda *args: 2.0)
-    short = policy.choose(spec, batch, torch.ones_like(batch), rule, max_new_tokens=4)
-    assert "too few to calibrate" in short["reason"]
-    policy.choose(spec, batch, torch.ones_like(batch), rule, max_new_tokens=12)
-    assert calibrated == [(2, 8)]
+    other = policy.choose(batch, rule, max_new_tokens=12)
+    assert other["exploring"] and other["plain_step_ms"] is None and other["controller"].plain_first > 0
 
 
-def test_auto_costs_a_step_by_all_its_phases():
-    """A run's cost per step counts every phase but the prefill and the result (acceptance, cache and
-    bookkeeping grow with the batch), not drafting plus verifying alone, which underestimates it."""
-    from heads.policy import SpeculationPolicy, step_seconds
-    from tree_attention.decode import DecodeStats
+def test_auto_learns_costs_and_tau_from_the_call_steps():
+    """After a call, the bucket's plain cost is the median of its plain steps, the size's cost the
+    median of its drafted steps but the first (which also feeds the drafter the prompt), and tau
+    counts the drafted steps' tokens per row; the controller's verdict is recorded."""
+    from types import SimpleNamespace
 
-    stats = DecodeStats(new_tokens=30, target_forwards=11, row_forwards=11, batch_size=1, draft_seconds=0.2,
-                        verify_seconds=0.5, total_seconds=1.5,
-                        phases={"prefill": 0.1, "draft": 0.2, "forward": 0.5, "accept": 0.3, "cache": 0.35,
-                                "result": 0.05})
-    assert abs(step_seconds(stats) - 1.35) < 1e-9
+    from heads.policy import CallController, Observed, SpeculationPolicy
+
     policy = SpeculationPolicy((4,))
-    policy.record_cost((1, 8), 4, 1.0)
-    for _ in range(3):
-        policy.observe(4, "greedy", stats, (1, 8))
-    assert abs(policy.step_costs[((1, 8), 4)] - 0.135) < 1e-9  # the median of 1.0 and three 0.135s
-    assert abs(step_seconds(DecodeStats(draft_seconds=0.2, verify_seconds=0.5)) - 0.7) < 1e-9
+    steps = [(False, 1.0, 2, 2), (False, 3.0, 2, 2), (False, 1.2, 2, 2),
+             (True, 9.0, 6, 2), (True, 2.0, 6, 2), (True, 2.2, 4, 2), (True, 2.4, 8, 2)]
+    choice = {"policy": "auto", "tree": 4, "rule": "greedy", "batch_bucket": 2, "length_bucket": 8,
+              "controller": CallController(None, 4)}
+    policy.observe(choice, SimpleNamespace(steps=steps))
+    assert policy.step_costs[((2, 8), 0)] == 1.2 and policy.step_costs[((2, 8), 4)] == 2.2
+    assert policy.observed[(4, "greedy")].tau == 24 / 8
+    assert choice["plain_steps"] == 3 and choice["drafted_steps"] == 4 and "controller" not in choice
+    assert policy.observed[(4, "greedy")] == Observed(tokens=24, row_steps=8)
+
+
+def test_call_controller_switches_on_realised_speed():
+    """Plain steps first while the plain cost is unknown; drafting goes on while it realises at
+    least SWITCH_BELOW of plain decoding's speed over the call's drafted steps, and stops for good
+    when it does not."""
+    from types import SimpleNamespace
+
+    from heads.policy import PLAIN_STEPS, SWITCH_STEPS, CallController
+
+    def run(drafted_step):
+        controller = CallController(None, 8)
+        decoder = SimpleNamespace(stats=SimpleNamespace(steps=[]), drafting=True)
+        decisions = []
+        for _ in range(PLAIN_STEPS + SWITCH_STEPS + 3):
+            draft = decoder.drafting and controller(decoder)
+            decisions.append(draft)
+            decoder.stats.steps.append(drafted_step if draft else (False, 1.0, 1, 1))
+        return decisions, controller, decoder
+
+    decisions, controller, decoder = run((True, 1.5, 2, 1))  # tau 2 at 1.5x the cost: 1.33x
+    assert decisions == [False] * PLAIN_STEPS + [True] * (SWITCH_STEPS + 3) and decoder.drafting
+    assert abs(controller.realized - 2 / 1.5) < 1e-9
+    decisions, controller, decoder = run((True, 1.5, 1, 1))  # nothing accepted: 0.67x
+    assert decisions == [False] * PLAIN_STEPS + [True] * SWITCH_STEPS + [False] * 3
+    assert not decoder.drafting and controller.switched_at == SWITCH_STEPS

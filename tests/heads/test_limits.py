@@ -11,7 +11,6 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import heads
 from tests.conftest import VOCAB, build_model, greedy_reference, random_prompt
 from tree_attention.tree import PRIOR_ACCURACY, default_tree, prior_accuracy
-from tree_attention.verify import GreedyRule
 
 POSITIONS = 64
 
@@ -58,31 +57,26 @@ def test_auto_speculation_calibrates_inside_the_position_limit(short_gpt2, kind,
     assert spec.last_stats.speculation["policy"] == "auto"
 
 
-def test_auto_speculation_calibrates_within_max_new_tokens(short_gpt2, monkeypatch):
-    """The policy generates no more than the call's max_new_tokens while calibrating, and nothing
-    at all for a call of one token."""
+def test_auto_generates_nothing_beyond_the_call(short_gpt2, monkeypatch):
+    """``speculate="auto"`` measures inside the call's own steps: it never runs the backbone's
+    ``generate`` on the side (which once went past max_new_tokens and the position limit), every
+    target forward is one of the call's steps, and a call of one token drafts nothing."""
     spec = _perturbed(heads.attach_heads(short_gpt2, kind="medusa", num_heads=3))
     prompt = random_prompt(10, seed=3)
-    mask = torch.ones_like(prompt)
-    lengths = []
-    real_generate = short_gpt2.generate
+    expected = {count: greedy_reference(short_gpt2, prompt, count) for count in (1, 3, 9, POSITIONS - 10)}
 
-    def recording_generate(*args, **kwargs):
-        lengths.append(kwargs["max_new_tokens"])
-        return real_generate(*args, **kwargs)
+    def refuse(*args, **kwargs):
+        raise AssertionError("auto ran the backbone's generate")
 
-    monkeypatch.setattr(short_gpt2, "generate", recording_generate)
-    rule = GreedyRule()
-    one = spec.policy.choose(spec, prompt, mask, rule, max_new_tokens=1)
-    assert one["tree"] == 0 and "nothing to speculate on" in one["reason"] and not lengths
-    assert not spec.policy.step_costs  # nothing measured, nothing cached
-    short = spec.policy.choose(spec, prompt, mask, rule, max_new_tokens=3)
-    assert short["tree"] == 0 and "too few to calibrate" in short["reason"] and not lengths
-    choice = spec.policy.choose(spec, prompt, mask, rule, max_new_tokens=9)
-    assert lengths and max(lengths) <= 9 and choice["plain_step_ms"] > 0
-    again = spec.policy.choose(spec, prompt, mask, rule, max_new_tokens=3)  # calibrated: a short call may speculate
-    assert "reason" not in again and set(again["predicted_speedup"]) == set(spec.policy.sizes)
-    assert spec.policy.budget(spec, mask, None) == POSITIONS - 10  # the position limit alone
+    monkeypatch.setattr(short_gpt2, "generate", refuse)
+    for count in (1, 3, 9, 9, POSITIONS - 10):
+        output = spec.generate(prompt, max_new_tokens=count, speculate="auto")
+        assert torch.equal(output, expected[count]), count
+        stats = spec.last_stats
+        assert stats.target_forwards == len(stats.steps) + 1  # the prefill, then the call's own steps
+        if count == 1:
+            assert stats.speculation["tree"] == 0 and "nothing to speculate on" in stats.speculation["reason"]
+            assert not any(step[0] for step in stats.steps)
 
 
 @pytest.mark.parametrize("num_heads", [6, 8])
