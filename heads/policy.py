@@ -18,22 +18,25 @@ thrown away:
   :data:`COST_SAMPLES` calls' medians. A bucket never served starts from the costs of one at the
   same batch bucket and a prompt length within a factor :data:`BORROW_LENGTHS`, if any.
 - **Calibration inside the call**: in a bucket whose plain cost is unknown the call starts with
-  :data:`PLAIN_STEPS` plain steps; a tree size whose cost is unknown in the bucket is tried (the
-  largest first) on the call's own traffic.
-- **tau(n)** comes from every drafted step seen with that tree size under the same acceptance rule
-  and sampling settings (acceptance falls with temperature), so it follows the traffic actually
-  served; it is non-decreasing in the tree size for nested trees, so a larger size is credited
-  with at least the tau of any smaller one.
+  :data:`PLAIN_STEPS` plain steps, and a drafting call opens with one plain step while the plain
+  cost has few samples or none recent (:data:`REFRESH_PLAIN`), since every size is judged against
+  it; a tree size whose cost is unknown in the bucket is tried (the largest that could pay first)
+  on the call's own traffic.
+- **tau(n)** is the tokens per drafted step of each call's *slowest* row (a batch call lasts until
+  its slowest row is done, so at batch 16 the mean row's tau overstates what drafting buys), kept
+  per tree size, batch bucket, acceptance rule and sampling settings (acceptance falls with
+  temperature) over every call served; it is non-decreasing in the tree size for nested trees,
+  so a larger size is credited with at least the tau of any smaller one.
 - **Choosing** (per call): the size with the best predicted speedup ``tau(n) x t_plain / t_step(n)``,
   scaled by ``1 + EXPLORE / sqrt(row steps seen)`` (an upper confidence bound: a size seen for only
   a few steps, e.g. prompt lookup measured at the start of a reply before anything repeats, is
   tried again until its estimate is backed by evidence); plain decoding unless that beats 1 by
   ``margin``.
 - **Choosing again within the call**: once the call has drafted :data:`SWITCH_STEPS` steps, it
-  compares what drafting realised in this call (its tau times ``t_plain`` over its median drafted
-  step cost) with plain decoding, and stops drafting for the rest of the call when that falls below
-  :data:`SWITCH_BELOW`. A wrong choice (a size explored, an estimate from other traffic) so costs
-  a few steps, not a call.
+  compares what drafting realised in this call (its slowest row's tau, blended with the policy's
+  estimate, times ``t_plain`` over its median drafted step cost) with plain decoding, and stops
+  drafting for the rest of the call when that falls below :data:`SWITCH_BELOW`. A wrong choice (a
+  size explored, an estimate from other traffic) so costs a few steps, not a call.
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ import torch
 PLAIN_STEPS = 3  # plain steps that open a call in a bucket whose plain cost is unknown
 SWITCH_STEPS = 6  # drafted steps of a call before it may give up drafting
 SWITCH_BELOW = 0.97  # ... when drafting realised less than this times plain decoding's speed
+PRIOR_STEPS = 2  # the policy's tau for the size counts as this many of the call's drafted steps
 COST_SAMPLES = 8  # a step cost is the median of the last this many calls' measurements
+REFRESH_PLAIN = 4  # a drafting call opens with one plain step when the plain cost has fewer samples
+# than COST_SAMPLES or none from the last this many calls (a stale or noisy plain cost misjudges every size)
 BORROW_LENGTHS = 4  # a new prompt-length bucket starts from costs measured within this factor
 EXPLORE = 0.5  # upper-confidence bonus: predicted x (1 + EXPLORE / sqrt(row steps seen))
 
@@ -58,9 +64,10 @@ def _bucket(value: int) -> int:
 
 @dataclass
 class Observed:
-    """Tokens committed per row and drafted step with one tree size, summed over all steps seen."""
+    """Tokens per drafted step of each call's slowest row with one tree size, summed over the
+    drafted steps seen (``row_steps``)."""
 
-    tokens: int = 0
+    tokens: float = 0.0
     row_steps: int = 0
 
     @property
@@ -71,27 +78,32 @@ class Observed:
 class CallController:
     """The per-step schedule of one ``auto`` call (``SpeculativeDecoder(schedule=...)``): plain steps
     while the bucket's plain cost is being measured, then drafting with the chosen size until the
-    call has shown that drafting loses (see the module docstring)."""
+    call has shown that drafting loses (see the module docstring). ``prior_tau`` (the policy's
+    estimate for this size and batch size, if any) is blended into the call's own evidence with the
+    weight of :data:`PRIOR_STEPS` steps: a little inertia against a few unlucky steps, no more
+    (acceptance differs a lot from prompt to prompt, and a call that drafts badly should stop soon)."""
 
-    def __init__(self, plain_cost: float | None, size: int) -> None:
-        self.plain_cost, self.size = plain_cost, size
-        self.plain_first = PLAIN_STEPS if plain_cost is None else 0
+    def __init__(self, plain_cost: float | None, size: int, prior_tau: float | None = None,
+                 refresh: bool = False) -> None:
+        self.plain_cost, self.size, self.prior_tau = plain_cost, size, prior_tau
+        self.plain_first = PLAIN_STEPS if plain_cost is None else int(refresh)
         self.switched_at: int | None = None  # drafted steps when drafting stopped
         self.realized: float | None = None
 
     def __call__(self, decoder) -> bool:
-        steps = decoder.stats.steps
+        stats = decoder.stats
         if not self.size:
             decoder.drafting = False
             return False
-        if len(steps) < self.plain_first:
+        if len(stats.steps) < self.plain_first:
             return False
-        drafted = [step for step in steps if step[0]]
+        drafted = [step for step in stats.steps if step[0]]
         if len(drafted) >= SWITCH_STEPS:
             plain = self.plain_cost
             if plain is None:
-                plain = statistics.median(step[1] for step in steps if not step[0])
-            self.realized = realised_speedup(drafted, plain)
+                plain = statistics.median(step[1] for step in stats.steps if not step[0])
+            tau = stats.slowest_row_tau(self.prior_tau, PRIOR_STEPS if self.prior_tau is not None else 0.0)
+            self.realized = tau * plain / step_cost(drafted)
             if self.realized < SWITCH_BELOW:
                 self.switched_at = len(drafted)
                 decoder.drafting = False
@@ -99,13 +111,10 @@ class CallController:
         return True
 
 
-def realised_speedup(drafted: list[tuple], plain_cost: float) -> float:
-    """What drafted steps ``(drafted, seconds, tokens, rows)`` achieved against plain steps of
-    ``plain_cost`` seconds: tokens per row-step times ``plain_cost`` over their median cost (the
-    first drafted step, which also feeds the drafter the prompt, left out when there are others)."""
-    timed = drafted[1:] or drafted
-    tau = sum(step[2] for step in drafted) / max(1, sum(step[3] for step in drafted))
-    return tau * plain_cost / max(1e-12, statistics.median(step[1] for step in timed))
+def step_cost(drafted: list[tuple]) -> float:
+    """Median seconds of drafted steps ``(drafted, seconds, tokens, rows)``, the first left out when
+    there are others (it also feeds the drafter the prompt)."""
+    return max(1e-12, statistics.median(step[1] for step in (drafted[1:] or drafted)))
 
 
 @dataclass
@@ -117,7 +126,8 @@ class SpeculationPolicy:
     margin: float = 1.1
     step_costs: dict = field(default_factory=dict)  # ((B bucket, T bucket), n) -> seconds per step
     cost_samples: dict = field(default_factory=dict)  # same keys -> the last COST_SAMPLES measurements
-    observed: dict = field(default_factory=dict)  # (n, rule key) -> Observed
+    observed: dict = field(default_factory=dict)  # (n, rule key, B bucket) -> Observed (slowest row's)
+    since_plain: dict = field(default_factory=dict)  # bucket -> calls since its last plain-cost sample
 
     def __post_init__(self) -> None:
         if not self.sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.sizes):
@@ -152,19 +162,20 @@ class SpeculationPolicy:
                 self.cost_samples[(key, size)] = list(samples)
                 self.step_costs[(key, size)] = self.step_costs[(other, size)]
 
-    def taus(self, rule_key: str) -> dict[int, float]:
-        """Tokens per row-step by size: the observed ones, each at least any smaller size's (nested
-        trees accept at least as much), 1.0 for sizes never seen."""
+    def taus(self, rule_key: str, batch: int) -> dict[int, float]:
+        """Tokens per drafted step of a call's slowest row, by size, at batch bucket ``batch``: the
+        observed ones, each at least any smaller size's (nested trees accept at least as much),
+        1.0 for sizes never seen."""
         taus, best = {}, 1.0
         for size in sorted(self.sizes):
-            record = self.observed.get((size, rule_key))
+            record = self.observed.get((size, rule_key, batch))
             best = max(best, (record.tau if record is not None else None) or 1.0)
             taus[size] = best
         return taus
 
-    def evidence(self, rule_key: str) -> dict[int, int]:
-        """Row-steps seen per size under ``rule_key``."""
-        return {size: getattr(self.observed.get((size, rule_key)), "row_steps", 0) for size in self.sizes}
+    def evidence(self, rule_key: str, batch: int) -> dict[int, int]:
+        """Drafted steps seen per size under ``rule_key`` at batch bucket ``batch``."""
+        return {size: getattr(self.observed.get((size, rule_key, batch)), "row_steps", 0) for size in self.sizes}
 
     def choose(self, input_ids: torch.Tensor, rule, max_new_tokens: int | None = None) -> dict:
         """The setting for this call: ``{"tree": n or 0, "predicted_speedup": {...}, ...}`` (plus the
@@ -173,18 +184,22 @@ class SpeculationPolicy:
         With room for one new token at most there is nothing to speculate on (``"reason"``)."""
         key = self.key(input_ids)
         base = {"policy": "auto", "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1]}
+        refresh = (len(self.cost_samples.get((key, 0), ())) < COST_SAMPLES
+                   or self.since_plain.get(key, 0) >= REFRESH_PLAIN)
         if max_new_tokens is not None and max_new_tokens <= 1:
             return {**base, "tree": 0, "controller": CallController(None, 0),
                     "reason": f"room for {max(max_new_tokens, 0)} new token(s): nothing to speculate on"}
         self._borrow_costs(key)
         plain = self.step_costs.get((key, 0))
-        taus, evidence = self.taus(rule.key), self.evidence(rule.key)
+        taus, evidence = self.taus(rule.key, key[0]), self.evidence(rule.key, key[0])
         measured = [size for size in self.sizes if (key, size) in self.step_costs]
         explore = self._worth_measuring(key, plain, taus, measured)
         if plain is None and explore is None:  # sizes measured but no plain step yet: this call measures one
             explore = max(self.sizes)
         if explore is not None:  # measured on this call's own steps (the mid-call switch bounds the cost)
-            return {**base, "tree": explore, "controller": CallController(plain, explore), "exploring": True,
+            prior = (self.observed.get((explore, rule.key, key[0])) or Observed()).tau
+            return {**base, "tree": explore, "controller": CallController(plain, explore, prior, refresh),
+                    "exploring": True,
                     "plain_step_ms": None if plain is None else 1000 * plain,
                     "reason": f"no step cost measured yet for {explore} drafted nodes at this batch size and "
                               "prompt length: measured on this call"}
@@ -196,7 +211,7 @@ class SpeculationPolicy:
         best = max(bound, key=bound.get)
         chosen = best if bound[best] >= self.margin else 0
         return {
-            **base, "tree": chosen, "controller": CallController(plain, chosen),
+            **base, "tree": chosen, "controller": CallController(plain, chosen, taus.get(chosen), refresh),
             "plain_step_ms": 1000 * plain,
             "step_ms": {size: 1000 * self.step_costs[(key, size)] for size in measured},
             "tau": taus, "row_steps": evidence, "predicted_speedup": predicted, "upper_bound": bound,
@@ -226,20 +241,21 @@ class SpeculationPolicy:
 
     def observe(self, choice: dict, stats) -> None:
         """Learn from a finished ``auto`` call: its plain and drafted step costs (medians over the
-        call, into the bucket's estimates), the tokens per row-step of its drafted steps, and what
-        the call's controller did (into ``choice``)."""
+        call, into the bucket's estimates), its slowest row's tokens per drafted step (weighted by
+        the drafted steps), and what the call's controller did (into ``choice``)."""
         key, size = (choice["batch_bucket"], choice["length_bucket"]), choice["tree"]
         controller = choice.pop("controller", None)
         plain = [step for step in stats.steps if not step[0]]
         drafted = [step for step in stats.steps if step[0]]
         if plain:
             self.record_cost(key, 0, statistics.median(step[1] for step in plain))
-        if drafted and size:
-            timed = drafted[1:] or drafted
-            self.record_cost(key, size, statistics.median(step[1] for step in timed))
-            record = self.observed.setdefault((size, choice["rule"]), Observed())
-            record.tokens += sum(step[2] for step in drafted)
-            record.row_steps += sum(step[3] for step in drafted)
-        choice.update({"plain_steps": len(plain), "drafted_steps": len(drafted)})
+        self.since_plain[key] = 0 if plain else self.since_plain.get(key, 0) + 1
+        tau = stats.slowest_row_tau()
+        if drafted and size and tau is not None:
+            self.record_cost(key, size, step_cost(drafted))
+            record = self.observed.setdefault((size, choice["rule"], key[0]), Observed())
+            record.tokens += tau * len(drafted)
+            record.row_steps += len(drafted)
+        choice.update({"plain_steps": len(plain), "drafted_steps": len(drafted), "slowest_row_tau": tau})
         if controller is not None and size:
             choice.update({"stopped_drafting_after": controller.switched_at, "realized_speedup": controller.realized})

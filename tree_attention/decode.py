@@ -154,6 +154,17 @@ class DecodeStats:
     steps: list[tuple[bool, float, int, int]] = field(default_factory=list)
     """Per step after the prefill: (drafted, seconds, tokens committed over all rows, rows); a
     step that drafted nothing is a plain decoding step inside the loop (see ``schedule``)."""
+    row_drafted: list[list[int]] = field(default_factory=list)
+    """Per batch row: [tokens committed in drafted steps, drafted steps it took part in]."""
+
+    def slowest_row_tau(self, prior: float | None = None, weight: float = 0.0) -> float | None:
+        """Tokens per drafted step of the row that advanced slowest (a batch call lasts as long as
+        its slowest row), each row's rate blended with ``prior`` worth ``weight`` steps; None
+        before any drafted step."""
+        rates = [(tokens + (prior or 0.0) * weight) / (steps + weight)
+                 for tokens, steps in self.row_drafted if steps] if prior is not None else \
+            [tokens / steps for tokens, steps in self.row_drafted if steps]
+        return min(rates) if rates else None
 
     @property
     def mean_accepted(self) -> float:
@@ -239,7 +250,7 @@ class SpeculativeDecoder:
         self.pad_token_id = pad_token_id
         batch = input_ids.shape[0]
         self.outputs: list[list[int]] = [[] for _ in range(batch)]
-        self.stats = DecodeStats(batch_size=batch)
+        self.stats = DecodeStats(batch_size=batch, row_drafted=[[0, 0] for _ in range(batch)])
         self.cache = cache_ops.RaggedCache(batch, input_ids.device)
         self.rows: list[int] = list(range(batch))
         self.max_depth = 0
@@ -349,6 +360,10 @@ class SpeculativeDecoder:
         self.holes += trees.width * rows - sum(counts)
         for index, (row, length) in enumerate(zip(self.rows, counts)):
             self.stats.accepted_lengths.append(length - 1)
+            if draft:
+                record = self.stats.row_drafted[row]
+                record[0] += length
+                record[1] += 1
             chunk = chunks[index]
             done.append(self._emit(row, chunk[1:length] + [chunk[-1]]))
         self._keep_rows(done)

@@ -210,7 +210,7 @@ def test_speculate_auto_records_its_choice_and_stays_identical():
     assert not any(step[0] for step in spec.last_stats.steps)
     spec.policy.margin = 1.0
     spec.policy.observed.clear()
-    spec.policy.observed.update({(size, "greedy"): heads.policy.Observed(tokens=100 * size, row_steps=100)
+    spec.policy.observed.update({(size, "greedy", 4): heads.policy.Observed(tokens=100 * size, row_steps=100)
                                  for size in spec.policy.sizes})  # pretend every size accepts fully
     for cost in list(spec.policy.step_costs):  # ... at the cost of a plain step
         spec.policy.step_costs[cost] = 1.0
@@ -234,12 +234,13 @@ def test_auto_stops_drafting_within_a_call_that_loses(kind):
     spec.policy.record_cost(key, 0, 1e-9)  # plain steps "cost nothing": drafting cannot pay
     for size in spec.policy.sizes:
         spec.policy.record_cost(key, size, 1e-9)
-        spec.policy.observed[(size, "greedy")] = heads.policy.Observed(tokens=400, row_steps=100)
+        spec.policy.observed[(size, "greedy", 2)] = heads.policy.Observed(tokens=400, row_steps=100)
     output = spec.generate(ids, attention_mask=mask, max_new_tokens=30, speculate="auto")
     assert torch.equal(output, expected)
     choice, steps = spec.last_stats.speculation, spec.last_stats.steps
     assert choice["tree"] > 0 and choice["stopped_drafting_after"] == SWITCH_STEPS
-    assert [step[0] for step in steps] == [True] * SWITCH_STEPS + [False] * (len(steps) - SWITCH_STEPS)
+    # one plain step refreshes the bucket's plain cost (it has a single sample), then drafting until it stops
+    assert [step[0] for step in steps] == [False] + [True] * SWITCH_STEPS + [False] * (len(steps) - SWITCH_STEPS - 1)
     assert choice["realized_speedup"] < 1e-3
 
 
@@ -327,8 +328,8 @@ def test_auto_tries_a_size_its_calibration_underrated():
         policy.record_cost(key, size, cost)
 
     def choose(tau2, steps2, tau8, steps8):
-        policy.observed[(2, "greedy")] = Observed(tokens=round(tau2 * steps2), row_steps=steps2)
-        policy.observed[(8, "greedy")] = Observed(tokens=round(tau8 * steps8), row_steps=steps8)
+        policy.observed[(2, "greedy", 4)] = Observed(tokens=round(tau2 * steps2), row_steps=steps2)
+        policy.observed[(8, "greedy", 4)] = Observed(tokens=round(tau8 * steps8), row_steps=steps8)
         return policy.choose(ids, rule, max_new_tokens=12)
 
     assert choose(1, 6, 1, 6)["tree"] == 0  # predicted 0.83 / 0.67: below the margin even optimistically
@@ -361,12 +362,12 @@ def test_auto_measures_only_sizes_that_could_pay():
     assert first["tree"] == 16 and first["exploring"] and first["controller"].plain_first > 0
     policy.record_cost(key, 0, 1.0)
     policy.record_cost(key, 16, 3.0)
-    policy.observed[(16, "greedy")] = Observed(tokens=150, row_steps=100)  # tau 1.5 at 3x the cost
+    policy.observed[(16, "greedy", 4)] = Observed(tokens=150, row_steps=100)  # tau 1.5 at 3x the cost
     # size 8: optimistic 1.5 / (1 + 2 * 8/16) = 0.75; size 2: 1.5 / 1.25 = 1.2 >= 1.1: measure size 2
     choice = policy.choose(ids, rule, 12)
-    assert choice["tree"] == 2 and choice["exploring"] and choice["controller"].plain_first == 0
+    assert choice["tree"] == 2 and choice["exploring"] and choice["controller"].plain_first == 1  # refresh
     policy.record_cost(key, 2, 1.3)
-    policy.observed[(2, "greedy")] = Observed(tokens=110, row_steps=100)  # 1.1 / 1.3: no
+    policy.observed[(2, "greedy", 4)] = Observed(tokens=110, row_steps=100)  # 1.1 / 1.3: no
     choice = policy.choose(ids, rule, 12)
     assert choice["tree"] == 0 and set(choice["predicted_speedup"]) == {2, 16}  # 8 never measured
 
@@ -379,7 +380,7 @@ def test_auto_borrows_costs_for_a_nearby_prompt_length():
     from heads.policy import Observed, SpeculationPolicy
 
     policy = SpeculationPolicy((2,))
-    policy.observed[(2, "greedy")] = Observed(tokens=300, row_steps=100)
+    policy.observed[(2, "greedy", 1)] = Observed(tokens=300, row_steps=100)
     for size, cost in ((0, 1.0), (2, 1.2)):
         policy.record_cost((1, 8), size, cost)
     rule = SimpleNamespace(key="greedy")
@@ -395,45 +396,58 @@ def test_auto_borrows_costs_for_a_nearby_prompt_length():
 
 def test_auto_learns_costs_and_tau_from_the_call_steps():
     """After a call, the bucket's plain cost is the median of its plain steps, the size's cost the
-    median of its drafted steps but the first (which also feeds the drafter the prompt), and tau
-    counts the drafted steps' tokens per row; the controller's verdict is recorded."""
-    from types import SimpleNamespace
-
+    median of its drafted steps but the first (which also feeds the drafter the prompt), and tau is
+    the slowest row's tokens per drafted step, weighted by the drafted steps; the controller's
+    verdict is recorded."""
     from heads.policy import CallController, Observed, SpeculationPolicy
+    from tree_attention.decode import DecodeStats
 
     policy = SpeculationPolicy((4,))
     steps = [(False, 1.0, 2, 2), (False, 3.0, 2, 2), (False, 1.2, 2, 2),
              (True, 9.0, 6, 2), (True, 2.0, 6, 2), (True, 2.2, 4, 2), (True, 2.4, 8, 2)]
+    stats = DecodeStats(steps=steps, row_drafted=[[14, 4], [10, 4]])
     choice = {"policy": "auto", "tree": 4, "rule": "greedy", "batch_bucket": 2, "length_bucket": 8,
               "controller": CallController(None, 4)}
-    policy.observe(choice, SimpleNamespace(steps=steps))
+    policy.observe(choice, stats)
     assert policy.step_costs[((2, 8), 0)] == 1.2 and policy.step_costs[((2, 8), 4)] == 2.2
-    assert policy.observed[(4, "greedy")].tau == 24 / 8
+    assert policy.observed[(4, "greedy", 2)] == Observed(tokens=10.0, row_steps=4)  # the slower row: 2.5
     assert choice["plain_steps"] == 3 and choice["drafted_steps"] == 4 and "controller" not in choice
-    assert policy.observed[(4, "greedy")] == Observed(tokens=24, row_steps=8)
+    assert choice["slowest_row_tau"] == 2.5 and policy.taus("greedy", 2) == {4: 2.5}
+    assert policy.taus("greedy", 1) == {4: 1.0}  # another batch bucket has seen nothing
 
 
 def test_call_controller_switches_on_realised_speed():
     """Plain steps first while the plain cost is unknown; drafting goes on while it realises at
-    least SWITCH_BELOW of plain decoding's speed over the call's drafted steps, and stops for good
-    when it does not."""
+    least SWITCH_BELOW of plain decoding's speed (slowest row, over the call's drafted steps), and
+    stops for good when it does not; a prior estimate keeps a few unlucky steps from ending it."""
     from types import SimpleNamespace
 
-    from heads.policy import PLAIN_STEPS, SWITCH_STEPS, CallController
+    from heads.policy import PLAIN_STEPS, PRIOR_STEPS, SWITCH_STEPS, CallController
+    from tree_attention.decode import DecodeStats
 
-    def run(drafted_step):
-        controller = CallController(None, 8)
-        decoder = SimpleNamespace(stats=SimpleNamespace(steps=[]), drafting=True)
+    def run(cost, fast, slow, prior=None):
+        controller = CallController(None, 8, prior)
+        decoder = SimpleNamespace(stats=DecodeStats(row_drafted=[[0, 0], [0, 0]]), drafting=True)
         decisions = []
         for _ in range(PLAIN_STEPS + SWITCH_STEPS + 3):
             draft = decoder.drafting and controller(decoder)
             decisions.append(draft)
-            decoder.stats.steps.append(drafted_step if draft else (False, 1.0, 1, 1))
+            decoder.stats.steps.append((True, cost, fast + slow, 2) if draft else (False, 1.0, 2, 2))
+            if draft:
+                for row, tokens in enumerate((fast, slow)):
+                    decoder.stats.row_drafted[row][0] += tokens
+                    decoder.stats.row_drafted[row][1] += 1
         return decisions, controller, decoder
 
-    decisions, controller, decoder = run((True, 1.5, 2, 1))  # tau 2 at 1.5x the cost: 1.33x
+    decisions, controller, decoder = run(1.5, 3, 2)  # the slow row: tau 2 at 1.5x the cost, 1.33x
     assert decisions == [False] * PLAIN_STEPS + [True] * (SWITCH_STEPS + 3) and decoder.drafting
     assert abs(controller.realized - 2 / 1.5) < 1e-9
-    decisions, controller, decoder = run((True, 1.5, 1, 1))  # nothing accepted: 0.67x
+    decisions, controller, decoder = run(1.5, 3, 1)  # the mean row does 2, the slow one 1: 0.67x
     assert decisions == [False] * PLAIN_STEPS + [True] * SWITCH_STEPS + [False] * 3
     assert not decoder.drafting and controller.switched_at == SWITCH_STEPS
+    decisions, controller, decoder = run(1.5, 3, 1.4)  # the slow row at 1.4: 0.93x, stop ...
+    assert not decoder.drafting
+    decisions, controller, decoder = run(1.5, 3, 1.4, prior=3.0)  # ... unless known good: blended, it pays
+    drafted = SWITCH_STEPS + 2  # at the last decision
+    expected = (3.0 * PRIOR_STEPS + 1.4 * drafted) / (PRIOR_STEPS + drafted) / 1.5
+    assert decoder.drafting and abs(controller.realized - expected) < 1e-9
