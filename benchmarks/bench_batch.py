@@ -5,7 +5,9 @@ generated with the backbone's own ``generate`` and with ``spec.generate`` (Medus
 drafter, each with its fixed default tree and with ``speculate="auto"``), greedy and at T=0.7,
 alternating in one process; tokens/s is the batch's total new tokens over wall-clock seconds,
 median over repeats with different prompts. Reports speedup, tau (tokens committed per row and
-target forward, bonus included) and the tree ``auto`` chose. It also measures the verify-cost
+target forward, bonus included), the tree ``auto`` chose last and the share of its steps that
+drafted (it measures and decides inside each call: plain steps, drafted steps, and stopping to
+draft when that does not pay; its exploring calls are in the medians). It also measures the verify-cost
 curve: seconds of one target forward over ``n`` new tokens per row at batch ``B`` on a cached
 prefix, relative to ``n = 1``, the term that decides when a tree of ``n`` nodes stops paying.
 
@@ -167,7 +169,7 @@ def main() -> None:
                 ids, mask = left_padded(prompts, pad)
                 for kind, spec in specs.items():
                     for speculate in ("fixed", "auto"):
-                        if repeat == 0:  # warm-up (and auto's calibration for this batch size)
+                        if repeat == 0:  # warm-up (for auto: a 4-token call, its first in this bucket)
                             spec.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=sampled,
                                           speculate=None if speculate == "fixed" else "auto")
                         start = time.perf_counter()
@@ -183,6 +185,7 @@ def main() -> None:
                             plain=new_tokens(plain, ids.shape[1], pad) / plain_seconds,
                             spec=new_tokens(output, ids.shape[1], pad) / spec_seconds,
                             tau=stats.tau, tree=stats.speculation["tree"] if stats.speculation else stats.tree_size - 1,
+                            drafted=sum(step[0] for step in stats.steps) / max(1, len(stats.steps)),
                             identical=bool(torch.equal(plain, output)) if not sampled else None,
                             draft=stats.draft_seconds, verify=stats.verify_seconds,
                             steps=max(1, stats.target_forwards - 1),
@@ -195,13 +198,14 @@ def main() -> None:
                     "speedup": statistics.median(r["spec"] / r["plain"] for r in runs),
                     "tau": statistics.median(r["tau"] for r in runs),
                     "tree": max(r["tree"] for r in runs),
+                    "drafted": statistics.mean(r["drafted"] for r in runs),
                     "draft ms/step": 1000 * statistics.median(r["draft"] / r["steps"] for r in runs),
                     "verify ms/step": 1000 * statistics.median(r["verify"] / r["steps"] for r in runs),
                     "identical": all(r["identical"] for r in runs) if not sampled else "-",
                 })
                 print(table([rows[-1]], list(rows[-1])), flush=True)
     columns = ["batch", "temperature", "kind", "speculate", "tok/s plain", "tok/s spec", "speedup", "tau", "tree",
-               "draft ms/step", "verify ms/step", "identical"]
+               "drafted", "draft ms/step", "verify ms/step", "identical"]
     print("\n" + table(rows, columns))
     print("\nverify cost (ms) of n new tokens per row, by batch size:")
     for batch, curve in curves.items():

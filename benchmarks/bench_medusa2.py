@@ -66,6 +66,12 @@ SWEEP = {"medusa2-lambda0.05": [*JOINT, "--joint-lambda", "0.05"], "medusa2-lamb
          "medusa2-all-linear-r64-lambda0.03-lora-lr1e-3": [
              "--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", ALL_LINEAR, "--joint-lambda", "0.03",
              "--lora-lr", "1e-3"],
+         "medusa2-all-linear-r64-lambda0.1-lora-lr1e-3": [
+             "--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", ALL_LINEAR, "--joint-lambda", "0.1",
+             "--lora-lr", "1e-3"],
+         "medusa2-all-linear-r64-lambda0.3-lora-lr1e-3": [
+             "--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", ALL_LINEAR, "--joint-lambda", "0.3",
+             "--lora-lr", "1e-3"],
          "medusa2-all-linear-r64-lambda0.015-lora-lr1e-3": [
              "--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", ALL_LINEAR, "--joint-lambda", "0.015",
              "--lora-lr", "1e-3"],

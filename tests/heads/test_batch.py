@@ -451,3 +451,28 @@ def test_call_controller_switches_on_realised_speed():
     drafted = SWITCH_STEPS + 2  # at the last decision
     expected = (3.0 * PRIOR_STEPS + 1.4 * drafted) / (PRIOR_STEPS + drafted) / 1.5
     assert decoder.drafting and abs(controller.realized - expected) < 1e-9
+
+
+def test_auto_refreshes_a_thin_or_stale_plain_cost():
+    """A drafting call opens with one plain step while the bucket's plain cost has fewer than
+    COST_SAMPLES samples, or none from the last REFRESH_PLAIN calls; otherwise it drafts at once."""
+    from types import SimpleNamespace
+
+    from heads.policy import COST_SAMPLES, PLAIN_STEPS, REFRESH_PLAIN, Observed, SpeculationPolicy
+    from tree_attention.decode import DecodeStats
+
+    ids = torch.ones(1, 8, dtype=torch.long)
+    policy, rule = SpeculationPolicy((4,)), SimpleNamespace(key="greedy")
+    key = policy.key(ids)
+    policy.record_cost(key, 4, 1.0)
+    policy.observed[(4, "greedy", 1)] = Observed(tokens=300, row_steps=100)
+    opened = []
+    for call in range(COST_SAMPLES + REFRESH_PLAIN + 2):
+        choice = policy.choose(ids, rule, 20)
+        assert choice["tree"] == 4
+        plain_first = choice["controller"].plain_first
+        opened.append(plain_first)
+        steps = [(False, 0.5, 1, 1)] * plain_first + [(True, 1.0, 3, 1)] * 4
+        policy.observe(choice, DecodeStats(steps=steps, row_drafted=[[12, 4]]))
+    # no plain cost: PLAIN_STEPS; calls 1..7 fill the samples; REFRESH_PLAIN calls draft at once; one refreshes
+    assert opened == [PLAIN_STEPS] + [1] * (COST_SAMPLES - 1) + [0] * REFRESH_PLAIN + [1, 0]
