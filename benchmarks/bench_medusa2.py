@@ -57,30 +57,27 @@ JOINT = ["--joint", "--lora-r", "16", "--lora-alpha", "32", "--lora-targets", "q
 VARIANTS = {"medusa1": [], "medusa2": JOINT}
 """The compared variants: ``selfdraft train`` flags beyond the shared ones."""
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+WIDE = ["--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", ALL_LINEAR, "--lora-lr", "1e-3"]
+"""A rank-64 LoRA on every linear layer at a LoRA learning rate of 1e-3 (lambda set per variant)."""
 SWEEP = {"medusa2-lambda0.05": [*JOINT, "--joint-lambda", "0.05"], "medusa2-lambda1": [*JOINT, "--joint-lambda", "1"],
          "medusa2-lambda0.1": [*JOINT, "--joint-lambda", "0.1"],
          "medusa2-all-linear": [*JOINT[:-1], ALL_LINEAR],
          "medusa2-all-linear-lambda0.05": [*JOINT[:-1], ALL_LINEAR, "--joint-lambda", "0.05"],
-         "medusa2-all-linear-r64-lambda0.05": ["--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets",
-                                               ALL_LINEAR, "--joint-lambda", "0.05"],
-         "medusa2-all-linear-r64-lambda0.03-lora-lr1e-3": [
-             "--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", ALL_LINEAR, "--joint-lambda", "0.03",
-             "--lora-lr", "1e-3"],
-         "medusa2-all-linear-r64-lambda0.1-lora-lr1e-3": [
-             "--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", ALL_LINEAR, "--joint-lambda", "0.1",
-             "--lora-lr", "1e-3"],
-         "medusa2-all-linear-r64-lambda0.3-lora-lr1e-3": [
-             "--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", ALL_LINEAR, "--joint-lambda", "0.3",
-             "--lora-lr", "1e-3"],
-         "medusa2-all-linear-r64-lambda0.015-lora-lr1e-3": [
-             "--joint", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", ALL_LINEAR, "--joint-lambda", "0.015",
-             "--lora-lr", "1e-3"],
+         "medusa2-all-linear-r64-lambda0.05": [*WIDE[:-2], "--joint-lambda", "0.05"],
+         **{f"medusa2-all-linear-r64-lambda{value}-lora-lr1e-3": [*WIDE, "--joint-lambda", value]
+            for value in ("0.015", "0.03", "0.1", "0.3")},
          "medusa2-all-linear-on-policy": [*JOINT[:-1], ALL_LINEAR, "--on-policy", "--on-policy-temperature", "0",
                                           "--on-policy-refresh", "60", "--on-policy-prompts", "16"]}
 """More joint settings (``--sweep``, on the small target): the trade-off between tau and drift. The
 on-policy variant trains half of each batch on the *tuned* backbone's own greedy continuations
 (regenerated every 60 steps), the contexts its heads meet when serving."""
 COLUMNS = ["target", "variant", "mix", "tau", "accept", "tok/s plain", "tok/s spec", "speedup", "identical"]
+
+
+def group(target: str, lr: float = 1e-3) -> str:
+    """The name under which one target's run at heads' learning rate ``lr`` is kept in the JSON
+    (runs at other learning rates keep theirs)."""
+    return target if lr == 1e-3 else f"{target}@lr{lr:g}"
 
 
 def adapter_path(target: str, variant: str, lr: float = 1e-3) -> Path:
@@ -163,7 +160,8 @@ def measure_target(target: str, variants: list[str], args) -> tuple[list[dict], 
         prompts = encode_prompts(tokenizer, load_prompts(path), args.prompts)
         for variant in variants:
             report = measure(specs[variant], prompts, args.max_new_tokens)
-            rows.append({"target": target, "variant": variant, "mix": mix, "tau": report.tau,
+            rows.append({"target": target, "group": group(target, args.lr), "variant": variant, "mix": mix,
+                         "heads_lr": args.lr, "tau": report.tau,
                          "acceptance_by_depth": list(report.acceptance_by_position),
                          "accept": " ".join(f"{a:.2f}" for a in report.acceptance_by_position[:5]),
                          "tok/s plain": report.tokens_per_s_plain, "tok/s spec": report.tokens_per_s_spec,
@@ -190,12 +188,15 @@ def plot(rows: list[dict], drifts: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = sorted({(r["target"], r["mix"]) for r in rows}, key=lambda c: (list(TARGETS).index(c[0]), c[1]))
+    def cell_of(row: dict) -> tuple[str, str]:
+        return row.get("group", row["target"]), row["mix"]
+
+    cells = sorted({cell_of(r) for r in rows}, key=lambda c: (list(TARGETS).index(c[0].split("@")[0]), c))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     figure, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     width = 0.8 / len(variants)
     for index, variant in enumerate(variants):
-        values = [next((r["tau"] for r in rows if (r["target"], r["mix"], r["variant"]) == (*cell, variant)), 0.0)
+        values = [next((r["tau"] for r in rows if (*cell_of(r), r["variant"]) == (*cell, variant)), 0.0)
                   for cell in cells]
         axes[0].bar([i + (index - (len(variants) - 1) / 2) * width for i in range(len(cells))], values, width,
                     label=variant)
@@ -205,9 +206,9 @@ def plot(rows: list[dict], drifts: dict, path: Path) -> None:
     axes[0].set_ylim(bottom=1.0)
     axes[0].legend(fontsize=7, loc="lower right")
     for index, cell in enumerate(cells):
-        base = next(r["tau"] for r in rows if (r["target"], r["mix"], r["variant"]) == (*cell, "medusa1"))
+        base = next(r["tau"] for r in rows if (*cell_of(r), r["variant"]) == (*cell, "medusa1"))
         for variant in variants[1:]:
-            row = next((r for r in rows if (r["target"], r["mix"], r["variant"]) == (*cell, variant)), None)
+            row = next((r for r in rows if (*cell_of(r), r["variant"]) == (*cell, variant)), None)
             if row is None:
                 continue
             change = 100 * drifts[f"{cell[0]}/{variant}"]["perplexity_change"]
@@ -253,30 +254,32 @@ def main() -> None:
     training = {}
     for target, variants in chosen.items():
         for variant in variants:
-            training[f"{target}/{variant}"] = train(target, variant, args)
-            print(f"{target}/{variant}: {json.dumps(training[f'{target}/{variant}'])}", flush=True)
+            training[f"{group(target, args.lr)}/{variant}"] = summary = train(target, variant, args)
+            print(f"{target}/{variant}: {json.dumps(summary)}", flush=True)
     if args.train_only:
         return
     rows, drifts = [], {}
     for target, variants in chosen.items():
         target_rows, target_drifts = measure_target(target, variants, args)
         rows += target_rows
-        drifts.update({f"{target}/{variant}": value for variant, value in target_drifts.items()})
+        drifts.update({f"{group(target, args.lr)}/{variant}": value for variant, value in target_drifts.items()})
     previous = RESULTS / "medusa2.json"
     kept = json.loads(previous.read_text()) if previous.is_file() and not args.fresh else {}
-    if kept:  # targets not measured in this run keep their earlier figures (each target's cells come from one run)
-        rows = [r for r in kept.get("cells", []) if r["target"] not in chosen] + rows
-        drifts = {**{k: v for k, v in kept.get("drift", {}).items() if k.split("/")[0] not in chosen}, **drifts}
-        training = {**{k: v for k, v in kept.get("training", {}).items() if k.split("/")[0] not in chosen}, **training}
+    groups = {group(target, args.lr) for target in chosen}
+    if kept:  # targets (at a heads' lr) not measured in this run keep their earlier figures (each from one run)
+        rows = [r for r in kept.get("cells", []) if r.get("group", r["target"]) not in groups] + rows
+        drifts = {**{k: v for k, v in kept.get("drift", {}).items() if k.split("/")[0] not in groups}, **drifts}
+        training = {**{k: v for k, v in kept.get("training", {}).items() if k.split("/")[0] not in groups}, **training}
     print("\n" + table(rows, COLUMNS))
     goal = {}
     for row in rows:
         if row["variant"] == "medusa1":
             continue
-        base = next(o["tau"] for o in rows if o["variant"] == "medusa1" and (o["target"], o["mix"]) ==
-                    (row["target"], row["mix"]))
-        change = drifts[f"{row['target']}/{row['variant']}"]["perplexity_change"]
-        goal[f"{row['target']}/{row['mix']}/{row['variant']}"] = {
+        name = row.get("group", row["target"])
+        base = next(o["tau"] for o in rows if o["variant"] == "medusa1" and (o.get("group", o["target"]), o["mix"]) ==
+                    (name, row["mix"]))
+        change = drifts[f"{name}/{row['variant']}"]["perplexity_change"]
+        goal[f"{name}/{row['mix']}/{row['variant']}"] = {
             "tau_gain": row["tau"] - base, "perplexity_change": change,
             "met": row["tau"] - base >= 0.3 and change <= 0.02}
     print("goal (tau +0.3 at <= 2% held-out perplexity):", json.dumps(goal, indent=1))
@@ -288,7 +291,7 @@ def main() -> None:
         "targets": {name: {key: str(value) if isinstance(value, Path) else
                            ({k: str(v) for k, v in value.items()} if isinstance(value, dict) else value)
                            for key, value in TARGETS[name].items()} for name in dict.fromkeys(r["target"] for r in rows)},
-        "measured_at": {**kept.get("measured_at", {}), **{name: time.strftime("%Y-%m-%d %H:%M") for name in chosen}},
+        "measured_at": {**kept.get("measured_at", {}), **{name: time.strftime("%Y-%m-%d %H:%M") for name in groups}},
         "definitions": {"tau": TAU_DEFINITION, "acceptance_by_depth": ACCEPTANCE_DEFINITION},
         "cells": rows, "drift": drifts, "goal": goal, "training": training,
         "seconds": time.perf_counter() - started,
