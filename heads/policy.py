@@ -192,7 +192,7 @@ class SpeculationPolicy:
         self._borrow_costs(key)
         plain = self.step_costs.get((key, 0))
         taus, evidence = self.taus(rule.key, key[0]), self.evidence(rule.key, key[0])
-        measured = [size for size in self.sizes if (key, size) in self.step_costs]
+        measured = [size for size in self.sizes if (key, size) in self.step_costs and evidence[size]]
         explore = self._worth_measuring(key, plain, taus, measured)
         if plain is None and explore is None:  # sizes measured but no plain step yet: this call measures one
             explore = max(self.sizes)
@@ -201,8 +201,8 @@ class SpeculationPolicy:
             return {**base, "tree": explore, "controller": CallController(plain, explore, prior, refresh),
                     "exploring": True,
                     "plain_step_ms": None if plain is None else 1000 * plain,
-                    "reason": f"no step cost measured yet for {explore} drafted nodes at this batch size and "
-                              "prompt length: measured on this call"}
+                    "reason": f"{explore} drafted nodes not measured yet at this batch size, prompt length and "
+                              "sampling setting: measured on this call"}
         if not measured:  # every size ruled out without measuring it: plain decoding
             return {**base, "tree": 0, "controller": CallController(plain, 0), "plain_step_ms": 1000 * plain,
                     "predicted_speedup": {}, "upper_bound": {}, "exploring": False, "margin": self.margin}
@@ -219,23 +219,28 @@ class SpeculationPolicy:
         }
 
     def _worth_measuring(self, key, plain: float | None, taus: dict, measured: list[int]) -> int | None:
-        """The largest size not yet measured in bucket ``key`` that could beat plain decoding by
-        ``margin``, or None. Without a plain cost, the largest unmeasured size. Otherwise a size
-        ``n`` below a measured size ``m`` is judged optimistically from it: ``m``'s tau (a nested
-        tree of ``n`` nodes accepts no more) over a cost interpolated between plain decoding and
-        ``m``'s (drafting costs do not shrink with ``n``, so that underestimates); a size above
-        every measured one is worth measuring."""
+        """The largest size not yet ``measured`` (a step cost in bucket ``key`` and tau seen under
+        this rule and batch bucket) that could beat plain decoding by ``margin``, or None. Without a
+        plain cost, the largest such size. Otherwise each is judged optimistically: its tau as the
+        next larger measured size's (a nested smaller tree accepts no more), or ``n + 1`` (every node
+        accepted) above every measured one; its cost as measured, or interpolated between plain
+        decoding and the next larger size with a cost (drafting costs do not shrink with ``n``, so
+        that underestimates); a size with neither a cost nor a larger one with a cost is worth trying."""
         for size in sorted(self.sizes, reverse=True):
             if size in measured:
                 continue
             if plain is None:
                 return size
             larger = [other for other in measured if other > size]
-            if not larger:
+            costed = [other for other in self.sizes if other > size and (key, other) in self.step_costs]
+            cost = self.step_costs.get((key, size))
+            if cost is None and not costed:
                 return size
-            above = min(larger)
-            cost = plain + (self.step_costs[(key, above)] - plain) * size / above
-            if taus[above] * plain / max(cost, 1e-12) >= self.margin:
+            if cost is None:
+                other = min(costed)
+                cost = plain + (self.step_costs[(key, other)] - plain) * size / other
+            tau = taus[min(larger)] if larger else size + 1
+            if tau * plain / max(cost, 1e-12) >= self.margin:
                 return size
         return None
 

@@ -268,10 +268,22 @@ class SamplingRule(AcceptanceRule):
     def first_token(self, logits: torch.Tensor) -> int:
         return _draw(self.probabilities(logits[None])[0], self.generator)
 
+    def first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """One draw per row of ``logits`` ``[R, V]`` from its warped distribution, in one call."""
+        return torch.multinomial(self.probabilities(logits), 1, generator=self.generator)[:, 0]
+
     def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
         _check_logits(tree, logits)
         return sample_accept(tree, self.probabilities(logits), self.generator, tree.draft_probs,
                              self.use_residual)
+
+    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
+        if trees.width == 1 and self.lossless:  # roots only, a plain step: each row's next token drawn from p
+            rows = logits.shape[0]
+            return BatchAcceptance(torch.zeros(rows, 1, dtype=torch.long, device=logits.device),
+                                   torch.ones(rows, dtype=torch.long, device=logits.device),
+                                   self.first_tokens(logits[:, 0]))
+        return super().accept_batch(trees, logits)
 
 
 class TypicalRule(SamplingRule):

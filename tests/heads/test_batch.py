@@ -349,7 +349,8 @@ def test_auto_measures_only_sizes_that_could_pay():
     """A size not yet measured is tried when it could beat plain decoding: judged from the next
     larger measured size's tau (a nested smaller tree accepts no more) over a cost interpolated
     down to plain decoding's; sizes above every measured one, or any size before plain decoding is
-    measured, are tried (the largest first)."""
+    measured, are tried (the largest first); under a sampling setting with no tau seen, a size is
+    judged on n + 1 (every node accepted)."""
     from types import SimpleNamespace
 
     from heads.policy import Observed, SpeculationPolicy
@@ -370,6 +371,16 @@ def test_auto_measures_only_sizes_that_could_pay():
     policy.observed[(2, "greedy", 4)] = Observed(tokens=110, row_steps=100)  # 1.1 / 1.3: no
     choice = policy.choose(ids, rule, 12)
     assert choice["tree"] == 0 and set(choice["predicted_speedup"]) == {2, 16}  # 8 never measured
+    # another sampling setting has seen no tau: the largest size whose every node accepted (n + 1) could pay
+    sampled = SimpleNamespace(key="sample T=0.7")
+    choice = policy.choose(ids, sampled, 12)
+    assert choice["tree"] == 16 and choice["exploring"]  # 17 x 1.0 / 3.0
+    for _ in range(3):
+        policy.record_cost(key, 16, 20.0)  # ... unless even that could not (median 20: 17 / 20); then 2 (3 / 1.3)
+    assert policy.choose(ids, sampled, 12)["tree"] == 2
+    for _ in range(2):
+        policy.record_cost(key, 2, 5.0)  # median 5.0: 3 / 5 and 17 / 20, nothing could pay
+    assert policy.choose(ids, sampled, 12)["tree"] == 0
 
 
 def test_auto_borrows_costs_for_a_nearby_prompt_length():
