@@ -10,8 +10,9 @@ and sampled at ``--temperature`` (top_k 0).
 Per method: speedup (median over prompts of t_generate / t_method), tau, and for selfdraft the
 **efficiency** = speedup / bound, bound = tau x t_generate_step / (t_draft + t_verify_bare): the
 draft time per step as measured, and the bare forward cost of a tree of the measured mean size on a
-cache of the prompt's length (measured in the same run), so an efficiency near 1 means the loop adds
-nothing beyond the two forwards. Writes ``results/peers.json``
+cache of the prompt's length (measured in the same run, before and after each mix's runs, averaged:
+on this shared machine a one-off measurement moved by up to 30% between runs), so an efficiency near
+1 means the loop adds nothing beyond the two forwards. Writes ``results/peers.json``
 (``{target: {mix: {"peers": {name: {speedup, tau}}, "selfdraft": {name: {speedup, tau, efficiency}}}}}``,
 sampled mixes keyed ``"<mix>@T<temperature>"``) and ``results/peers.png``.
 """
@@ -226,13 +227,16 @@ def main() -> None:
             prompts = prompts_of(tokenizer, file, args.prompts)
             length = int(statistics.median(p.shape[1] for p in prompts)) + args.max_new_tokens // 2
             spec = heads.attach_heads(model, kind="lookup")
-            costs = bare_verify_ms(spec, length)
             modes = [False] + ([True] if args.temperature > 0 else [])
             for sample in modes:
+                before = bare_verify_ms(spec, length)
                 raw = run_mix(model, target_name, prompts, args.max_new_tokens, adapters, sample, drafts)
+                after = bare_verify_ms(spec, length)  # the machine's speed drifts: the mean of both sides of the runs
+                costs = {size: (before[size] + after[size]) / 2 for size in before}
                 key = f"{mix}@T{args.temperature}" if sample else mix
                 results[target_name][key] = summarise(raw, prompts, args.max_new_tokens, costs)
                 results[target_name][key]["verify_bare_ms"] = costs
+                results[target_name][key]["verify_bare_ms_before_after"] = [before, after]
                 entry = results[target_name][key]
                 line = ", ".join(f"{n} {v['speedup']:.2f}x" for n, v in entry["peers"].items())
                 line += " | " + ", ".join(f"{n} {v['speedup']:.2f}x tau {v['tau']:.2f} eff {v['efficiency']:.2f}"
