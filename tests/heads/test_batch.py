@@ -453,16 +453,18 @@ def test_call_controller_switches_on_realised_speed():
     decisions, controller, decoder = run(1.5, 3, 2)  # the slow row: tau 2 at 1.5x the cost, 1.33x
     assert decisions == [False] * PLAIN_STEPS + [True] * (SWITCH_STEPS + 3) and decoder.drafting
     assert abs(controller.realized - 2 / 1.5) < 1e-9
-    mild, _, decoder = run(1.5, 3, 1.35)  # 0.9x: a mild loss goes on drafting (acceptance may grow)
+    mild, _, decoder = run(1.5, 3, 1.35)  # 0.9x with the size's tau unknown: go on (acceptance may grow) ...
     assert decoder.drafting and all(mild[PLAIN_STEPS:])
+    mild, _, decoder = run(1.5, 3, 1.35, prior=1.35)  # ... with it known, 0.9x stops
+    assert not decoder.drafting
     decisions, controller, decoder = run(1.5, 3, 1)  # the mean row does 2, the slow one 1: 0.67x
     assert decisions == [False] * PLAIN_STEPS + [True] * SWITCH_STEPS + [False] * 3
     assert not decoder.drafting and controller.switched_at == SWITCH_STEPS
-    decisions, controller, decoder = run(1.5, 3, 1.15)  # the slow row at 1.15: 0.77x, stop ...
+    decisions, controller, decoder = run(1.5, 3, 1.4, prior=1.4)  # the slow row at 1.4: 0.93x, stop ...
     assert not decoder.drafting
-    decisions, controller, decoder = run(1.5, 3, 1.15, prior=3.0)  # ... unless known good: blended, it pays
+    decisions, controller, decoder = run(1.5, 3, 1.4, prior=3.0)  # ... unless known good: blended, it pays
     drafted = SWITCH_STEPS + 2  # at the last decision
-    expected = (3.0 * PRIOR_STEPS + 1.15 * drafted) / (PRIOR_STEPS + drafted) / 1.5
+    expected = (3.0 * PRIOR_STEPS + 1.4 * drafted) / (PRIOR_STEPS + drafted) / 1.5
     assert expected > SWITCH_BELOW
     assert decoder.drafting and abs(controller.realized - expected) < 1e-9
 
