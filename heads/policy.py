@@ -35,8 +35,8 @@ thrown away:
 - **Choosing again within the call**: once the call has drafted :data:`SWITCH_STEPS` steps, it
   compares what drafting realised in this call (its slowest row's tau, blended with the policy's
   estimate, times ``t_plain`` over its median drafted step cost) with plain decoding, and stops
-  drafting for the rest of the call when that falls below :data:`SWITCH_BELOW` (only below
-  :data:`EXPLORE_BELOW` while the size's tau is unknown: a first call must see how acceptance
+  drafting for the rest of the call when that falls below :data:`SWITCH_BELOW` (while the size's
+  tau is unknown only on a clear loss, :data:`EXPLORE_BELOW`: a first call must see how acceptance
   grows through a reply). A wrong choice (a size explored at batch 16, an estimate from other
   traffic) so costs a few steps, not a call.
 """
@@ -51,11 +51,12 @@ import torch
 PLAIN_STEPS = 3  # plain steps that open a call in a bucket whose plain cost is unknown
 SWITCH_STEPS = 6  # drafted steps of a call before it may give up drafting
 SWITCH_BELOW = 0.97  # ... when drafting realised less than this times plain decoding's speed
-EXPLORE_BELOW = 0.8  # ... or, for a size with no tau yet at this batch size and sampling setting, this:
-# acceptance often grows through a reply (prompt lookup finds repeats only once there is text to
-# repeat), so a first call that drafts at 0.9x early may pay later, and stopping it would keep the
-# policy from ever seeing that; a clear loss (batch 16) still stops at once, and once the size's tau
-# is known (from whole calls) it is blended in and the strict threshold applies.
+EXPLORE_BELOW = (0.5, 0.8)  # ... or, for a size with no tau yet at this batch size and sampling setting,
+# below the first after SWITCH_STEPS drafted steps (a clear loss: batch 16) or below the second after
+# twice as many: acceptance often grows through a reply (prompt lookup finds repeats only once there
+# is text to repeat, then accepts ten tokens a step), so a first call that drafts at 0.6x early may pay
+# later, and stopping it would keep the policy from ever seeing that; once the size's tau is known
+# (from whole calls) it is blended in and the strict threshold applies.
 PRIOR_STEPS = 2  # the policy's tau for the size counts as this many of the call's drafted steps
 COST_SAMPLES = 8  # a step cost is the median of the last this many calls' measurements
 REFRESH_PLAIN = 4  # a drafting call opens with one plain step when the plain cost has fewer samples
@@ -111,7 +112,11 @@ class CallController:
                 plain = statistics.median(step[1] for step in stats.steps if not step[0])
             tau = stats.slowest_row_tau(self.prior_tau, PRIOR_STEPS if self.prior_tau is not None else 0.0)
             self.realized = tau * plain / step_cost(drafted)
-            if self.realized < (SWITCH_BELOW if self.prior_tau is not None else EXPLORE_BELOW):
+            if self.prior_tau is not None:
+                below = SWITCH_BELOW
+            else:
+                below = EXPLORE_BELOW[1] if len(drafted) >= 2 * SWITCH_STEPS else EXPLORE_BELOW[0]
+            if self.realized < below:
                 self.switched_at = len(drafted)
                 decoder.drafting = False
                 return False

@@ -436,11 +436,11 @@ def test_call_controller_switches_on_realised_speed():
     from heads.policy import PLAIN_STEPS, PRIOR_STEPS, SWITCH_BELOW, SWITCH_STEPS, CallController
     from tree_attention.decode import DecodeStats
 
-    def run(cost, fast, slow, prior=None):
+    def run(cost, fast, slow, prior=None, steps=SWITCH_STEPS + 3):
         controller = CallController(None, 8, prior)
         decoder = SimpleNamespace(stats=DecodeStats(row_drafted=[[0, 0], [0, 0]]), drafting=True)
         decisions = []
-        for _ in range(PLAIN_STEPS + SWITCH_STEPS + 3):
+        for _ in range(PLAIN_STEPS + steps):
             draft = decoder.drafting and controller(decoder)
             decisions.append(draft)
             decoder.stats.steps.append((True, cost, fast + slow, 2) if draft else (False, 1.0, 2, 2))
@@ -455,9 +455,12 @@ def test_call_controller_switches_on_realised_speed():
     assert abs(controller.realized - 2 / 1.5) < 1e-9
     mild, _, decoder = run(1.5, 3, 1.35)  # 0.9x with the size's tau unknown: go on (acceptance may grow) ...
     assert decoder.drafting and all(mild[PLAIN_STEPS:])
+    early, controller, decoder = run(1.5, 3, 1.0, steps=2 * SWITCH_STEPS + 2)  # 0.67x unknown: judged again ...
+    assert early[PLAIN_STEPS:] == [True] * 2 * SWITCH_STEPS + [False] * 2  # ... after twice the steps (0.8x)
+    assert controller.switched_at == 2 * SWITCH_STEPS
     mild, _, decoder = run(1.5, 3, 1.35, prior=1.35)  # ... with it known, 0.9x stops
     assert not decoder.drafting
-    decisions, controller, decoder = run(1.5, 3, 1)  # the mean row does 2, the slow one 1: 0.67x
+    decisions, controller, decoder = run(1.5, 3, 0.6)  # the mean row does 1.8, the slow one 0.6: 0.4x, at once
     assert decisions == [False] * PLAIN_STEPS + [True] * SWITCH_STEPS + [False] * 3
     assert not decoder.drafting and controller.switched_at == SWITCH_STEPS
     decisions, controller, decoder = run(1.5, 3, 1.4, prior=1.4)  # the slow row at 1.4: 0.93x, stop ...
