@@ -58,6 +58,9 @@ EXPLORE_BELOW = (0.5, 0.8)  # ... or, for a size with no tau yet at this batch s
 # later, and stopping it would keep the policy from ever seeing that; once the size's tau is known
 # (from whole calls) it is blended in and the strict threshold applies.
 PRIOR_STEPS = 2  # the policy's tau for the size counts as this many of the call's drafted steps
+MIN_LEARN_TOKENS = PLAIN_STEPS + 2 * SWITCH_STEPS + 1  # a shorter call neither explores nor teaches:
+# its trees are cut to its few remaining tokens, so its tau says nothing about the size (a 4-token
+# warm-up call once set prompt lookup's tau to 1.1 and kept auto on plain decoding for good)
 COST_SAMPLES = 8  # a step cost is the median of the last this many calls' measurements
 REFRESH_PLAIN = 4  # a drafting call opens with one plain step when the plain cost has fewer samples
 # than COST_SAMPLES or none from the last this many calls (a stale or noisy plain cost misjudges every size)
@@ -208,6 +211,15 @@ class SpeculationPolicy:
         explore = self._worth_measuring(key, plain, taus, measured)
         if plain is None and explore is None:  # sizes measured but no plain step yet: this call measures one
             explore = max(self.sizes)
+        short = max_new_tokens is not None and max_new_tokens < MIN_LEARN_TOKENS
+        base["learns"] = not short
+        if explore is not None and short:  # too short to judge a size on: plain steps (which measure plain)
+            if plain is None or not measured:
+                return {**base, "tree": 0, "controller": CallController(plain, 0), "exploring": False,
+                        "plain_step_ms": None if plain is None else 1000 * plain,
+                        "reason": f"{max_new_tokens} new tokens: too few to measure a tree size on "
+                                  f"(at least {MIN_LEARN_TOKENS}); plain steps"}
+            explore = None
         if explore is not None:  # measured on this call's own steps (the mid-call switch bounds the cost)
             prior = (self.observed.get((explore, rule.key, key[0])) or Observed()).tau
             return {**base, "tree": explore, "controller": CallController(plain, explore, prior, refresh),
@@ -268,7 +280,7 @@ class SpeculationPolicy:
             self.record_cost(key, 0, statistics.median(step[1] for step in plain))
         self.since_plain[key] = 0 if plain else self.since_plain.get(key, 0) + 1
         tau = stats.slowest_row_tau()
-        if drafted and size and tau is not None:
+        if drafted and size and tau is not None and choice.get("learns", True):
             self.record_cost(key, size, step_cost(drafted))
             record = self.observed.setdefault((size, choice["rule"], key[0]), Observed())
             record.tokens += tau * len(drafted)

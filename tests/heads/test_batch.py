@@ -185,8 +185,8 @@ def test_speculate_auto_records_its_choice_and_stays_identical():
     model = build_model("llama", seed=9)
     spec = heads.attach_heads(model, tree=8)
     ids, mask = padded_batch(seed=10)
-    expected = reference(model, ids, mask, 12)
-    output = spec.generate(ids, attention_mask=mask, max_new_tokens=12, speculate="auto")
+    expected = reference(model, ids, mask, 20)
+    output = spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto")
     assert torch.equal(output, expected)
     choice = spec.last_stats.speculation
     # the first call in a bucket measures plain steps, then the largest size, on its own tokens
@@ -194,7 +194,7 @@ def test_speculate_auto_records_its_choice_and_stays_identical():
     assert choice["plain_steps"] >= PLAIN_STEPS and "controller" not in choice
     assert [step[0] for step in spec.last_stats.steps[:PLAIN_STEPS]] == [False] * PLAIN_STEPS
     for _ in range(len(spec.policy.sizes) + 1):  # every size worth measuring gets measured, then it chooses
-        output = spec.generate(ids, attention_mask=mask, max_new_tokens=12, speculate="auto")
+        output = spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto")
         assert torch.equal(output, expected)
     choice = spec.last_stats.speculation
     assert not choice.get("reason") and choice["plain_step_ms"] > 0
@@ -204,7 +204,7 @@ def test_speculate_auto_records_its_choice_and_stays_identical():
         best = max(bound, key=bound.get)
         assert choice["tree"] == (best if bound[best] >= spec.policy.margin else 0)
     spec.policy.margin = 1e9  # no prediction beats that: plain decoding steps
-    output = spec.generate(ids, attention_mask=mask, max_new_tokens=12, speculate="auto")
+    output = spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto")
     assert torch.equal(output, expected)
     assert spec.last_stats.speculation["tree"] == 0 and spec.last_stats.tree_size == 1
     assert not any(step[0] for step in spec.last_stats.steps)
@@ -214,7 +214,7 @@ def test_speculate_auto_records_its_choice_and_stays_identical():
                                  for size in spec.policy.sizes})  # pretend every size accepts fully
     for cost in list(spec.policy.step_costs):  # ... at the cost of a plain step
         spec.policy.step_costs[cost] = 1.0
-    output = spec.generate(ids, attention_mask=mask, max_new_tokens=12, speculate="auto")
+    output = spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto")
     assert torch.equal(output, expected)
     assert spec.last_stats.speculation["tree"] > 0 and spec.last_stats.tree_size > 1
 
@@ -359,28 +359,28 @@ def test_auto_measures_only_sizes_that_could_pay():
     rule = SimpleNamespace(key="greedy")
     policy = SpeculationPolicy((2, 8, 16))
     key = policy.key(ids)
-    first = policy.choose(ids, rule, 12)
+    first = policy.choose(ids, rule, 20)
     assert first["tree"] == 16 and first["exploring"] and first["controller"].plain_first > 0
     policy.record_cost(key, 0, 1.0)
     policy.record_cost(key, 16, 3.0)
     policy.observed[(16, "greedy", 4)] = Observed(tokens=150, row_steps=100)  # tau 1.5 at 3x the cost
     # size 8: optimistic 1.5 / (1 + 2 * 8/16) = 0.75; size 2: 1.5 / 1.25 = 1.2 >= 1.1: measure size 2
-    choice = policy.choose(ids, rule, 12)
+    choice = policy.choose(ids, rule, 20)
     assert choice["tree"] == 2 and choice["exploring"] and choice["controller"].plain_first == 1  # refresh
     policy.record_cost(key, 2, 1.3)
     policy.observed[(2, "greedy", 4)] = Observed(tokens=110, row_steps=100)  # 1.1 / 1.3: no
-    choice = policy.choose(ids, rule, 12)
+    choice = policy.choose(ids, rule, 20)
     assert choice["tree"] == 0 and set(choice["predicted_speedup"]) == {2, 16}  # 8 never measured
     # another sampling setting has seen no tau: the largest size whose every node accepted (n + 1) could pay
     sampled = SimpleNamespace(key="sample T=0.7")
-    choice = policy.choose(ids, sampled, 12)
+    choice = policy.choose(ids, sampled, 20)
     assert choice["tree"] == 16 and choice["exploring"]  # 17 x 1.0 / 3.0
     for _ in range(3):
         policy.record_cost(key, 16, 20.0)  # ... unless even that could not (median 20: 17 / 20); then 2 (3 / 1.3)
-    assert policy.choose(ids, sampled, 12)["tree"] == 2
+    assert policy.choose(ids, sampled, 20)["tree"] == 2
     for _ in range(2):
         policy.record_cost(key, 2, 5.0)  # median 5.0: 3 / 5 and 17 / 20, nothing could pay
-    assert policy.choose(ids, sampled, 12)["tree"] == 0
+    assert policy.choose(ids, sampled, 20)["tree"] == 0
 
 
 def test_auto_borrows_costs_for_a_nearby_prompt_length():
@@ -401,7 +401,7 @@ def test_auto_borrows_costs_for_a_nearby_prompt_length():
     far = torch.ones(1, 60, dtype=torch.long)  # bucket 64: 8x from 8, but 2x from 32
     assert policy.choose(far, rule, max_new_tokens=4)["tree"] == 2
     batch = torch.ones(2, 8, dtype=torch.long)  # another batch bucket
-    other = policy.choose(batch, rule, max_new_tokens=12)
+    other = policy.choose(batch, rule, max_new_tokens=20)
     assert other["exploring"] and other["plain_step_ms"] is None and other["controller"].plain_first > 0
 
 
@@ -495,3 +495,26 @@ def test_auto_refreshes_a_thin_or_stale_plain_cost():
         policy.observe(choice, DecodeStats(steps=steps, row_drafted=[[12, 4]]))
     # no plain cost: PLAIN_STEPS; calls 1..7 fill the samples; REFRESH_PLAIN calls draft at once; one refreshes
     assert opened == [PLAIN_STEPS] + [1] * (COST_SAMPLES - 1) + [0] * REFRESH_PLAIN + [1, 0]
+
+
+def test_a_short_call_neither_explores_nor_teaches():
+    """A call too short to judge a tree size on (its trees are cut to its last few tokens) runs plain
+    steps while nothing is measured, may use a measured size, and records no tau either way."""
+    from types import SimpleNamespace
+
+    from heads.policy import MIN_LEARN_TOKENS, Observed, SpeculationPolicy
+    from tree_attention.decode import DecodeStats
+
+    ids = torch.ones(1, 8, dtype=torch.long)
+    policy, rule = SpeculationPolicy((4,)), SimpleNamespace(key="greedy")
+    short = policy.choose(ids, rule, MIN_LEARN_TOKENS - 1)
+    assert short["tree"] == 0 and "too few" in short["reason"]
+    assert policy.choose(ids, rule, MIN_LEARN_TOKENS)["tree"] == 4  # a long one explores
+    key = policy.key(ids)
+    policy.record_cost(key, 0, 1.0)
+    policy.record_cost(key, 4, 1.2)
+    policy.observed[(4, "greedy", 1)] = Observed(tokens=300, row_steps=100)
+    choice = policy.choose(ids, rule, 4)
+    assert choice["tree"] == 4 and not choice["learns"]  # measured and good: a short call may draft ...
+    policy.observe(choice, DecodeStats(steps=[(True, 1.0, 1, 1)] * 3, row_drafted=[[3, 3]]))
+    assert policy.observed[(4, "greedy", 1)] == Observed(tokens=300, row_steps=100)  # ... but teaches nothing
