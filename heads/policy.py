@@ -222,6 +222,9 @@ class SpeculationPolicy:
             explore = None
         if explore is not None:  # measured on this call's own steps (the mid-call switch bounds the cost)
             prior = (self.observed.get((explore, rule.key, key[0])) or Observed()).tau
+            larger = [size for size in measured if size > explore]
+            if prior is None and larger:  # a larger nested tree's tau bounds this one's: judge it strictly
+                prior = taus[min(larger)]
             return {**base, "tree": explore, "controller": CallController(plain, explore, prior, refresh),
                     "exploring": True,
                     "plain_step_ms": None if plain is None else 1000 * plain,

@@ -367,6 +367,7 @@ def test_auto_measures_only_sizes_that_could_pay():
     # size 8: optimistic 1.5 / (1 + 2 * 8/16) = 0.75; size 2: 1.5 / 1.25 = 1.2 >= 1.1: measure size 2
     choice = policy.choose(ids, rule, 20)
     assert choice["tree"] == 2 and choice["exploring"] and choice["controller"].plain_first == 1  # refresh
+    assert choice["controller"].prior_tau == 1.5  # size 16's tau bounds it: judged by the strict rule
     policy.record_cost(key, 2, 1.3)
     policy.observed[(2, "greedy", 4)] = Observed(tokens=110, row_steps=100)  # 1.1 / 1.3: no
     choice = policy.choose(ids, rule, 20)
