@@ -17,7 +17,8 @@ thrown away:
   from plain steps, each tree size's step cost from its drafted steps, each the median of the last
   :data:`COST_SAMPLES` calls' medians. A bucket never served starts from the costs of one at the
   same batch bucket and a prompt length within a factor :data:`BORROW_LENGTHS`, if any.
-- **Calibration inside the call**: in a bucket whose plain cost is unknown the call starts with
+- **Calibration inside the call** (a size that lost at a smaller batch bucket is not explored at a
+  larger one, where it can only lose more): in a bucket whose plain cost is unknown the call starts with
   :data:`PLAIN_STEPS` plain steps, and a drafting call opens with one plain step while the plain
   cost has few samples or none recent (:data:`REFRESH_PLAIN`), since every size is judged against
   it; a tree size whose cost is unknown in the bucket is tried (the largest that could pay first)
@@ -208,9 +209,16 @@ class SpeculationPolicy:
         plain = self.step_costs.get((key, 0))
         taus, evidence = self.taus(rule.key, key[0]), self.evidence(rule.key, key[0])
         measured = [size for size in self.sizes if (key, size) in self.step_costs and evidence[size]]
-        explore = self._worth_measuring(key, plain, taus, measured)
-        if plain is None and explore is None:  # sizes measured but no plain step yet: this call measures one
-            explore = max(self.sizes)
+        ruled_out = {size for size in self.sizes
+                     if size not in measured and self._loses_at_smaller_batch(key, size, rule.key)}
+        explore = self._worth_measuring(key, plain, taus, measured, ruled_out)
+        if plain is None and explore is None:  # no plain step yet: this call measures one (and a size, if any may pay)
+            hopeful = [size for size in self.sizes if size not in ruled_out]
+            explore = max(hopeful) if hopeful else None
+            if explore is None:
+                return {**base, "tree": 0, "controller": CallController(None, 0), "exploring": False,
+                        "plain_step_ms": None, "learns": True,
+                        "reason": "every size loses at a smaller batch size already: plain steps"}
         short = max_new_tokens is not None and max_new_tokens < MIN_LEARN_TOKENS
         base["learns"] = not short
         if explore is not None and short:  # too short to judge a size on: plain steps (which measure plain)
@@ -245,7 +253,25 @@ class SpeculationPolicy:
             "exploring": bool(chosen) and predicted[chosen] < self.margin, "margin": self.margin,
         }
 
-    def _worth_measuring(self, key, plain: float | None, taus: dict, measured: list[int]) -> int | None:
+    def _loses_at_smaller_batch(self, key, size: int, rule_key: str) -> bool:
+        """True when ``size`` was measured at a smaller batch bucket (prompt length within
+        :data:`BORROW_LENGTHS`, same rule, at least :data:`SWITCH_STEPS` drafted steps) and did not
+        beat plain decoding there: a larger batch only makes each drafted node dearer and the slowest
+        row slower, so it cannot pay here either and is not explored."""
+        for (other, other_size), cost in self.step_costs.items():
+            if other_size != size or other[0] >= key[0]:
+                continue
+            if max(other[1], key[1]) > BORROW_LENGTHS * min(other[1], key[1]):
+                continue
+            plain, record = self.step_costs.get((other, 0)), self.observed.get((size, rule_key, other[0]))
+            if plain is None or record is None or record.row_steps < SWITCH_STEPS:
+                continue
+            if record.tau * plain / max(cost, 1e-12) < 1.0:
+                return True
+        return False
+
+    def _worth_measuring(self, key, plain: float | None, taus: dict, measured: list[int],
+                         ruled_out: set = frozenset()) -> int | None:
         """The largest size not yet ``measured`` (a step cost in bucket ``key`` and tau seen under
         this rule and batch bucket) that could beat plain decoding by ``margin``, or None. Without a
         plain cost, the largest such size. Otherwise each is judged optimistically: its tau as the
@@ -254,7 +280,7 @@ class SpeculationPolicy:
         decoding and the next larger size with a cost (drafting costs do not shrink with ``n``, so
         that underestimates); a size with neither a cost nor a larger one with a cost is worth trying."""
         for size in sorted(self.sizes, reverse=True):
-            if size in measured:
+            if size in measured or size in ruled_out:
                 continue
             if plain is None:
                 return size

@@ -519,3 +519,27 @@ def test_a_short_call_neither_explores_nor_teaches():
     assert choice["tree"] == 4 and not choice["learns"]  # measured and good: a short call may draft ...
     policy.observe(choice, DecodeStats(steps=[(True, 1.0, 1, 1)] * 3, row_drafted=[[3, 3]]))
     assert policy.observed[(4, "greedy", 1)] == Observed(tokens=300, row_steps=100)  # ... but teaches nothing
+
+
+def test_a_size_that_lost_at_a_smaller_batch_is_not_explored_at_a_larger_one():
+    """Drafting only gets dearer per row as the batch grows: a size well measured as slower than
+    plain decoding at batch bucket 1 is not explored at batch 8 (same prompt lengths), while one that
+    paid there is; with every size ruled out, a new bucket runs plain steps."""
+    from types import SimpleNamespace
+
+    from heads.policy import Observed, SpeculationPolicy
+
+    policy, rule = SpeculationPolicy((4, 16)), SimpleNamespace(key="greedy")
+    small = policy.key(torch.ones(1, 20, dtype=torch.long))
+    for size, cost in ((0, 1.0), (4, 1.4), (16, 2.5)):
+        policy.record_cost(small, size, cost)
+    policy.observed[(4, "greedy", 1)] = Observed(tokens=200, row_steps=100)  # 2.0 / 1.4: pays
+    policy.observed[(16, "greedy", 1)] = Observed(tokens=220, row_steps=100)  # 2.2 / 2.5: loses
+    batch = torch.ones(8, 20, dtype=torch.long)
+    choice = policy.choose(batch, rule, 48)
+    assert choice["tree"] == 4 and choice["exploring"]
+    policy.observed[(4, "greedy", 1)] = Observed(tokens=120, row_steps=100)  # now 4 loses too
+    choice = policy.choose(batch, rule, 48)
+    assert choice["tree"] == 0 and "smaller batch" in choice["reason"]
+    far = torch.ones(8, 200, dtype=torch.long)  # prompt lengths 16x apart: nothing carries over
+    assert policy.choose(far, rule, 48)["tree"] == 16
