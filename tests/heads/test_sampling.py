@@ -207,3 +207,50 @@ def test_batched_sampling_matches_the_target_in_every_row(model, spec, eagle_spe
         chosen.set_tree(16)
     pvalue = chi_square_pvalue(batched_samples(chosen, **settings), exact_joint(model, **settings))
     assert pvalue > FALSE_ALARM, pvalue
+
+
+def auto_samples(spec, mixed: bool, runs=RUNS, **settings) -> list[tuple[int, int, int]]:
+    """Samples of ``speculate="auto"`` calls of 3 tokens. ``mixed``: the policy is set up so that each
+    call takes one plain step (refreshing its plain cost), then a drafted one; otherwise every step
+    after the prefill is a plain step (roots only)."""
+    generator = torch.Generator().manual_seed(3)
+    spec.generate(PROMPT, max_new_tokens=1, do_sample=True, speculate="auto", **settings)
+    rule = spec.last_stats.speculation["rule"]  # the key the policy files these settings' tau under
+    samples = []
+    for _ in range(runs):
+        policy = spec.policy
+        policy.step_costs.clear(), policy.cost_samples.clear(), policy.observed.clear()
+        key = policy.key(PROMPT)
+        policy.record_cost(key, 0, 1.0)
+        for size in policy.sizes:
+            policy.record_cost(key, size, 1.0 if mixed else 1e9)
+            policy.observed[(size, rule, 1)] = heads.policy.Observed(tokens=300, row_steps=100)
+        output = spec.generate(PROMPT, max_new_tokens=3, do_sample=True, generator=generator,
+                               speculate="auto", **settings)
+        steps = [step[0] for step in spec.last_stats.steps]
+        assert steps == ([False, True] if mixed else [False, False]), steps
+        samples.append(tuple(output[0, -3:].tolist()))
+    return samples
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain-steps", "plain-then-drafted"])
+def test_auto_plain_steps_sample_the_target(model, spec, mixed):
+    """Plain steps inside the loop (one batched draw per step) and plain steps followed by a drafted
+    one (the drafter then sees both steps' tokens) follow the target's distribution."""
+    settings = dict(temperature=0.7, top_k=8)
+    spec.set_tree(16)
+    pvalue = chi_square_pvalue(auto_samples(spec, mixed, **settings), exact_joint(model, **settings))
+    assert pvalue > FALSE_ALARM, pvalue
+
+
+def test_a_wrong_plain_step_draw_is_caught(model, spec, monkeypatch):
+    """The same test fails when a plain step draws from the unwarped distribution."""
+    settings = dict(temperature=0.5, top_k=0)
+
+    def unwarped(self, logits):
+        return torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=self.generator)[:, 0]
+
+    monkeypatch.setattr(SamplingRule, "first_tokens", unwarped)
+    spec.set_tree(16)
+    pvalue = chi_square_pvalue(auto_samples(spec, False, **settings), exact_joint(model, **settings))
+    assert pvalue < FALSE_ALARM, pvalue
