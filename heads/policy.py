@@ -101,6 +101,7 @@ class CallController:
         self.plain_first = PLAIN_STEPS if plain_cost is None else int(refresh)
         self.switched_at: int | None = None  # drafted steps when drafting stopped
         self.realized: float | None = None
+        self.drafted: list[float] = []  # seconds of this call's drafted steps so far
 
     def __call__(self, decoder) -> bool:
         stats = decoder.stats
@@ -109,28 +110,28 @@ class CallController:
             return False
         if len(stats.steps) < self.plain_first:
             return False
-        drafted = [step for step in stats.steps if step[0]]
-        if len(drafted) >= SWITCH_STEPS:
-            plain = self.plain_cost
-            if plain is None:
-                plain = statistics.median(step[1] for step in stats.steps if not step[0])
-            tau = stats.slowest_row_tau(self.prior_tau, PRIOR_STEPS if self.prior_tau is not None else 0.0)
-            self.realized = tau * plain / step_cost(drafted)
+        if self.plain_cost is None:  # the call's opening plain steps are this bucket's first measure
+            self.plain_cost = statistics.median(step[1] for step in stats.steps)
+        if stats.steps and stats.steps[-1][0]:
+            self.drafted.append(stats.steps[-1][1])
+        if len(self.drafted) >= SWITCH_STEPS:
+            tau = stats.slowest_row_tau(self.prior_tau, PRIOR_STEPS)
+            self.realized = tau * self.plain_cost / step_cost(self.drafted)
             if self.prior_tau is not None:
                 below = SWITCH_BELOW
             else:
-                below = EXPLORE_BELOW[1] if len(drafted) >= 2 * SWITCH_STEPS else EXPLORE_BELOW[0]
+                below = EXPLORE_BELOW[1] if len(self.drafted) >= 2 * SWITCH_STEPS else EXPLORE_BELOW[0]
             if self.realized < below:
-                self.switched_at = len(drafted)
+                self.switched_at = len(self.drafted)
                 decoder.drafting = False
                 return False
         return True
 
 
-def step_cost(drafted: list[tuple]) -> float:
-    """Median seconds of drafted steps ``(drafted, seconds, tokens, rows)``, the first left out when
-    there are others (it also feeds the drafter the prompt)."""
-    return max(1e-12, statistics.median(step[1] for step in (drafted[1:] or drafted)))
+def step_cost(seconds: list[float]) -> float:
+    """Median seconds of drafted steps, the first left out when there are others (it also feeds
+    the drafter the prompt)."""
+    return max(1e-12, statistics.median(seconds[1:] or seconds))
 
 
 @dataclass
@@ -202,11 +203,17 @@ class SpeculationPolicy:
         base = {"policy": "auto", "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1]}
         refresh = (len(self.cost_samples.get((key, 0), ())) < COST_SAMPLES
                    or self.since_plain.get(key, 0) >= REFRESH_PLAIN)
-        if max_new_tokens is not None and max_new_tokens <= 1:
-            return {**base, "tree": 0, "controller": CallController(None, 0),
-                    "reason": f"room for {max(max_new_tokens, 0)} new token(s): nothing to speculate on"}
         self._borrow_costs(key)
         plain = self.step_costs.get((key, 0))
+
+        def plain_steps(reason: str | None = None, **extra) -> dict:
+            """No drafting in this call: plain steps only (they refine the plain cost)."""
+            return {**base, "tree": 0, "controller": CallController(plain, 0), "exploring": False,
+                    "plain_step_ms": None if plain is None else 1000 * plain,
+                    **({} if reason is None else {"reason": reason}), **extra}
+
+        if max_new_tokens is not None and max_new_tokens <= 1:
+            return plain_steps(f"room for {max(max_new_tokens, 0)} new token(s): nothing to speculate on")
         taus, evidence = self.taus(rule.key, key[0]), self.evidence(rule.key, key[0])
         measured = [size for size in self.sizes if (key, size) in self.step_costs and evidence[size]]
         ruled_out = {size for size in self.sizes
@@ -216,17 +223,13 @@ class SpeculationPolicy:
             hopeful = [size for size in self.sizes if size not in ruled_out]
             explore = max(hopeful) if hopeful else None
             if explore is None:
-                return {**base, "tree": 0, "controller": CallController(None, 0), "exploring": False,
-                        "plain_step_ms": None, "learns": True,
-                        "reason": "every size loses at a smaller batch size already: plain steps"}
+                return plain_steps("every size loses at a smaller batch size already: plain steps")
         short = max_new_tokens is not None and max_new_tokens < MIN_LEARN_TOKENS
         base["learns"] = not short
         if explore is not None and short:  # too short to judge a size on: plain steps (which measure plain)
             if plain is None or not measured:
-                return {**base, "tree": 0, "controller": CallController(plain, 0), "exploring": False,
-                        "plain_step_ms": None if plain is None else 1000 * plain,
-                        "reason": f"{max_new_tokens} new tokens: too few to measure a tree size on "
-                                  f"(at least {MIN_LEARN_TOKENS}); plain steps"}
+                return plain_steps(f"{max_new_tokens} new tokens: too few to measure a tree size on "
+                                   f"(at least {MIN_LEARN_TOKENS}); plain steps")
             explore = None
         if explore is not None:  # measured on this call's own steps (the mid-call switch bounds the cost)
             prior = (self.observed.get((explore, rule.key, key[0])) or Observed()).tau
@@ -239,8 +242,7 @@ class SpeculationPolicy:
                     "reason": f"{explore} drafted nodes not measured yet at this batch size, prompt length and "
                               "sampling setting: measured on this call"}
         if not measured:  # every size ruled out without measuring it: plain decoding
-            return {**base, "tree": 0, "controller": CallController(plain, 0), "plain_step_ms": 1000 * plain,
-                    "predicted_speedup": {}, "upper_bound": {}, "exploring": False, "margin": self.margin}
+            return plain_steps(predicted_speedup={}, upper_bound={}, margin=self.margin)
         predicted = {size: taus[size] * plain / self.step_costs[(key, size)] for size in measured}
         bound = {size: predicted[size] * (1 + EXPLORE / max(1, evidence[size]) ** 0.5) for size in measured}
         best = max(bound, key=bound.get)
@@ -310,7 +312,7 @@ class SpeculationPolicy:
         self.since_plain[key] = 0 if plain else self.since_plain.get(key, 0) + 1
         tau = stats.slowest_row_tau()
         if drafted and size and tau is not None and choice.get("learns", True):
-            self.record_cost(key, size, step_cost(drafted))
+            self.record_cost(key, size, step_cost([step[1] for step in drafted]))
             record = self.observed.setdefault((size, choice["rule"], key[0]), Observed())
             record.tokens += tau * len(drafted)
             record.row_steps += len(drafted)

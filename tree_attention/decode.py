@@ -161,9 +161,8 @@ class DecodeStats:
         """Tokens per drafted step of the row that advanced slowest (a batch call lasts as long as
         its slowest row), each row's rate blended with ``prior`` worth ``weight`` steps; None
         before any drafted step."""
-        rates = [(tokens + (prior or 0.0) * weight) / (steps + weight)
-                 for tokens, steps in self.row_drafted if steps] if prior is not None else \
-            [tokens / steps for tokens, steps in self.row_drafted if steps]
+        prior, weight = (0.0, 0.0) if prior is None else (prior, weight)
+        rates = [(tokens + prior * weight) / (steps + weight) for tokens, steps in self.row_drafted if steps]
         return min(rates) if rates else None
 
     @property
