@@ -86,14 +86,21 @@ def stack_acceptances(acceptances: list[Acceptance], device) -> BatchAcceptance:
                            torch.tensor([a.next_token for a in acceptances], device=device))
 
 
+def roots_acceptance(next_tokens: torch.Tensor) -> BatchAcceptance:
+    """The outcome of a step that drafted nothing: every row keeps its root and commits
+    ``next_tokens`` ``[R]``."""
+    rows, device = int(next_tokens.shape[0]), next_tokens.device
+    return BatchAcceptance(torch.zeros(rows, 1, dtype=torch.long, device=device),
+                           torch.ones(rows, dtype=torch.long, device=device), next_tokens)
+
+
 def greedy_accept_batch(trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
     """Greedy acceptance of every row at once, with no per-row Python: ``logits`` ``[R, N, V]``.
     Equal to :func:`greedy_accept` row by row (ties between equally deep paths go to the lower index)."""
     rows, width = trees.tokens.shape
     target = logits.argmax(dim=-1)  # (R, N)
     if width == 1:  # roots only: nothing drafted
-        zeros = torch.zeros(rows, 1, dtype=torch.long, device=target.device)
-        return BatchAcceptance(zeros, torch.ones(rows, dtype=torch.long, device=target.device), target[:, 0])
+        return roots_acceptance(target[:, 0])
     correct = trees.tokens == target.gather(1, trees.parents.clamp(min=0))
     correct[:, 0] = True
     if not trees.uniform:
@@ -279,10 +286,7 @@ class SamplingRule(AcceptanceRule):
 
     def accept_batch(self, trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
         if trees.width == 1 and self.lossless:  # roots only, a plain step: each row's next token drawn from p
-            rows = logits.shape[0]
-            return BatchAcceptance(torch.zeros(rows, 1, dtype=torch.long, device=logits.device),
-                                   torch.ones(rows, dtype=torch.long, device=logits.device),
-                                   self.first_tokens(logits[:, 0]))
+            return roots_acceptance(self.first_tokens(logits[:, 0]))
         return super().accept_batch(trees, logits)
 
 
