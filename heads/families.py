@@ -56,6 +56,61 @@ def check_eagle_layout(backbone, layout: str) -> None:
         )
 
 
+LEAN_DECODER_FAMILIES = ("llama", "mistral", "qwen2")
+"""Families whose decoder layer is exactly the computation :class:`heads.lean.LeanDecoder` writes
+out: pre-norm residual attention (separate ``q/k/v/o_proj``, half-split rotary, no query/key norms,
+no attention soft-capping, ``scaling`` as the softmax scale) and a pre-norm residual MLP."""
+
+
+def _rms_norm_or_identity(module: nn.Module) -> bool:
+    """An identity, or an RMS norm that scales by ``weight`` (not ``1 + weight``) after
+    normalising in float32 with ``variance_epsilon``: the Llama, Mistral and Qwen2 norms."""
+    if isinstance(module, nn.Identity):
+        return True
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, nn.Parameter) and weight.dim() == 1
+            and isinstance(getattr(module, "variance_epsilon", None), float) and not list(module.children()))
+
+
+def lean_decoder_ok(decoder: nn.Module) -> bool:
+    """True when a drafter's decoder copy may run through :class:`heads.lean.LeanDecoder`: a family
+    of :data:`LEAN_DECODER_FAMILIES` with exactly the expected modules in every layer."""
+    config = getattr(decoder, "config", None)
+    if getattr(config, "model_type", None) not in LEAN_DECODER_FAMILIES:
+        return False
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return False
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        return False
+    if not all(isinstance(getattr(decoder, name, None), nn.Module) for name in ("norm", "rotary_emb")):
+        return False
+    if not _rms_norm_or_identity(decoder.norm):
+        return False
+    for layer in layers:
+        attention = getattr(layer, "self_attn", None)
+        if not all(isinstance(getattr(layer, name, None), nn.Module)
+                   for name in ("input_layernorm", "post_attention_layernorm", "mlp")):
+            return False
+        if not all(isinstance(getattr(attention, name, None), nn.Linear) for name in ("q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj")):
+            return False
+        if any(hasattr(attention, name) for name in ("q_norm", "k_norm")):
+            return False
+        mlp = layer.mlp
+        if not all(isinstance(getattr(mlp, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")):
+            return False
+        if not callable(getattr(mlp, "act_fn", None)) or set(name for name, _ in mlp.named_children()) - {
+                "gate_proj", "up_proj", "down_proj", "act_fn"}:
+            return False
+        if not all(_rms_norm_or_identity(norm) for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return False
+        if not isinstance(getattr(attention, "head_dim", None), int) or not isinstance(
+                getattr(attention, "scaling", None), float):
+            return False
+    return True
+
+
 def position_limit(backbone) -> int | None:
     """The number of positions a family with a learned position table (GPT-2's ``wpe``: an
     ``nn.Embedding`` of ``max_position_embeddings`` rows on the base model) can embed; position

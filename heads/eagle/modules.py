@@ -56,7 +56,8 @@ from tree_attention import cache as cache_ops
 from tree_attention.mask import AttentionMask, layout_masks
 
 from ..backbone import Backbone, attention_layout
-from ..families import check_eagle_layout, decoder_copy, eagle3_parts, rotary_attention
+from ..families import check_eagle_layout, decoder_copy, eagle3_parts, lean_decoder_ok, rotary_attention
+from ..lean import LeanDecoder
 from .config import EagleConfig
 
 
@@ -155,6 +156,7 @@ class EagleHeads(nn.Module):
             self.projection = nn.Linear(2 * hidden, hidden)
             self.decoder = decoder_copy(target, config.num_layers, config.layout)
             self._cache_keyword = cache_ops.cache_keyword(self.decoder)
+        self._lean = LeanDecoder(self.decoder) if self.projection is not None and lean_decoder_ok(self.decoder) else None
         self.layout = attention_layout(self.decoder.config)
         if config.parallel > 1:  # the inputs of parallel drafting's mask queries (set from data by EagleLoss)
             self.mask_embedding = nn.Parameter(torch.zeros(hidden))
@@ -216,6 +218,8 @@ class EagleHeads(nn.Module):
         if self.projection is None:
             return self.decoder(features, token_embeddings, position_ids, attention_mask, cache)
         inputs = self.projection(torch.cat([token_embeddings, features], dim=-1))  # (B, T, d)
+        if self._lean is not None and not torch.is_grad_enabled():
+            return self._lean(inputs, position_ids, attention_mask, cache)
         outputs = self.decoder(inputs_embeds=inputs, position_ids=position_ids, attention_mask=attention_mask,
                                use_cache=cache is not None, **{self._cache_keyword: cache})
         return outputs.last_hidden_state

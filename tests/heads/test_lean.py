@@ -1,0 +1,101 @@
+"""The lean drafter forward (heads/lean.py) equals the decoder copy's public forward: same outputs,
+same cache entries, for every family it accepts and both layouts it serves; other families keep the
+public forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import heads
+from tests.conftest import build_model
+from tree_attention import cache as cache_ops
+from tree_attention.mask import layout_masks
+
+LEAN_FAMILIES = ("llama", "llama-tied", "mistral", "qwen2")
+
+
+def _masks(heads_module, committed: int, new: int, tree: bool):
+    """A causal prefill over ``committed`` pairs, or ``new`` tree queries (siblings at one depth,
+    each seeing the cache and itself) over a cache of ``committed``."""
+    if not tree:
+        visible = torch.ones(1, committed, committed, dtype=torch.bool).tril_()
+        positions = torch.arange(committed)[None]
+        return positions, layout_masks(visible, positions, positions, heads_module.layout, torch.float32)
+    visible = torch.cat([torch.ones(1, new, committed, dtype=torch.bool),
+                         torch.eye(new, dtype=torch.bool)[None]], dim=2)
+    queries = torch.full((1, new), committed)
+    keys = torch.cat([torch.arange(committed)[None], queries], dim=1)
+    return queries, layout_masks(visible, queries, keys, heads_module.layout, torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["native", "eagle1"])
+@pytest.mark.parametrize("name", LEAN_FAMILIES)
+def test_lean_forward_equals_the_decoders_forward(name, layout):
+    model = build_model(name)
+    drafter = heads.attach_heads(model, kind="eagle", layout=layout, num_layers=2).heads
+    assert drafter._lean is not None
+    torch.manual_seed(0)
+    for parameter in drafter.parameters():  # trained-looking weights, not the zero/identity init
+        torch.nn.init.normal_(parameter, std=0.3)
+    committed, new, d = 20, 3, drafter.hidden_size
+    features, embeddings = torch.randn(1, committed + new, d), torch.randn(1, committed + new, d)
+    outputs, caches = {}, {}
+    lean = drafter._lean
+    for mode in ("public", "lean"):
+        drafter._lean = lean if mode == "lean" else None
+        cache = cache_ops.new_cache()
+        with torch.no_grad():
+            positions, mask = _masks(drafter, committed, new, tree=False)
+            first = drafter.step(features[:, :committed], embeddings[:, :committed], positions, mask, cache)
+            positions, mask = _masks(drafter, committed, new, tree=True)
+            second = drafter.step(features[:, committed:], embeddings[:, committed:], positions, mask, cache)
+        outputs[mode], caches[mode] = (first, second), cache
+    for public, lean_output in zip(outputs["public"], outputs["lean"]):
+        torch.testing.assert_close(lean_output, public, rtol=1e-5, atol=1e-5)
+    for public_layer, lean_layer in zip(caches["public"].layers, caches["lean"].layers):
+        torch.testing.assert_close(lean_layer.keys, public_layer.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lean_layer.values, public_layer.values, rtol=1e-5, atol=1e-5)
+
+
+def test_lean_forward_is_inference_only():
+    """With gradients on (training) the decoder's own forward runs, so its autograd graph is the
+    library's; the lean one is never called."""
+    model = build_model("llama")
+    drafter = heads.attach_heads(model, kind="eagle").heads
+    calls = []
+    original = drafter._lean
+    drafter._lean = lambda *args: calls.append(1) or original(*args)
+    features = torch.randn(1, 4, drafter.hidden_size)
+    positions, mask = _masks(drafter, 4, 0, tree=False)
+    drafter.step(features, features, positions, mask, cache_ops.new_cache()).sum().backward()
+    assert not calls and drafter.projection.weight.grad is not None
+    with torch.no_grad():
+        drafter.step(features, features, positions, mask, cache_ops.new_cache())
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "phi3", "gemma2"])
+def test_other_families_keep_the_public_forward(name):
+    drafter = heads.attach_heads(build_model(name), kind="eagle").heads
+    assert drafter._lean is None
+
+
+def test_a_rotary_table_grows_past_its_first_size():
+    """Positions beyond the first cached rotary table (256) are rotated like the model does."""
+    model = build_model("llama")
+    drafter = heads.attach_heads(model, kind="eagle").heads
+    torch.manual_seed(1)
+    for parameter in drafter.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    inputs = torch.randn(1, 2, drafter.hidden_size)
+    lean = drafter._lean
+    for positions in (torch.tensor([[3, 4]]), torch.tensor([[300, 301]])):
+        visible = torch.ones(1, 2, 2, dtype=torch.bool).tril_()
+        mask = layout_masks(visible, positions, positions, drafter.layout, torch.float32)
+        with torch.no_grad():
+            drafter._lean = lean
+            fast = drafter.step(inputs, inputs, positions, mask, None)
+            drafter._lean = None
+            slow = drafter.step(inputs, inputs, positions, mask, None)
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
