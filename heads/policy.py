@@ -7,11 +7,14 @@ batch 1 a small model's forward is overhead-bound and extra nodes are nearly fre
 the verify forward becomes compute-bound, ``t_step`` grows with ``B x (n + 1)`` and the win
 shrinks, then turns into a loss.
 
-Every ``auto`` call runs in the speculative loop, which decides before each step whether to draft
-(:class:`CallController`); a step that drafts nothing verifies each row's root alone, a plain
-decoding step (on the shipped targets the loop's plain steps are as fast as the backbone's own
-``generate``, token for token the same). So nothing is measured off to the side and no token is
-thrown away:
+Every ``auto`` call that may draft runs in the speculative loop, which decides before each step
+whether to draft (:class:`CallController`); a step that drafts nothing verifies each row's root
+alone, a plain decoding step, token for token the same as the backbone's own ``generate``. So
+nothing is measured off to the side and no token is thrown away. A call chosen to draft nothing at
+all (``"delegate"``) runs the backbone's own ``generate`` instead: on the shipped targets a plain
+step of the loop costs 5-7% more than one of ``generate`` (its 4D mask, bookkeeping and per-row
+commit), which is what kept such calls near 0.95x (:attr:`SpeculationPolicy.delegate_plain`; plain
+steps that measure a bucket's plain cost stay in the loop):
 
 - **Costs** are kept per (batch size, prompt length) bucket (powers of two): the plain step cost
   from plain steps, each tree size's step cost from its drafted steps, each the median of the last
@@ -145,6 +148,7 @@ class SpeculationPolicy:
     cost_samples: dict = field(default_factory=dict)  # same keys -> the last COST_SAMPLES measurements
     observed: dict = field(default_factory=dict)  # (n, rule key, B bucket) -> Observed (slowest row's)
     since_plain: dict = field(default_factory=dict)  # bucket -> calls since its last plain-cost sample
+    delegate_plain: bool = True  # a call that drafts nothing runs the backbone's own generate
 
     def __post_init__(self) -> None:
         if not self.sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.sizes):
@@ -206,14 +210,17 @@ class SpeculationPolicy:
         self._borrow_costs(key)
         plain = self.step_costs.get((key, 0))
 
-        def plain_steps(reason: str | None = None, **extra) -> dict:
-            """No drafting in this call: plain steps only (they refine the plain cost)."""
+        def plain_steps(reason: str | None = None, measure: bool = False, **extra) -> dict:
+            """No drafting in this call: the backbone's own ``generate`` (``"delegate"``), or plain
+            steps in the loop when they are to measure the bucket's plain cost (``measure``)."""
             return {**base, "tree": 0, "controller": CallController(plain, 0), "exploring": False,
+                    "delegate": self.delegate_plain and not measure,
                     "plain_step_ms": None if plain is None else 1000 * plain,
                     **({} if reason is None else {"reason": reason}), **extra}
 
         if max_new_tokens is not None and max_new_tokens <= 1:
-            return plain_steps(f"room for {max(max_new_tokens, 0)} new token(s): nothing to speculate on")
+            return plain_steps(f"room for {max(max_new_tokens, 0)} new token(s): nothing to speculate on",
+                               measure=True)
         taus, evidence = self.taus(rule.key, key[0]), self.evidence(rule.key, key[0])
         measured = [size for size in self.sizes if (key, size) in self.step_costs and evidence[size]]
         ruled_out = {size for size in self.sizes
@@ -229,7 +236,7 @@ class SpeculationPolicy:
         if explore is not None and short:  # too short to judge a size on: plain steps (which measure plain)
             if plain is None or not measured:
                 return plain_steps(f"{max_new_tokens} new tokens: too few to measure a tree size on "
-                                   f"(at least {MIN_LEARN_TOKENS}); plain steps")
+                                   f"(at least {MIN_LEARN_TOKENS}); plain steps", measure=plain is None)
             explore = None
         if explore is not None:  # measured on this call's own steps (the mid-call switch bounds the cost)
             prior = (self.observed.get((explore, rule.key, key[0])) or Observed()).tau
@@ -249,6 +256,7 @@ class SpeculationPolicy:
         chosen = best if bound[best] >= self.margin else 0
         return {
             **base, "tree": chosen, "controller": CallController(plain, chosen, taus.get(chosen), refresh),
+            "delegate": self.delegate_plain and not chosen,
             "plain_step_ms": 1000 * plain,
             "step_ms": {size: 1000 * self.step_costs[(key, size)] for size in measured},
             "tau": taus, "row_steps": evidence, "predicted_speedup": predicted, "upper_bound": bound,

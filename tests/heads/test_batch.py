@@ -207,7 +207,14 @@ def test_speculate_auto_records_its_choice_and_stays_identical():
     output = spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto")
     assert torch.equal(output, expected)
     assert spec.last_stats.speculation["tree"] == 0 and spec.last_stats.tree_size == 1
+    assert spec.last_stats.speculation["delegate"]  # drafting nothing: the backbone's own generate ran it
     assert not any(step[0] for step in spec.last_stats.steps)
+    spec.policy.delegate_plain = False  # ... or the loop's plain steps
+    output = spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto")
+    assert torch.equal(output, expected)
+    assert spec.last_stats.speculation["tree"] == 0 and not spec.last_stats.speculation["delegate"]
+    assert spec.last_stats.steps and not any(step[0] for step in spec.last_stats.steps)
+    spec.policy.delegate_plain = True
     spec.policy.margin = 1.0
     spec.policy.observed.clear()
     spec.policy.observed.update({(size, "greedy", 4): heads.policy.Observed(tokens=100 * size, row_steps=100)

@@ -209,10 +209,11 @@ def test_batched_sampling_matches_the_target_in_every_row(model, spec, eagle_spe
     assert pvalue > FALSE_ALARM, pvalue
 
 
-def auto_samples(spec, mixed: bool, runs=RUNS, **settings) -> list[tuple[int, int, int]]:
+def auto_samples(spec, mixed: bool, runs=RUNS, delegate: bool = False, **settings) -> list[tuple[int, int, int]]:
     """Samples of ``speculate="auto"`` calls of 3 tokens. ``mixed``: the policy is set up so that each
     call takes one plain step (refreshing its plain cost), then a drafted one; otherwise every step
-    after the prefill is a plain step (roots only)."""
+    after the prefill is a plain step (roots only), or with ``delegate`` the call is the backbone's
+    own ``generate`` seeded from the call's generator."""
     generator = torch.Generator().manual_seed(3)
     spec.generate(PROMPT, max_new_tokens=1, do_sample=True, speculate="auto", **settings)
     rule = spec.last_stats.speculation["rule"]  # the key the policy files these settings' tau under
@@ -220,6 +221,7 @@ def auto_samples(spec, mixed: bool, runs=RUNS, **settings) -> list[tuple[int, in
     for _ in range(runs):
         policy = spec.policy
         policy.step_costs.clear(), policy.cost_samples.clear(), policy.observed.clear()
+        policy.delegate_plain = delegate  # plain steps in the loop, or the backbone's generate
         key = policy.key(PROMPT)
         policy.record_cost(key, 0, 1.0)
         for size in policy.sizes:
@@ -228,7 +230,8 @@ def auto_samples(spec, mixed: bool, runs=RUNS, **settings) -> list[tuple[int, in
         output = spec.generate(PROMPT, max_new_tokens=3, do_sample=True, generator=generator,
                                speculate="auto", **settings)
         steps = [step[0] for step in spec.last_stats.steps]
-        assert steps == ([False, True] if mixed else [False, False]), steps
+        assert steps == ([] if delegate else [False, True] if mixed else [False, False]), steps
+        assert bool(spec.last_stats.speculation.get("delegate")) == delegate
         samples.append(tuple(output[0, -3:].tolist()))
     return samples
 
@@ -241,6 +244,19 @@ def test_auto_plain_steps_sample_the_target(model, spec, mixed):
     spec.set_tree(16)
     pvalue = chi_square_pvalue(auto_samples(spec, mixed, **settings), exact_joint(model, **settings))
     assert pvalue > FALSE_ALARM, pvalue
+
+
+def test_auto_calls_run_by_the_backbones_generate_sample_the_target(model, spec):
+    """A call that drafts nothing runs the backbone's own generate, seeded from the call's generator:
+    its samples follow the target's distribution too (and the same generator state repeats them)."""
+    settings = dict(temperature=0.7, top_k=8)
+    spec.set_tree(16)
+    samples = auto_samples(spec, False, delegate=True, **settings)
+    assert len(set(samples)) > 1  # the seed moves with the generator from call to call
+    pvalue = chi_square_pvalue(samples, exact_joint(model, **settings))
+    assert pvalue > FALSE_ALARM, pvalue
+    again = auto_samples(spec, False, runs=5, delegate=True, **settings)
+    assert again == samples[:5]
 
 
 def test_a_wrong_plain_step_draw_is_caught(model, spec, monkeypatch):
