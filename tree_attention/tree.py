@@ -391,3 +391,23 @@ def truncate_depth(tree: Tree, max_depth: int) -> Tree:
     parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
     draft_probs = tree.draft_probs[keep] if tree.draft_probs is not None else None
     return Tree(tree.tokens[keep], parents, tree.depths[keep], tree.ancestors[keep][:, keep], draft_probs)
+
+
+def chain_batch(tokens: torch.Tensor, sizes: torch.Tensor, draws: list[torch.Tensor] | None) -> TreeBatch:
+    """Chains as a :class:`TreeBatch`: ``tokens`` ``[R, N]`` (roots first), ``sizes`` ``[R]`` real
+    nodes per row; ``draws[d - 1]`` ``[R, V]`` the distribution node ``d`` was drawn from (sampled
+    chains; the roots' rows of ``draft_probs`` are unused and zero)."""
+    rows, width = tokens.shape
+    columns = torch.arange(width, device=tokens.device)
+    real = columns[None, :] < sizes[:, None]  # (R, N)
+    parents = torch.where(real & (columns[None, :] > 0), columns[None, :] - 1, -1)
+    depths = torch.where(real, columns[None, :], 0)
+    lower = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril()
+    eye = torch.eye(width, dtype=torch.bool, device=tokens.device)
+    visibility = (lower[None] & real[:, None, :] & real[:, :, None]) | eye  # padding sees itself only
+    probs = None
+    if draws:
+        drawn = torch.stack(draws, dim=1)  # (R, N - 1, V)
+        probs = torch.cat([drawn.new_zeros(rows, 1, drawn.shape[-1]), drawn], dim=1) * real[..., None]
+    return TreeBatch(tokens.masked_fill(~real, 0), parents, depths, visibility, sizes, probs,
+                     uniform=bool((sizes == width).all()))

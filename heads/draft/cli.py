@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-k", type=int, default=None, help="children per expanded node of the dynamic tree")
     group.add_argument("--total-tokens", type=int, default=None, help="drafted nodes verified per step")
     group.add_argument("--confidence", type=float, default=None,
-                       help="draft chains stop below a node whose top probability is under this (default 0: never)")
+                       help="chains (--top-k 1) stop below a node whose drafter gives its top token less than this "
+                            "probability (default 0: never)")
     group.add_argument("--lora", action="store_true",
                        help="train a LoRA on the draft model (peft; shaped by --lora-r, --lora-alpha, --lora-targets) "
                             "instead of all its weights")

@@ -61,7 +61,7 @@ def options(args: argparse.Namespace) -> dict:
     return {"num_layers": args.num_layers, "depth": args.depth, "top_k": args.top_k,
             "total_tokens": args.total_tokens, "feature_layers": args.feature_layers,
             "draft_vocab_size": args.draft_vocab_size, "layout": args.eagle_layout,
-            "parallel": args.parallel}
+            "parallel": args.parallel, "confidence": getattr(args, "confidence", None)}
 
 
 def train_options(args: argparse.Namespace) -> dict:

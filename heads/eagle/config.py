@@ -61,6 +61,11 @@ class EagleConfig:
     candidates per depth, ``total_tokens`` nodes chosen best-first by measured (else prior)
     per-depth, per-rank accuracy. Adds the ``mask_embedding`` and ``mask_feature`` tensors."""
 
+    confidence: float = 0.0
+    """Chains (``top_k`` 1) only: a row's chain stops below a node whose drafter distribution gives
+    its top token less than this probability (like transformers' ``assistant_confidence_threshold``
+    and the draft kind's ``confidence``), so a deep chain costs its drafter forwards only where the
+    drafter is sure. 0: always ``depth`` nodes."""
     sample: str = "auto"
     """Candidates under lossless sampling (``do_sample=True``): ``auto`` (and ``always``, the same
     here) draws each expanded node's ``top_k`` children without replacement from the drafter's
@@ -80,6 +85,9 @@ class EagleConfig:
         _positive_int(self.top_k, "top_k")
         _positive_int(self.total_tokens, "total_tokens", low=0)
         _positive_int(self.parallel, "parallel")
+        if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) or \
+                not 0.0 <= self.confidence < 1.0:
+            raise ValueError(f"EagleConfig.confidence must be a probability in [0, 1); got {self.confidence!r}")
         if 0 < self.total_tokens < self.depth:
             raise ValueError(f"EagleConfig.total_tokens ({self.total_tokens}) must be >= depth ({self.depth}): a "
                              f"tree of {self.total_tokens} drafted nodes is at most {self.total_tokens} deep "

@@ -13,7 +13,7 @@ from tree_attention.decode import DraftBatch
 from tree_attention.mask import causal_visibility
 from tree_attention.dynamic import advance_growth, grow_dynamic_tree
 from tree_attention.sampled import draw_without_replacement, drawn_from, grow_sampled_tree
-from tree_attention.tree import Tree, TreeBatch
+from tree_attention.tree import Tree, TreeBatch, chain_batch
 
 from ..backbone import Backbone
 from ..families import position_limit
@@ -56,6 +56,7 @@ class EagleDrafter:
         self.heads = heads
         self.target = target
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
+        self.confidence = config.confidence
         self.sample = config.sample
         self.warp = self.generator = None
         self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
@@ -127,11 +128,48 @@ class EagleDrafter:
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> TreeBatch:
-        """One dynamic tree per row of ``batch``."""
+        """One chain (``top_k`` 1) or dynamic tree per row of ``batch``."""
         root_features = self._commit(batch)  # (R, d)
-        roots = batch.roots.tolist()
         self.cache.compact()
         draft_rows = self.heads.draft_rows(self.target)
+        if self.top_k == 1:
+            return self._chain(batch.roots.to(root_features.device), root_features, draft_rows)
+        return self._tree(batch.roots.tolist(), root_features, draft_rows)
+
+    def _chain(self, roots: torch.Tensor, features: torch.Tensor, draft_rows) -> TreeBatch:
+        """Every row's chain, one drafter forward per level for all rows, with no tree bookkeeping:
+        the same tokens as the dynamic tree of ``top_k`` 1 (its candidates, its draws), and a row
+        stops growing below a node whose drafter distribution is less sure than ``confidence``."""
+        rows, device = roots.shape[0], roots.device
+        limits = torch.tensor(self._row_depths(), device=device) if self.total_tokens else roots.new_zeros(rows)
+        depth = int(limits.max()) if rows else 0
+        tokens, draws = [roots], []
+        sizes = torch.ones(rows, dtype=torch.long, device=device)
+        growing = limits > 0
+        start = self.committed - 1  # (R,) the roots' positions
+        for level in range(1, depth + 1):
+            children, scores = self._children(features, draft_rows)  # (R, 1), (R, 1) or (R, 1, V)
+            token = children[:, 0]
+            if self.sampling:
+                draws.append(scores[:, 0])
+                sure = scores[:, 0].max(dim=-1).values
+            else:
+                sure = scores[:, 0].exp()
+            tokens.append(token)
+            sizes = sizes + growing.long()
+            growing = growing & (sure >= self.confidence) & (limits > level)
+            if level == depth or not bool(growing.any()):
+                break
+            positions = (start + level)[:, None]  # (R, 1)
+            keys = start[:, None] + torch.arange(1, level + 1, device=device)[None, :]  # this step's chain slots
+            visible = torch.ones(rows, 1, level, dtype=torch.bool, device=device)
+            mask = self.cache.mask(positions, visible, self.heads.layout, features.dtype, keys)
+            embeddings = self.target.input_embeddings(token[:, None])  # (R, 1, d)
+            features = self.heads.step(features[:, None], embeddings, positions, mask, self.cache.cache)[:, 0]
+        return chain_batch(torch.stack(tokens, dim=1), sizes, draws if self.sampling else None)
+
+    def _tree(self, roots: list[int], root_features: torch.Tensor, draft_rows) -> TreeBatch:
+        """One dynamic tree per row (EAGLE-2 growth, or sampled children), all rows in lockstep."""
         child_tokens, child_log_probs = self._children(root_features, draft_rows)
         count, device = len(roots), root_features.device
         depths = self._row_depths()

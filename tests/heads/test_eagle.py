@@ -473,3 +473,73 @@ def test_batched_drafter_grows_the_trees_of_batch_1_runs(trained):
     assert checker.compared > 20 and len(set(checker.accepted[len(prompts):])) >= 2  # ragged commits
     assert stats.mean_accepted > 1.5
     trained.set_tree(None)
+
+
+class TreePathDrafter(heads.eagle.EagleDrafter):
+    """The dynamic-tree path (EAGLE-2 growth) even for chains, to compare the chain path with."""
+
+    @torch.no_grad()
+    def propose(self, batch):
+        root_features = self._commit(batch)
+        self.cache.compact()
+        return self._tree(batch.roots.tolist(), root_features, self.heads.draft_rows(self.target))
+
+
+class ChainVsTree:
+    """Runs the chain path and the tree path side by side on the same batches (ragged rows)."""
+
+    def __init__(self, spec, shape) -> None:
+        config = spec.config.with_tree(shape)
+        self.chain = heads.eagle.EagleDrafter(spec.heads, spec.target, config)
+        self.tree = TreePathDrafter(spec.heads, spec.target, config)
+        self.compared = 0
+
+    def reset(self, batch_size):
+        self.chain.reset(batch_size), self.tree.reset(batch_size)
+
+    def retire(self, keep):
+        self.chain.retire(keep), self.tree.retire(keep)
+
+    def propose(self, batch):
+        chains, trees = self.chain.propose(batch), self.tree.propose(batch)
+        for chain, tree in zip(chains.trees(), trees.trees()):
+            assert torch.equal(chain.tokens, tree.tokens) and torch.equal(chain.parents, tree.parents)
+            self.compared += 1
+        return chains
+
+
+def test_chains_take_the_dynamic_trees_tokens(trained):
+    """The chain path (top_k 1: no tree bookkeeping) proposes what EAGLE-2's growth of a top-1 tree
+    proposes, row by row in a ragged batch, and decoding with it stays identical to generate."""
+    generator = torch.Generator().manual_seed(5)
+    prompts = [progression_batch(1, length, generator)[0] for length in (6, 3, 8)]
+    ids, mask = left_pad(prompts)
+    checker = ChainVsTree(trained, dict(depth=5, top_k=1, total_tokens=5))
+    output, _ = speculative_generate(trained.target, checker, ids, 30, attention_mask=mask, pad_token_id=0)
+    with torch.no_grad():
+        expected = trained.backbone.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    assert torch.equal(output, expected) and checker.compared > 10
+
+
+def test_a_chain_stops_where_the_drafter_is_unsure(trained):
+    """``confidence``: a chain ends below a node whose drafter probability is under it (ragged
+    chains, fewer drafter forwards); outputs stay identical; 0 drafts the full depth every step."""
+    model = trained.backbone
+    prompt = progression_batch(1, 6, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
+    trained.set_tree(dict(depth=6, top_k=1, total_tokens=6))
+    sizes = {}
+    for confidence in (0.0, 0.9, 0.999999):
+        trained.drafter.confidence = confidence
+        seen, propose = [], trained.drafter.propose
+        trained.drafter.propose = lambda batch, propose=propose: seen.append(propose(batch)) or seen[-1]
+        output = trained.generate(prompt, max_new_tokens=24)
+        del trained.drafter.propose
+        assert torch.equal(output, expected)
+        sizes[confidence] = [int(trees.sizes.max()) for trees in seen]
+    assert set(sizes[0.0]) == {7}  # the root and six drafted nodes every step
+    assert max(sizes[0.999999]) < 7 and sum(sizes[0.9]) <= sum(sizes[0.0])
+    with pytest.raises(ValueError, match="confidence must be a probability"):
+        heads.attach_heads(model, kind="eagle", confidence=1.5)
+    trained.set_tree(None)

@@ -63,7 +63,13 @@ def configure(spec, shape):
     """``spec`` drafting ``shape`` (Medusa: a choice list; EAGLE: depth/top_k/total_tokens), or
     with lookup continuations from :data:`CORPUS` merged in (``"hybrid"``, Medusa's wide tree)."""
     spec.set_lookup(corpus=CORPUS) if shape == "hybrid" else spec.set_lookup(False)
+    confidence = None
+    if isinstance(shape, dict) and "confidence" in shape:  # a chain that stops where the drafter is unsure
+        shape = dict(shape)
+        confidence = shape.pop("confidence")
     spec.set_tree(WIDE if shape == "hybrid" else shape)
+    if confidence is not None:
+        spec.drafter.confidence = confidence
     return spec
 
 
@@ -91,6 +97,8 @@ CASES = [
                  id="eagle-chain-T1"),
     pytest.param("eagle", dict(depth=3, top_k=2, total_tokens=4), dict(temperature=1.0, top_k=0),
                  id="eagle-tree-T1"),
+    pytest.param("eagle", dict(depth=3, top_k=1, total_tokens=3, confidence=0.3), dict(temperature=1.0, top_k=0),
+                 id="eagle-chain-confidence-T1"),
 ]
 HEAT = 2.0
 
@@ -137,7 +145,7 @@ def wrong_q(monkeypatch):
 
 
 WRONG_CASES = [pytest.param(no_residual, *case.values, id=f"no-residual-{case.id}") for case in CASES]
-WRONG_CASES += [pytest.param(wrong_q, *CASES[index].values, id=f"wrong-q-{CASES[index].id}") for index in (1, 4)]
+WRONG_CASES += [pytest.param(wrong_q, *CASES[index].values, id=f"wrong-q-{CASES[index].id}") for index in (1, 3, 4, 5)]
 
 
 @pytest.mark.parametrize("wrong, kind, shape, settings", WRONG_CASES)
