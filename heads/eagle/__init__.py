@@ -26,13 +26,13 @@ __all__ = ["KIND", "EagleConfig", "EagleDrafter", "EagleHeads", "Eagle3Midlayer"
            "DEFAULT_TOTAL_TOKENS", "LAYOUTS"]
 
 OPTIONS = ("num_layers", "depth", "top_k", "total_tokens", "feature_layers", "draft_vocab_size", "layout", "parallel",
-           "sample", "confidence")
+           "sample", "confidence", "min_acceptance")
 
 
 def make_config(num_layers: int | None = None, depth: int | None = None, top_k: int | None = None,
                 total_tokens: int | None = None, feature_layers=None, draft_vocab_size: int | None = None,
                 layout: str | None = None, parallel: int | None = None, sample: str | None = None,
-                confidence: float | None = None, **others) -> EagleConfig:
+                confidence: float | None = None, min_acceptance: float | None = None, **others) -> EagleConfig:
     """The config ``attach_heads(kind="eagle", ...)`` builds; a lone ``total_tokens`` lowers the
     default depth to fit it."""
     refuse_options("eagle", OPTIONS, others)
@@ -41,7 +41,9 @@ def make_config(num_layers: int | None = None, depth: int | None = None, top_k: 
     return EagleConfig(num_layers=1 if num_layers is None else num_layers, feature_layers=feature_layers,
                        draft_vocab_size=draft_vocab_size, layout=layout or "native",
                        parallel=1 if parallel is None else parallel, sample=sample or "auto",
-                       confidence=0.0 if confidence is None else confidence, **EagleConfig().with_tree(shape).tree)
+                       confidence=0.0 if confidence is None else confidence,
+                       min_acceptance=EagleConfig.min_acceptance if min_acceptance is None else min_acceptance,
+                       **EagleConfig().with_tree(shape).tree)
 
 
 def build_heads(target, config: EagleConfig) -> EagleHeads:

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="depths drafted in one drafter forward with learned mask queries (P-EAGLE style; "
                             "default 1: sequential EAGLE, one forward per tree level). K > 1 drafts a static "
                             "top-k tree of min(depth, K) levels from one forward per step")
+    group.add_argument("--min-acceptance", type=float, default=None,
+                       help="chains (--top-k 1): stop drafting once the calibrated probability that every node so "
+                            "far is accepted falls below this (0: always --depth nodes)")
     group.add_argument("--feature-weight", type=float, default=1.0,
                        help="weight of the smooth-L1 next-feature regression (default 1.0)")
     group.add_argument("--token-weight", type=float, default=TOKEN_WEIGHT,
@@ -61,7 +64,8 @@ def options(args: argparse.Namespace) -> dict:
     return {"num_layers": args.num_layers, "depth": args.depth, "top_k": args.top_k,
             "total_tokens": args.total_tokens, "feature_layers": args.feature_layers,
             "draft_vocab_size": args.draft_vocab_size, "layout": args.eagle_layout,
-            "parallel": args.parallel, "confidence": getattr(args, "confidence", None)}
+            "parallel": args.parallel, "confidence": getattr(args, "confidence", None),
+            "min_acceptance": args.min_acceptance}
 
 
 def train_options(args: argparse.Namespace) -> dict:

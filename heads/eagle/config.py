@@ -66,6 +66,14 @@ class EagleConfig:
     its top token less than this probability (like transformers' ``assistant_confidence_threshold``
     and the draft kind's ``confidence``), so a deep chain costs its drafter forwards only where the
     drafter is sure. 0: always ``depth`` nodes."""
+    min_acceptance: float = 0.0
+    """Chains (``top_k`` 1) only: a row's chain stops growing once the estimated probability that
+    every node so far is accepted falls below this. Each node's acceptance is estimated from its
+    drafter probability through a calibration learned while serving (the acceptance rate of this
+    drafter's earlier chain nodes of similar probability, :class:`heads.eagle.drafter.ChainCalibration`;
+    optimistic until there is evidence), so one setting holds across adapters whose raw
+    probabilities differ (unlike ``confidence``). A level is worth its drafter forward when this
+    probability exceeds about ``tau x t_level / t_step`` (0.15-0.2 on the shipped targets). 0: off."""
     sample: str = "auto"
     """Candidates under lossless sampling (``do_sample=True``): ``auto`` (and ``always``, the same
     here) draws each expanded node's ``top_k`` children without replacement from the drafter's
@@ -88,6 +96,9 @@ class EagleConfig:
         if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) or \
                 not 0.0 <= self.confidence < 1.0:
             raise ValueError(f"EagleConfig.confidence must be a probability in [0, 1); got {self.confidence!r}")
+        if isinstance(self.min_acceptance, bool) or not isinstance(self.min_acceptance, (int, float)) or \
+                not 0.0 <= self.min_acceptance < 1.0:
+            raise ValueError(f"EagleConfig.min_acceptance must be a probability in [0, 1); got {self.min_acceptance!r}")
         if 0 < self.total_tokens < self.depth:
             raise ValueError(f"EagleConfig.total_tokens ({self.total_tokens}) must be >= depth ({self.depth}): a "
                              f"tree of {self.total_tokens} drafted nodes is at most {self.total_tokens} deep "

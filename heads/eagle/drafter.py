@@ -56,7 +56,9 @@ class EagleDrafter:
         self.heads = heads
         self.target = target
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
-        self.confidence = config.confidence
+        self.confidence, self.min_acceptance = config.confidence, config.min_acceptance
+        self.calibration = heads.chain_calibration
+        self._pending = None  # the last chains (tokens, sizes, bins), until the next batch shows what was accepted
         self.sample = config.sample
         self.warp = self.generator = None
         self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
@@ -85,6 +87,7 @@ class EagleDrafter:
         device = next(self.heads.parameters()).device
         self.cache = cache_ops.RaggedCache(batch_size, device)
         self.committed = torch.zeros(batch_size, dtype=torch.long, device=device)  # pairs per row
+        self._pending = None
 
     def _children(self, hidden: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k next tokens (target ids) and their log-probabilities ``[m, top_k]`` from predicted
@@ -106,10 +109,29 @@ class EagleDrafter:
         """Drop the cache rows of sequences that left the batch."""
         self.cache.select_rows(keep)
         self.committed = self.committed[keep]
+        if self._pending is not None:
+            tokens, sizes, bins = self._pending
+            self._pending = (tokens[keep.to(tokens.device)], sizes[keep.to(sizes.device)], bins[keep.cpu()])
+
+    def _learn(self, batch: DraftBatch) -> None:
+        """Feed the calibration what the target produced after the last chains' roots."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        tokens, sizes, bins = pending
+        rows = batch.tokens.shape[0]
+        if tokens.shape[0] != rows:
+            return
+        lengths, committed, roots = batch.lengths.tolist(), batch.tokens.tolist(), batch.roots.tolist()
+        chains = [row[1:size] for row, size in zip(tokens.tolist(), sizes.tolist())]
+        produced = [committed[row][1:lengths[row]] + [roots[row]] for row in range(rows)]
+        self.calibration.observe(chains, bins.tolist(), produced)
 
     def _commit(self, batch: DraftBatch) -> torch.Tensor:
         """Append each row's pairs (features[i], tokens[i + 1]) and (features[-1], root); return
         the predicted features at the roots' positions ``[R, d]``."""
+        if self.min_acceptance > 0:
+            self._learn(batch)
         self.cache.crop()
         counts, next_tokens, valid = committed_pairs(batch, self.committed.device)
         rows, width = batch.tokens.shape
@@ -143,9 +165,10 @@ class EagleDrafter:
         rows, device = roots.shape[0], roots.device
         limits = torch.tensor(self._row_depths(), device=device) if self.total_tokens else roots.new_zeros(rows)
         depth = int(limits.max()) if rows else 0
-        tokens, draws = [roots], []
+        tokens, draws, bins = [roots], [], []
         sizes = torch.ones(rows, dtype=torch.long, device=device)
         growing = limits > 0
+        reach = torch.ones(rows, dtype=torch.float64)  # estimated chance that every node so far is accepted
         start = self.committed - 1  # (R,) the roots' positions
         for level in range(1, depth + 1):
             children, scores = self._children(features, draft_rows)  # (R, 1), (R, 1) or (R, 1, V)
@@ -158,6 +181,10 @@ class EagleDrafter:
             tokens.append(token)
             sizes = sizes + growing.long()
             growing = growing & (sure >= self.confidence) & (limits > level)
+            if self.min_acceptance > 0:
+                bins.append(self.calibration.bins(sure))
+                reach = reach * self.calibration.rates(bins[-1])
+                growing = growing & (reach >= self.min_acceptance).to(growing.device)
             if level == depth or not bool(growing.any()):
                 break
             positions = (start + level)[:, None]  # (R, 1)
@@ -166,7 +193,10 @@ class EagleDrafter:
             mask = self.cache.mask(positions, visible, self.heads.layout, features.dtype, keys)
             embeddings = self.target.input_embeddings(token[:, None])  # (R, 1, d)
             features = self.heads.step(features[:, None], embeddings, positions, mask, self.cache.cache)[:, 0]
-        return chain_batch(torch.stack(tokens, dim=1), sizes, draws if self.sampling else None)
+        chains = torch.stack(tokens, dim=1)
+        if self.min_acceptance > 0:
+            self._pending = (chains, sizes, torch.stack(bins, dim=1) if bins else torch.zeros(rows, 0, dtype=torch.long))
+        return chain_batch(chains, sizes, draws if self.sampling else None)
 
     def _tree(self, roots: list[int], root_features: torch.Tensor, draft_rows) -> TreeBatch:
         """One dynamic tree per row (EAGLE-2 growth, or sampled children), all rows in lockstep."""

@@ -58,6 +58,7 @@ from tree_attention.mask import AttentionMask, layout_masks
 from ..backbone import Backbone, attention_layout
 from ..families import check_eagle_layout, decoder_copy, eagle3_parts, lean_decoder_ok, rotary_attention
 from ..lean import LeanDecoder
+from .calibration import ChainCalibration
 from .config import EagleConfig
 
 
@@ -163,6 +164,7 @@ class EagleHeads(nn.Module):
             self.mask_feature = nn.Parameter(torch.zeros(hidden))
         else:
             self.mask_embedding = self.mask_feature = None
+        self.chain_calibration = ChainCalibration()  # serving statistics, not weights: never saved
         if config.draft_vocab_size is not None:
             self.register_buffer("token_map", torch.arange(config.draft_vocab_size))
         else:

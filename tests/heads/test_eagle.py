@@ -543,3 +543,49 @@ def test_a_chain_stops_where_the_drafter_is_unsure(trained):
     with pytest.raises(ValueError, match="confidence must be a probability"):
         heads.attach_heads(model, kind="eagle", confidence=1.5)
     trained.set_tree(None)
+
+
+def test_chain_calibration_counts_reached_and_accepted_nodes():
+    from heads.eagle.calibration import ChainCalibration
+
+    calibration = ChainCalibration()
+    # row 0: drafted 5 6 7, the target produced 5 6 9 ...: two accepted, the third reached and rejected
+    # row 1: drafted 4 4, the target produced 3: the first reached and rejected, the second never reached
+    calibration.observe([[5, 6, 7], [4, 4]], [[9, 3, 1], [2, 8]], [[5, 6, 9, 1], [3]])
+    assert calibration.seen.tolist() == [0, 1, 1, 1, 0, 0, 0, 0, 0, 1]
+    assert calibration.accepted.tolist() == [0, 0, 0, 1, 0, 0, 0, 0, 0, 1]
+    prior = ChainCalibration.PRIOR
+    rates = calibration.rates(torch.tensor([9, 1, 5]))
+    torch.testing.assert_close(rates, torch.tensor([1.0, prior / (1 + prior), 1.0], dtype=torch.float64))
+    assert calibration.bins(torch.tensor([0.01, 0.12, 0.95])).tolist() == [0, 3, 9]
+
+
+def test_min_acceptance_stops_chains_on_evidence_only(trained):
+    """``min_acceptance``: a fresh calibration is optimistic (full chains); once this drafter's nodes of
+    some probability were seen rejected, chains through them stop there; outputs stay identical."""
+    from heads.eagle.calibration import ChainCalibration
+
+    model = trained.backbone
+    prompt = progression_batch(1, 6, torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
+    trained.set_tree(dict(depth=6, top_k=1, total_tokens=6))
+    drafter = trained.drafter
+    drafter.min_acceptance, saved = 0.5, trained.heads.chain_calibration
+    sizes = {}
+    for evidence in ("none", "rejected"):
+        calibration = trained.heads.chain_calibration = drafter.calibration = ChainCalibration()
+        if evidence == "rejected":  # every probability bin seen rejected a hundred times
+            calibration.seen += 100
+        seen, propose = [], drafter.propose
+        drafter.propose = lambda batch, propose=propose: seen.append(propose(batch)) or seen[-1]
+        output = trained.generate(prompt, max_new_tokens=24)
+        del drafter.propose
+        assert torch.equal(output, expected)
+        sizes[evidence] = [int(trees.sizes.max()) for trees in seen]
+    assert max(sizes["none"]) == 7 and set(sizes["rejected"]) == {2}  # the root and one node
+    assert calibration.seen.sum() > 1000  # it went on learning from the chains it drafted
+    trained.heads.chain_calibration = saved
+    with pytest.raises(ValueError, match="min_acceptance must be a probability"):
+        heads.attach_heads(model, kind="eagle", min_acceptance=-0.1)
+    trained.set_tree(None)

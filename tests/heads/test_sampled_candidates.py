@@ -63,13 +63,13 @@ def configure(spec, shape):
     """``spec`` drafting ``shape`` (Medusa: a choice list; EAGLE: depth/top_k/total_tokens), or
     with lookup continuations from :data:`CORPUS` merged in (``"hybrid"``, Medusa's wide tree)."""
     spec.set_lookup(corpus=CORPUS) if shape == "hybrid" else spec.set_lookup(False)
-    confidence = None
-    if isinstance(shape, dict) and "confidence" in shape:  # a chain that stops where the drafter is unsure
+    stops = {}
+    if isinstance(shape, dict):  # a chain that stops where the drafter is unsure (raw or calibrated)
         shape = dict(shape)
-        confidence = shape.pop("confidence")
+        stops = {name: shape.pop(name) for name in ("confidence", "min_acceptance") if name in shape}
     spec.set_tree(WIDE if shape == "hybrid" else shape)
-    if confidence is not None:
-        spec.drafter.confidence = confidence
+    for name, value in stops.items():
+        setattr(spec.drafter, name, value)
     return spec
 
 
@@ -99,6 +99,8 @@ CASES = [
                  id="eagle-tree-T1"),
     pytest.param("eagle", dict(depth=3, top_k=1, total_tokens=3, confidence=0.3), dict(temperature=1.0, top_k=0),
                  id="eagle-chain-confidence-T1"),
+    pytest.param("eagle", dict(depth=3, top_k=1, total_tokens=3, min_acceptance=0.7), dict(temperature=1.0, top_k=0),
+                 id="eagle-chain-calibrated-T1"),
 ]
 HEAT = 2.0
 
