@@ -7,7 +7,8 @@ budgets; and every trained selfdraft adapter given with ``--adapter NAME=TARGET:
 a hybrid with lookup when the kind supports it. Greedy (outputs checked identical to ``generate``)
 and sampled at ``--temperature`` (top_k 0).
 
-Per method: speedup (median over prompts of t_generate / t_method), tau, and for selfdraft the
+Per method: speedup (median over prompts of the ratio of seconds per new token, t_generate / t_method:
+sampled runs stop at eos after different lengths, greedy ones produce the same tokens), tau, and for selfdraft the
 **efficiency** = speedup / bound, bound = tau x t_generate_step / (t_draft + t_verify_bare): the
 draft time per step as measured, and the bare forward cost of a tree of the measured mean size on a
 cache of the prompt's length (measured in the same run, before and after each mix's runs, averaged:
@@ -119,7 +120,8 @@ def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, samp
             torch.manual_seed(1000 + index)
             start = time.perf_counter()
             output, stats = methods[name][1](prompt, max_new)
-            times[name].append(time.perf_counter() - start)
+            # seconds per new token: sampled runs stop at eos after different lengths (greedy ones agree)
+            times[name].append((time.perf_counter() - start) / max(1, output.shape[1] - prompt.shape[1]))
             if name == "generate":
                 reference = output
             elif not sample and reference is not None:
@@ -139,7 +141,7 @@ def summarise(raw: dict, prompts, max_new: int, verify_costs: dict) -> dict:
     times = raw["times"]
     plain = times["generate"]
     result = {"peers": {}, "selfdraft": {}}
-    step_ms = 1000 * statistics.median(t / max_new for t in plain)
+    step_ms = 1000 * statistics.median(plain)  # times are seconds per new token
     for name, values in times.items():
         speedup = statistics.median(p / t for p, t in zip(plain, values))
         if name in ("generate",) or name.startswith(("prompt_lookup", "assisted")):
