@@ -7,7 +7,8 @@ alternating in one process; tokens/s is the batch's total new tokens over wall-c
 median over repeats with different prompts. Reports speedup, tau (tokens committed per row and
 target forward, bonus included), the tree ``auto`` chose last and the share of its steps that
 drafted (it measures and decides inside each call: plain steps, drafted steps, and stopping to
-draft when that does not pay; its exploring calls are in the medians). It also measures the verify-cost
+draft when that does not pay; its exploring calls are in the medians) and the share of its calls run
+by `model.generate` itself (chosen to draft nothing). It also measures the verify-cost
 curve: seconds of one target forward over ``n`` new tokens per row at batch ``B`` on a cached
 prefix, relative to ``n = 1``, the term that decides when a tree of ``n`` nodes stops paying.
 
@@ -186,6 +187,7 @@ def main() -> None:
                             spec=new_tokens(output, ids.shape[1], pad) / spec_seconds,
                             tau=stats.tau, tree=stats.speculation["tree"] if stats.speculation else stats.tree_size - 1,
                             drafted=sum(step[0] for step in stats.steps) / max(1, len(stats.steps)),
+                            delegated=bool(stats.speculation and stats.speculation.get("delegate")),
                             identical=bool(torch.equal(plain, output)) if not sampled else None,
                             draft=stats.draft_seconds, verify=stats.verify_seconds,
                             steps=max(1, stats.target_forwards - 1),
@@ -199,13 +201,14 @@ def main() -> None:
                     "tau": statistics.median(r["tau"] for r in runs),
                     "tree": max(r["tree"] for r in runs),
                     "drafted": statistics.mean(r["drafted"] for r in runs),
+                    "delegated": statistics.mean(r["delegated"] for r in runs),
                     "draft ms/step": 1000 * statistics.median(r["draft"] / r["steps"] for r in runs),
                     "verify ms/step": 1000 * statistics.median(r["verify"] / r["steps"] for r in runs),
                     "identical": all(r["identical"] for r in runs) if not sampled else "-",
                 })
                 print(table([rows[-1]], list(rows[-1])), flush=True)
     columns = ["batch", "temperature", "kind", "speculate", "tok/s plain", "tok/s spec", "speedup", "tau", "tree",
-               "drafted", "draft ms/step", "verify ms/step", "identical"]
+               "drafted", "delegated", "draft ms/step", "verify ms/step", "identical"]
     print("\n" + table(rows, columns))
     print("\nverify cost (ms) of n new tokens per row, by batch size:")
     for batch, curve in curves.items():
