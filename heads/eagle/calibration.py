@@ -11,7 +11,9 @@ class ChainCalibration:
     :attr:`EDGES`), learned while serving: a node counts when it was reached (every node above it
     accepted) and as accepted when its token is what the target produced there. Rates start
     optimistic (:attr:`PRIOR` pseudo-acceptances per bin), so chains stop early only on evidence.
-    One per drafter's heads, shared by its drafters for every tree shape."""
+    One per drafter's heads, shared by its drafters for every tree shape and by every greedy call
+    (greedy outputs do not depend on where a chain stops); a sampled call starts its own, so that its
+    draws, and a seeded call's output, depend on that call alone."""
 
     EDGES = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
     PRIOR = 2.0

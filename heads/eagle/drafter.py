@@ -18,6 +18,7 @@ from tree_attention.tree import Tree, TreeBatch, chain_batch
 from ..backbone import Backbone
 from ..families import position_limit
 from .config import EagleConfig
+from .calibration import ChainCalibration
 from .modules import EagleHeads, check_against_target
 
 
@@ -88,6 +89,9 @@ class EagleDrafter:
         self.cache = cache_ops.RaggedCache(batch_size, device)
         self.committed = torch.zeros(batch_size, dtype=torch.long, device=device)  # pairs per row
         self._pending = None
+        # greedy outputs do not depend on where chains stop, so greedy calls share what they learn; a
+        # sampled call learns afresh, so that its draws (and a seeded call's output) depend on it alone
+        self.calibration = ChainCalibration() if self.sampling else self.heads.chain_calibration
 
     def _children(self, hidden: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k next tokens (target ids) and their log-probabilities ``[m, top_k]`` from predicted

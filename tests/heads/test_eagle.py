@@ -5,6 +5,7 @@ decode-time drafting, EAGLE-3 options, adapter contents and bad input."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -489,7 +490,7 @@ class ChainVsTree:
     """Runs the chain path and the tree path side by side on the same batches (ragged rows)."""
 
     def __init__(self, spec, shape) -> None:
-        config = spec.config.with_tree(shape)
+        config = dataclasses.replace(spec.config.with_tree(shape), min_acceptance=0.0)  # full chains, as the tree
         self.chain = heads.eagle.EagleDrafter(spec.heads, spec.target, config)
         self.tree = TreePathDrafter(spec.heads, spec.target, config)
         self.compared = 0
@@ -529,6 +530,7 @@ def test_a_chain_stops_where_the_drafter_is_unsure(trained):
     with torch.no_grad():
         expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
     trained.set_tree(dict(depth=6, top_k=1, total_tokens=6))
+    trained.drafter.min_acceptance = 0.0  # the raw threshold alone
     sizes = {}
     for confidence in (0.0, 0.9, 0.999999):
         trained.drafter.confidence = confidence

@@ -99,7 +99,7 @@ CASES = [
                  id="eagle-tree-T1"),
     pytest.param("eagle", dict(depth=3, top_k=1, total_tokens=3, confidence=0.3), dict(temperature=1.0, top_k=0),
                  id="eagle-chain-confidence-T1"),
-    pytest.param("eagle", dict(depth=3, top_k=1, total_tokens=3, min_acceptance=0.7), dict(temperature=1.0, top_k=0),
+    pytest.param("eagle", dict(depth=3, top_k=1, total_tokens=3, min_acceptance=0.3), dict(temperature=1.0, top_k=0),
                  id="eagle-chain-calibrated-T1"),
 ]
 HEAT = 2.0
