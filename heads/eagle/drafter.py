@@ -58,8 +58,6 @@ class EagleDrafter:
         self.target = target
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
         self.confidence, self.min_acceptance = config.confidence, config.min_acceptance
-        self.calibration = heads.chain_calibration
-        self._pending = None  # the last chains (tokens, sizes, bins), until the next batch shows what was accepted
         self.sample = config.sample
         self.warp = self.generator = None
         self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
@@ -88,7 +86,7 @@ class EagleDrafter:
         device = next(self.heads.parameters()).device
         self.cache = cache_ops.RaggedCache(batch_size, device)
         self.committed = torch.zeros(batch_size, dtype=torch.long, device=device)  # pairs per row
-        self._pending = None
+        self._pending = None  # the last chains (tokens, sizes, bins), until the next batch shows what was accepted
         # greedy outputs do not depend on where chains stop, so greedy calls share what they learn; a
         # sampled call learns afresh, so that its draws (and a seeded call's output) depend on it alone
         self.calibration = ChainCalibration() if self.sampling else self.heads.chain_calibration
