@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from tree_attention.decode import DecodeStats, SpeculativeDecoder
 from tree_attention.tree import TreeTemplate
+from tree_attention.verify import GreedyRule
 
 from . import kinds
 from .backbone import Backbone
@@ -153,7 +154,7 @@ class SpeculativeModel:
         ``PeftModel``): its outputs then differ from the base model's, and the adapter pins both."""
         self._policy = None
         self.lookup = None
-        self._lookup_memory = None
+        self._lookup_memory = self._lookup_gate = None
         self.set_tree(config.tree)
 
     @property
@@ -188,7 +189,7 @@ class SpeculativeModel:
             return drafter
         from .lookup import HybridDrafter, LookupDrafter
 
-        return HybridDrafter(drafter, LookupDrafter(self.lookup, self._lookup_memory))
+        return HybridDrafter(drafter, LookupDrafter(self.lookup, self._lookup_memory), self._lookup_gate)
 
     def set_lookup(self, lookup=True, **options) -> None:
         """Add lookup drafting to this drafter's trees (a hybrid; ``False``/None: remove it).
@@ -198,14 +199,15 @@ class SpeculativeModel:
         Outputs are unchanged (lossless); each step's tree grows by at most the lookup budget where
         the text repeats itself.
         """
-        from .lookup import LookupConfig, LookupMemory, make_config
+        from .lookup import LookupConfig, LookupGate, LookupMemory, make_config
 
         if lookup is None or lookup is False:
-            self.lookup = self._lookup_memory = None
+            self.lookup = self._lookup_memory = self._lookup_gate = None
         else:
             config = lookup if isinstance(lookup, LookupConfig) else make_config(
                 **(dict(lookup) if isinstance(lookup, dict) else {}), **options)
             self.lookup, self._lookup_memory = config, LookupMemory(config)
+            self._lookup_gate = LookupGate() if config.gate else None
         self._policy = None
         self.set_tree(None)
 
@@ -332,14 +334,16 @@ class SpeculativeModel:
     def _bind(self, drafter, rule):
         """The drafter set up for ``rule`` by its kind (``DrafterKind.bind_rule``), if the kind has a hook."""
         bind = kinds.get(self.kind).bind_rule
-        if bind is None:
-            return drafter
         from .lookup import HybridDrafter
 
         if isinstance(drafter, HybridDrafter):
-            drafter.base = bind(drafter.base, rule)
+            # which tree is verified never changes a greedy output; a sampled call's draws must not
+            # depend on timings, so its steps always verify the merged tree
+            drafter.gating = drafter.gate is not None and isinstance(rule, GreedyRule)
+            if bind is not None:
+                drafter.base = bind(drafter.base, rule)
             return drafter
-        return bind(drafter, rule)
+        return drafter if bind is None else bind(drafter, rule)
 
     @property
     def policy(self):

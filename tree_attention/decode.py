@@ -65,7 +65,9 @@ class DraftBatch:
     def then(self, later: "DraftBatch") -> "DraftBatch":
         """This batch's entries followed, row by row, by ``later``'s (same rows), with ``later``'s
         roots: what a drafter that skipped a step must see at its next call."""
-        rows, width = self.features.shape[0], int(self.lengths.max()) + later.features.shape[1]
+        rows = self.features.shape[0]
+        # rows that left the batch may have been the longest: the padded width can exceed lengths.max()
+        width = max(self.features.shape[1], int(self.lengths.max()) + later.features.shape[1])
         features = self.features.new_zeros(rows, width, self.features.shape[-1])
         tokens = self.tokens.new_zeros(rows, width)
         features[:, :self.features.shape[1]] = self.features

@@ -7,13 +7,15 @@ from __future__ import annotations
 from ..kind import DrafterKind, refuse_options
 from .config import LookupConfig
 from .drafter import LookupDrafter, LookupMemory
+from .gate import LookupGate
 from .hybrid import HybridDrafter, merge_proposal
 from .index import Proposal, SuffixIndex, pad_proposals, propose
 
 __all__ = ["KIND", "LookupConfig", "LookupDrafter", "LookupMemory", "SuffixIndex", "Proposal", "propose",
-           "pad_proposals", "encode_corpus", "HybridDrafter", "merge_proposal", "make_config"]
+           "pad_proposals", "encode_corpus", "HybridDrafter", "LookupGate", "merge_proposal",
+           "make_config"]
 
-OPTIONS = ("tree", "budget", "adaptive", "max_depth", "max_ngram", "min_match", "max_occurrences", "history_tokens",
+OPTIONS = ("tree", "budget", "adaptive", "gate", "max_depth", "max_ngram", "min_match", "max_occurrences", "history_tokens",
            "history_confidence", "corpus", "tokenizer")
 
 

@@ -33,6 +33,10 @@ class LookupConfig:
     """Shrink a row's tree (down to a quarter of ``budget``) while its drafts are rejected, and grow
     it back as they are accepted: verifying nodes that will not be accepted costs time (sampling,
     text that does not repeat)."""
+    gate: bool = True
+    """In a hybrid with a trained kind, greedy: verify lookup's proposals alone (skipping the trained
+    drafter) at steps where that is expected to commit more tokens per second, learned while serving
+    (:class:`heads.lookup.gate.LookupGate`). Outputs are the same either way."""
     corpus: Sequence[Sequence[int]] = field(default=(), repr=False, compare=False)
     """Extra token sequences to match against (kept with the history; never saved in an adapter)."""
 
@@ -43,6 +47,8 @@ class LookupConfig:
         _positive_int(self.min_match, "min_match")
         _positive_int(self.max_occurrences, "max_occurrences")
         _positive_int(self.history_tokens, "history_tokens", low=0)
+        if not isinstance(self.gate, bool):
+            raise ValueError(f"LookupConfig.gate must be True or False; got {self.gate!r}")
         if self.min_match > self.max_ngram:
             raise ValueError(f"LookupConfig.min_match ({self.min_match}) must be <= max_ngram ({self.max_ngram})")
         if not isinstance(self.history_confidence, (int, float)) or not 0.0 < self.history_confidence <= 1.0:
@@ -80,4 +86,4 @@ class LookupConfig:
         """The hyper-parameters (the corpus is data, not recorded)."""
         return {name: getattr(self, name) for name in ("budget", "max_depth", "max_ngram", "min_match",
                                                        "max_occurrences", "history_tokens", "history_confidence",
-                                                       "adaptive")}
+                                                       "adaptive", "gate")}

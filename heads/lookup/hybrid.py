@@ -19,7 +19,8 @@ from tree_attention.decode import DraftBatch
 from tree_attention.tree import Tree, TreeBatch
 
 from .drafter import LookupDrafter
-from .index import Proposal
+from .gate import LookupGate, match_class, now, tree_accepted
+from .index import Proposal, pad_proposals
 
 
 def merge_proposal(tree: Tree, proposal: Proposal) -> Tree:
@@ -48,25 +49,85 @@ def merge_proposal(tree: Tree, proposal: Proposal) -> Tree:
 
 
 class HybridDrafter:
-    """A trained kind's drafter plus lookup in one verification tree (``tree_attention.decode.Drafter``)."""
+    """A trained kind's drafter plus lookup in one verification tree (``tree_attention.decode.Drafter``).
 
-    def __init__(self, base, lookup: LookupDrafter) -> None:
+    With a :class:`~heads.lookup.gate.LookupGate` and a greedy rule (``gating``), a step whose
+    lookup matches are expected to commit more tokens per second alone verifies lookup's
+    proposals without running the trained drafter; what that drafter did not see is handed to it,
+    row by row in order, at the next step that runs it (``DraftBatch.then``)."""
+
+    def __init__(self, base, lookup: LookupDrafter, gate: LookupGate | None = None) -> None:
         self.base = base
         self.lookup = lookup
+        self.gate = gate
+        self.gating = gate is not None
+        self._unseen: DraftBatch | None = None  # committed entries the base has not seen yet
+        self._last = None  # the last step: (alone, keys, proposals, trees)
+        self._returned: float | None = None  # when the last propose returned
 
     def reset(self, batch_size: int) -> None:
         self.base.reset(batch_size)
         self.lookup.reset(batch_size)
+        self._unseen = self._last = self._returned = None
 
     def retire(self, keep: torch.Tensor) -> None:
         self.base.retire(keep)
         self.lookup.retire(keep)
+        self._last = None
+        if self._unseen is not None:
+            unseen, rows = self._unseen, keep.to(self._unseen.lengths.device)
+            self._unseen = DraftBatch(unseen.features[rows], unseen.tokens[rows], unseen.lengths[rows], unseen.roots[rows])
+
+    def _learn(self, batch: DraftBatch, started: float) -> None:
+        """Give the gate what the last step's trees got on the path the target produced, and its cost."""
+        last, self._last = self._last, None
+        if last is None or self._returned is None:
+            return
+        alone, keys, proposals, trees = last
+        self.gate.rest(alone, started - self._returned)
+        if trees.rows != batch.rows:
+            return
+        rows, width = batch.tokens.shape
+        produced = torch.cat([batch.tokens[:, 1:], batch.tokens.new_zeros(rows, 1)], dim=1)
+        lengths = batch.lengths.to(produced.device)
+        produced[torch.arange(rows, device=produced.device), lengths - 1] = batch.roots.to(produced.device)
+        merged = None if alone else tree_accepted(trees, produced.to(trees.tokens.device),
+                                                  lengths.to(trees.tokens.device))
+        listed = [row[:length] for row, length in zip(produced.tolist(), lengths.tolist())]
+        self.gate.observe(keys, proposals, listed, merged)
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> TreeBatch:
-        trees = self.base.propose(batch)
+        gate = self.gate if self.gating else None
+        started = now()
+        if gate is not None:
+            self._learn(batch, started)
         proposals = self.lookup.proposals(batch)
-        if not any(proposal.tokens for proposal in proposals):
-            return trees
-        return TreeBatch.from_trees([merge_proposal(tree, proposal) if proposal.tokens else tree
-                                     for tree, proposal in zip(trees.trees(), proposals)])
+        found = any(proposal.tokens for proposal in proposals)
+        keys = [match_class(proposal) for proposal in proposals]
+        if gate is not None:
+            looked = now()
+            gate.timed("lookup_seconds", looked - started)
+            if found and gate.lookup_alone(keys):
+                self._unseen = batch if self._unseen is None else self._unseen.then(batch)
+                fields = pad_proposals(batch.roots.tolist(), proposals, batch.roots.device)
+                trees = TreeBatch(fields["tokens"], fields["parents"], fields["depths"], fields["visibility"],
+                                  fields["sizes"], uniform=bool((fields["sizes"] == fields["tokens"].shape[1]).all()))
+                gate.lookup_steps += 1
+                self._last = (True, keys, proposals, trees)
+                self._returned = now()
+                return trees
+            started = looked
+        if self._unseen is not None:
+            batch, self._unseen = self._unseen.then(batch), None
+        trees = self.base.propose(batch)
+        if gate is not None:
+            gate.timed("base_seconds", now() - started)
+            gate.merged_steps += 1
+        if found:
+            trees = TreeBatch.from_trees([merge_proposal(tree, proposal) if proposal.tokens else tree
+                                          for tree, proposal in zip(trees.trees(), proposals)])
+        if gate is not None:
+            self._last = (False, keys, proposals, trees)
+            self._returned = now()
+        return trees

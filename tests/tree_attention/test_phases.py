@@ -34,3 +34,19 @@ def test_phases_in_a_batch_and_as_dict():
     spec.generate(ids, attention_mask=mask, max_new_tokens=16)
     record = spec.last_stats.as_dict()
     assert math.isclose(sum(record["phases"].values()), record["total_seconds"], rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_draft_batches_chain_row_by_row_even_when_padded_wider():
+    import torch
+
+    from tree_attention.decode import DraftBatch
+
+    # the first batch is padded wider than its longest row (its longest row left the batch)
+    first = DraftBatch(torch.arange(2 * 5 * 2, dtype=torch.float32).view(2, 5, 2),
+                       torch.tensor([[1, 2, 0, 0, 0], [3, 0, 0, 0, 0]]), torch.tensor([2, 1]), torch.tensor([9, 9]))
+    later = DraftBatch(-torch.ones(2, 2, 2), torch.tensor([[4, 5], [6, 0]]), torch.tensor([2, 1]), torch.tensor([7, 8]))
+    both = first.then(later)
+    assert both.lengths.tolist() == [4, 2] and both.roots.tolist() == [7, 8]
+    assert both.tokens[0, :4].tolist() == [1, 2, 4, 5] and both.tokens[1, :2].tolist() == [3, 6]
+    assert torch.equal(both.features[0, :2], first.features[0, :2])
+    assert torch.equal(both.features[0, 2:4], later.features[0]) and torch.equal(both.features[1, 1], later.features[1, 0])

@@ -1,0 +1,147 @@
+"""When a hybrid step drafts with lookup alone: the trained drafter skipped where it would not pay.
+
+A hybrid step costs the trained drafter's forward(s) on top of lookup's (nearly free) search, and
+where the text repeats itself lookup's continuation is usually what gets accepted anyway. The
+:class:`LookupGate` learns, per class of lookup match (the matched suffix's length and whether every
+occurrence agrees on the next token), how many drafts the lookup proposal alone and the merged tree
+got accepted (lookup's counterfactually at steps that verified both, from the tokens the target
+produced), and what a step of each costs on this machine (the drafter's propose and the rest of the
+step, timed). A step drafts with lookup alone when that is expected to commit more tokens per second.
+
+Which tree is verified never changes a greedy output (every verified path is checked against the
+target), so the gate is used for greedy rules only; a sampled call verifies the merged tree at
+every step, so that a seeded call's draws never depend on timings.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tree_attention.tree import TreeBatch
+
+from .index import Proposal
+
+MIN_SEEN = 2
+"""Observations of a class (each mode) before the gate acts on it: till then both drafters run."""
+EXPLORE = 8
+"""After this many lookup-only steps in a row, one step verifies the merged tree again (keeps the
+merged tree's estimate current)."""
+DECAY = 0.25
+"""Weight of the newest timing in the running costs."""
+
+
+def match_class(proposal: Proposal) -> tuple[int, bool]:
+    """``(matched suffix length, whether every occurrence agrees on the first token)``; ``(0, False)``
+    when lookup found nothing."""
+    if not proposal.tokens:
+        return (0, False)
+    return (proposal.match_length, proposal.scores[0] >= 0.999)
+
+
+def proposal_accepted(proposal: Proposal, produced: list[int]) -> int:
+    """Drafts of ``proposal`` on the path the target produced (``produced``: the tokens committed after the root)."""
+    depth = [0] * len(proposal.tokens)
+    best = 0
+    for node, (token, parent) in enumerate(zip(proposal.tokens, proposal.parents)):
+        above = 0 if parent < 0 else depth[parent]
+        if parent >= 0 and above == 0:
+            continue
+        if above < len(produced) and produced[above] == token:
+            depth[node] = above + 1
+            best = max(best, above + 1)
+    return best
+
+
+def tree_accepted(trees: TreeBatch, produced: torch.Tensor, lengths: torch.Tensor) -> list[int]:
+    """Per row, the deepest node of ``trees`` whose path the target produced (``produced`` ``[R, n]``,
+    ``lengths`` ``[R]`` valid entries)."""
+    depths = trees.depths
+    index = (depths - 1).clamp(min=0, max=produced.shape[1] - 1)
+    ok = (depths == 0) | ((depths <= lengths[:, None]) & (trees.tokens == produced.gather(1, index)))
+    path_ok = ~(trees.visibility & ~ok[:, None, :]).any(dim=-1)  # (R, N): the node and all its ancestors
+    return (depths * path_ok).max(dim=1).values.tolist()
+
+
+class _Class:
+    __slots__ = ("lookup_seen", "lookup_sum", "merged_seen", "merged_sum")
+
+    def __init__(self) -> None:
+        self.lookup_seen = self.lookup_sum = self.merged_seen = self.merged_sum = 0.0
+
+
+class LookupGate:
+    """Per match class, drafts accepted from lookup alone and from the merged tree; the timed costs
+    of a step of each; and the decision for the next step. Kept by a ``SpeculativeModel`` across
+    ``generate`` calls."""
+
+    def __init__(self) -> None:
+        self.classes: dict[tuple[int, bool], _Class] = {}
+        self.base_seconds: float | None = None  # the trained drafter's propose
+        self.lookup_seconds: float | None = None  # lookup's search
+        self.rest_seconds: dict[bool, float | None] = {True: None, False: None}  # rest of a step, by "lookup alone"
+        self.skipped_in_a_row = 0
+        self.lookup_steps = self.merged_steps = 0
+
+    def _class(self, key) -> _Class:
+        entry = self.classes.get(key)
+        if entry is None:
+            entry = self.classes[key] = _Class()
+        return entry
+
+    @staticmethod
+    def _running(old: float | None, new: float) -> float:
+        if old is None:
+            return new
+        return (1 - DECAY) * old + DECAY * min(new, 3 * old)  # one outlier (a plain step between) moves it little
+
+    def timed(self, name: str, seconds: float) -> None:
+        setattr(self, name, self._running(getattr(self, name), seconds))
+
+    def rest(self, alone: bool, seconds: float) -> None:
+        self.rest_seconds[alone] = self._running(self.rest_seconds[alone], seconds)
+
+    def observe(self, keys, proposals: list[Proposal], produced: list[list[int]], merged: list[int] | None) -> None:
+        """What the last step's rows got: lookup's drafts on the produced path (always) and the merged
+        tree's (``merged``, None when lookup ran alone)."""
+        for row, (key, proposal) in enumerate(zip(keys, proposals)):
+            entry = self._class(key)
+            entry.lookup_seen += 1
+            entry.lookup_sum += proposal_accepted(proposal, produced[row])
+            if merged is not None:
+                entry.merged_seen += 1
+                entry.merged_sum += merged[row]
+
+    def lookup_alone(self, keys) -> bool:
+        """Whether the next step should verify lookup's proposals alone (rows' classes ``keys``)."""
+        if self.base_seconds is None or self.rest_seconds[False] is None:
+            return False
+        alone = merged = 0.0
+        for key in keys:
+            entry = self.classes.get(key)
+            if entry is None or entry.lookup_seen < MIN_SEEN or entry.merged_seen < MIN_SEEN:
+                return False
+            alone += 1 + entry.lookup_sum / entry.lookup_seen
+            merged += 1 + entry.merged_sum / entry.merged_seen
+        lookup = self.lookup_seconds or 0.0
+        rest_merged = self.rest_seconds[False]
+        rest_alone = self.rest_seconds[True] if self.rest_seconds[True] is not None else rest_merged
+        if alone / (lookup + rest_alone) <= merged / (lookup + self.base_seconds + rest_merged):
+            self.skipped_in_a_row = 0
+            return False
+        if self.skipped_in_a_row >= EXPLORE:
+            self.skipped_in_a_row = 0
+            return False
+        self.skipped_in_a_row += 1
+        return True
+
+    def summary(self) -> dict:
+        """Steps of each mode so far and the timed costs (for benchmarks and diagnostics)."""
+        return {"lookup_alone_steps": self.lookup_steps, "merged_steps": self.merged_steps,
+                "base_seconds": self.base_seconds, "lookup_seconds": self.lookup_seconds,
+                "rest_seconds": dict(self.rest_seconds)}
+
+
+def now() -> float:
+    return time.perf_counter()

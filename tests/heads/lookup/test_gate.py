@@ -1,0 +1,155 @@
+"""The hybrid's gate: steps that verify lookup's proposals alone (the trained drafter skipped and
+caught up later) keep greedy outputs identical on several families, in batches and for every
+trained kind; the counterfactual acceptance counts agree with a naive walk; the decision follows
+the measured tokens per second; sampled calls never gate."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import heads
+from heads.lookup import Proposal
+from heads.lookup.gate import MIN_SEEN, LookupGate, proposal_accepted, tree_accepted
+from heads.lookup.hybrid import HybridDrafter
+from tests.conftest import build_model, left_pad
+from tests.heads.lookup.test_lookup_kind import reference, repeated_prompt
+from tree_attention.tree import Tree, TreeBatch
+
+KINDS = {"medusa": {"num_heads": 2, "tree": 6}, "eagle": {"total_tokens": 4},
+         "eagle-chain": {"kind": "eagle", "top_k": 1, "depth": 4, "total_tokens": 4}}
+
+
+def _spec(model, name):
+    options = dict(KINDS[name])
+    kind = options.pop("kind", name)
+    return heads.attach_heads(model, kind=kind, lookup={"budget": 6, "history_tokens": 0}, **options)
+
+
+def _forced(monkeypatch, pattern):
+    """Make every gate decide by ``pattern`` (cycled) wherever lookup found something."""
+    decisions = itertools.cycle(pattern)
+    calls = []
+
+    def decide(self, keys):
+        calls.append(next(decisions))
+        return calls[-1]
+
+    monkeypatch.setattr(LookupGate, "lookup_alone", decide)
+    return calls
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_skipping_the_trained_drafter_is_lossless(monkeypatch, family, name):
+    model = build_model(family, seed=5)
+    spec = _spec(model, name)
+    calls = _forced(monkeypatch, [True, True, False, True, False, False])
+    for seed in (1, 2):
+        prompt = repeated_prompt(8, seed)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=32),
+                           reference(model, prompt, torch.ones_like(prompt), 32))
+    assert True in calls and spec._lookup_gate.lookup_steps > 0 and spec._lookup_gate.merged_steps > 0
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_skipping_in_a_batch_is_lossless(monkeypatch, name):
+    model = build_model("llama", seed=6)
+    spec = _spec(model, name)
+    _forced(monkeypatch, [True, False, True, True, False])
+    prompts = [repeated_prompt(length, seed)[0] for length, seed in ((4, 1), (9, 2), (6, 3), (5, 4))]
+    ids, mask = left_pad(prompts)
+    assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=24), reference(model, ids, mask, 24))
+    assert spec._lookup_gate.lookup_steps > 0
+
+
+def test_the_draft_kind_catches_up_after_skips(monkeypatch):
+    model = build_model("llama", seed=7)
+    draft = build_model("llama", seed=8)
+    spec = heads.attach_heads(model, kind="draft", draft_model=draft, lookup={"budget": 6, "history_tokens": 0})
+    _forced(monkeypatch, [True, False, True, True, False])
+    prompt = repeated_prompt(8, 3)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=32), reference(model, prompt, torch.ones_like(prompt), 32))
+    assert spec._lookup_gate.lookup_steps > 0
+
+
+def _naive_accepted(tokens, parents, produced):
+    best = 0
+    for node in range(len(tokens)):
+        path, current = [], node
+        while current >= 0:
+            path.append(tokens[current])
+            current = parents[current]
+        path.reverse()
+        if path == produced[:len(path)]:
+            best = max(best, len(path))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_counterfactual_acceptance_matches_a_naive_walk(seed):
+    generator = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(0, 9, (1,), generator=generator))
+    tokens = [int(t) for t in torch.randint(0, 3, (count,), generator=generator)]
+    parents = [-1] + [int(torch.randint(-1, node, (1,), generator=generator)) for node in range(1, count)] if count else []
+    produced = [int(t) for t in torch.randint(0, 3, (int(torch.randint(1, 6, (1,), generator=generator)),),
+                                              generator=generator)]
+    assert proposal_accepted(Proposal(tokens, parents, [1.0] * count, 1), produced) == \
+        _naive_accepted(tokens, parents, produced)
+    tree = Tree.from_parents(torch.tensor([9] + tokens), [-1] + [parent + 1 for parent in parents])
+    other = Tree.from_parents(torch.tensor([9, produced[0]]), [-1, 0])
+    batch = TreeBatch.from_trees([tree, other])
+    padded = torch.zeros(2, 6, dtype=torch.long)
+    padded[0, :len(produced)] = torch.tensor(produced)
+    padded[1, 0] = produced[0]
+    lengths = torch.tensor([len(produced), 1])
+    assert tree_accepted(batch, padded, lengths) == [_naive_accepted(tokens, parents, produced), 1]
+
+
+def _taught(gate, key, lookup, merged, seen=MIN_SEEN):
+    for _ in range(seen):
+        gate.observe([key], [Proposal([5] * lookup + [6], list(range(-1, lookup)), [1.0] * (lookup + 1), 2)],
+                     [[5] * lookup + [7]], [merged])
+
+
+def test_the_decision_follows_tokens_per_second():
+    key = (2, True)
+    gate = LookupGate()
+    _taught(gate, key, lookup=3, merged=3)
+    assert not gate.lookup_alone([key])  # no step timed yet
+    gate.timed("base_seconds", 0.004)
+    gate.timed("lookup_seconds", 0.0002)
+    gate.rest(False, 0.010)
+    assert gate.lookup_alone([key])  # as many drafts accepted, without the drafter's 4 ms
+    slow = LookupGate()
+    _taught(slow, key, lookup=0, merged=3)
+    slow.timed("base_seconds", 0.004)
+    slow.rest(False, 0.010)
+    assert not slow.lookup_alone([key])  # 1 token per 10 ms alone against 4 per 14 ms
+    assert not gate.lookup_alone([(4, False)])  # a class never seen: both run
+    explore = [gate.lookup_alone([key]) for _ in range(20)]
+    assert False in explore and explore.count(True) > 15  # the merged tree is verified now and then
+
+
+def test_sampled_calls_never_gate(monkeypatch):
+    model = build_model("llama", seed=5)
+    spec = _spec(model, "medusa")
+    calls = _forced(monkeypatch, [True])
+    prompt = repeated_prompt(8, 1)
+    spec.generate(prompt, max_new_tokens=24, do_sample=True, temperature=0.7, generator=torch.Generator().manual_seed(0))
+    assert not calls and spec._lookup_gate.lookup_steps == 0
+    assert isinstance(spec.drafter, HybridDrafter)
+
+
+def test_gate_off_always_merges(monkeypatch):
+    model = build_model("llama", seed=5)
+    spec = heads.attach_heads(model, kind="medusa", num_heads=2, tree=6,
+                              lookup={"budget": 6, "history_tokens": 0, "gate": False})
+    calls = _forced(monkeypatch, [True])
+    prompt = repeated_prompt(8, 1)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=24), reference(model, prompt, torch.ones_like(prompt), 24))
+    assert not calls and spec._lookup_gate is None
+    with pytest.raises(ValueError, match="gate"):
+        heads.attach_heads(model, kind="medusa", num_heads=2, lookup={"gate": "yes"})
