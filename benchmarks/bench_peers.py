@@ -40,9 +40,14 @@ TARGETS = {
                                                                              "prose": "prose.jsonl"}},
     "stories260K": {"path": ROOT / "benchmarks/targets/stories260K", "mixes": {"stories": "stories.jsonl"}},
 }
+TRAINING_PROMPTS = {"code": "train_code.jsonl", "prose": "train_prose.jsonl", "stories": "stories_train.jsonl"}
+"""Per mix, the training prompts (disjoint from the held-out ones) a lookup corpus is generated from."""
 PLD_SIZES = (3, 5, 10)
 LOOKUP_BUDGETS = (6, 10, 16)
-HYBRID_LOOKUP_BUDGET = 6
+HYBRID_LOOKUP_BUDGET = 10
+CORPUS_BUDGET = 16
+CORPUS_MAX_NEW = 96
+"""Tokens the target writes after each training prompt of a lookup corpus."""
 
 
 def load_target(path: Path):
@@ -58,13 +63,32 @@ def prompts_of(tokenizer, file: str, count: int) -> list[torch.Tensor]:
     return [tokenizer(text, return_tensors="pt").input_ids for text in texts]
 
 
+def lookup_corpus(model, tokenizer, target_name: str, mix: str, count: int, max_new: int) -> tuple[list, dict]:
+    """The target's own greedy continuations of ``count`` training prompts of ``mix`` (token ids,
+    prompt included; ``training.corpus.target_corpus``), cached under ``results/corpus/``."""
+    from training.corpus import target_corpus
+
+    path = RESULTS / "corpus" / f"{target_name}-{mix}-{count}x{max_new}.json"  # token ids: compact JSON
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        return cached["ids"], cached["facts"]
+    prompts = prompts_of(tokenizer, TRAINING_PROMPTS[mix], count)
+    ids, facts = target_corpus(model, prompts, max_new)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"facts": facts, "ids": ids}, separators=(",", ":")) + "\n")
+    temporary.replace(path)
+    return ids, facts
+
+
 def load_draft(path: str, model):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype).eval()
 
 
-def methods_for(model, target_name: str, adapters: dict, sample: bool, drafts: dict | None = None) -> dict:
+def methods_for(model, target_name: str, adapters: dict, sample: bool, drafts: dict | None = None,
+                corpus: list | None = None) -> dict:
     """``{name: (group, callable(prompt, max_new) -> (output, stats or None))}``."""
     options = dict(do_sample=True, temperature=args_temperature[0], top_k=0) if sample else dict(do_sample=False)
     pad = model.generation_config.pad_token_id
@@ -75,6 +99,9 @@ def methods_for(model, target_name: str, adapters: dict, sample: bool, drafts: d
             p, max_new_tokens=n, prompt_lookup_num_tokens=size, pad_token_id=pad, **options), None))
     specs = {f"lookup_{budget}": heads.attach_heads(model, kind="lookup", tree=budget, history_tokens=0)
              for budget in LOOKUP_BUDGETS}
+    if corpus:  # the corpus alone in the history: no request's text is remembered across calls
+        specs[f"lookup_{CORPUS_BUDGET}+corpus"] = heads.attach_heads(model, kind="lookup", tree=CORPUS_BUDGET,
+                                                                     corpus=corpus, remember=False)
     for name, (target, directory) in (drafts or {}).items():
         if target != target_name:
             continue
@@ -87,6 +114,9 @@ def methods_for(model, target_name: str, adapters: dict, sample: bool, drafts: d
             specs[name] = heads.load_heads(model, directory)
             specs[f"{name}+lookup"] = heads.load_heads(model, directory)
             specs[f"{name}+lookup"].set_lookup(budget=HYBRID_LOOKUP_BUDGET, history_tokens=0)
+            if corpus and name == "medusa":
+                specs[f"{name}+lookup+corpus"] = heads.load_heads(model, directory)
+                specs[f"{name}+lookup+corpus"].set_lookup(budget=CORPUS_BUDGET, corpus=corpus, remember=False)
     sampling = dict(do_sample=True, temperature=args_temperature[0], top_k=0) if sample else {}
     for name, spec in specs.items():
         methods[name] = ("selfdraft", lambda p, n, spec=spec: (spec.generate(p, max_new_tokens=n, **sampling),
@@ -101,8 +131,8 @@ args_temperature = [0.7]
 
 
 def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, sample: bool,
-            drafts: dict | None = None) -> dict:
-    methods = methods_for(model, target_name, adapters, sample, drafts)
+            drafts: dict | None = None, corpus: list | None = None) -> dict:
+    methods = methods_for(model, target_name, adapters, sample, drafts, corpus)
     names = list(methods)
     times = {name: [] for name in names}
     taus = {name: [] for name in names}
@@ -200,6 +230,9 @@ def main() -> None:
                         help="a trained selfdraft adapter to include, e.g. medusa=stories260K:/tmp/a")
     parser.add_argument("--draft", action="append", default=[], metavar="NAME=TARGET:DIR",
                         help="a small draft model: transformers' assisted generation and selfdraft's draft kind")
+    parser.add_argument("--corpus-prompts", type=int, default=150,
+                        help="lookup with a corpus of the target's own continuations of this many training prompts "
+                             "per mix (built once, cached in results/corpus/; 0: none)")
     parser.add_argument("--out", default="peers.json")
     args = parser.parse_args()
     if args.quick:
@@ -228,17 +261,20 @@ def main() -> None:
         for mix, file in TARGETS[target_name]["mixes"].items():
             prompts = prompts_of(tokenizer, file, args.prompts)
             length = int(statistics.median(p.shape[1] for p in prompts)) + args.max_new_tokens // 2
+            corpus, corpus_facts = (lookup_corpus(model, tokenizer, target_name, mix, args.corpus_prompts,
+                                                  CORPUS_MAX_NEW) if args.corpus_prompts else (None, None))
             spec = heads.attach_heads(model, kind="lookup")
             modes = [False] + ([True] if args.temperature > 0 else [])
             for sample in modes:
                 before = bare_verify_ms(spec, length)
-                raw = run_mix(model, target_name, prompts, args.max_new_tokens, adapters, sample, drafts)
+                raw = run_mix(model, target_name, prompts, args.max_new_tokens, adapters, sample, drafts, corpus)
                 after = bare_verify_ms(spec, length)  # the machine's speed drifts: the mean of both sides of the runs
                 costs = {size: (before[size] + after[size]) / 2 for size in before}
                 key = f"{mix}@T{args.temperature}" if sample else mix
                 results[target_name][key] = summarise(raw, prompts, args.max_new_tokens, costs)
                 results[target_name][key]["verify_bare_ms"] = costs
                 results[target_name][key]["verify_bare_ms_before_after"] = [before, after]
+                results[target_name][key]["corpus"] = corpus_facts
                 entry = results[target_name][key]
                 line = ", ".join(f"{n} {v['speedup']:.2f}x" for n, v in entry["peers"].items())
                 line += " | " + ", ".join(f"{n} {v['speedup']:.2f}x tau {v['tau']:.2f} eff {v['efficiency']:.2f}"
@@ -247,7 +283,8 @@ def main() -> None:
                 print(f"{target_name} / {key}: {line}", flush=True)
     settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "threads": args.threads, "adapters": {f"{name}@{target}": directory for (name, target), directory in adapters.items()},
-                "drafts": {k: list(v) for k, v in drafts.items()}}
+                "drafts": {k: list(v) for k, v in drafts.items()},
+                "corpus_prompts": args.corpus_prompts}
     path = write_json(args.out, {"settings": settings, **results})
     plot(results, RESULTS / Path(args.out).with_suffix(".png").name)
     print(f"wrote {path}")

@@ -1,5 +1,5 @@
 """The ``selfdraft`` command line: the subcommands of :mod:`training.commands` (``train``,
-``bench``, ``check``, ``select``, ``export``, ``push``) under one parser.
+``bench``, ``corpus``, ``check``, ``select``, ``export``, ``push``) under one parser.
 
 Multi-process training runs the same command under accelerate, e.g.
 ``accelerate launch --num_processes 2 -m training.cli train ...`` (add ``--cpu`` on a CPU machine).
@@ -11,9 +11,9 @@ import argparse
 import logging
 import sys
 
-from .commands import bench, check, export, push, select, train
+from .commands import bench, check, corpus, export, push, select, train
 
-SUBCOMMANDS = (train, bench, check, select, export, push)
+SUBCOMMANDS = (train, bench, corpus, check, select, export, push)
 """Each module's ``add_parser(commands)`` registers its subcommand, in this order."""
 
 

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "top-k tree of min(depth, K) levels from one forward per step")
     group.add_argument("--min-acceptance", type=float, default=None,
                        help="chains (--top-k 1): stop drafting once the calibrated probability that every node so "
-                            "far is accepted falls below this (0: always --depth nodes)")
+                            "far is accepted falls below this (default 0.5; 0: always --depth nodes)")
     group.add_argument("--feature-weight", type=float, default=1.0,
                        help="weight of the smooth-L1 next-feature regression (default 1.0)")
     group.add_argument("--token-weight", type=float, default=TOKEN_WEIGHT,

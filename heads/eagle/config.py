@@ -10,17 +10,18 @@ from tree_attention.dynamic import DYNAMIC_FIELDS, dynamic_shape_overrides
 from ..families import EAGLE_LAYOUT_FAMILIES
 from ..kind import SAMPLE_MODES
 
-# Defaults of the dynamic tree: the wall-clock optimum (highest speedup over model.generate, averaged over
-# the code and prose mixes) of benchmarks/bench_speedup.py on the demo target, 2-core CPU, 1 thread, in two
-# runs (results/speedup.json 1.10x, speedup_run1.json 1.11x): a chain (top_k 1) of 4. Chains win on code
-# (1.27-1.29x) and lose on prose (0.91-0.95x); wider trees (top_k 2-10, 8-60 nodes) accept more (tau up to
-# 3.6 against 2.8) but each drafting level costs about 3 ms here, a third of a target forward, so depth
-# and width cost more than they gain. Where verification is nearly free (a GPU at batch 1), start from
-# EAGLE-2's depth 7, top_k 10, 60 tokens. A node count alone (``with_tree(n)``) changes only the budget;
-# widen the tree with ``top_k``.
-DEFAULT_DEPTH = 4
+# Defaults of the dynamic tree: a chain (top_k 1) up to 8 deep that stops where its calibrated chance of
+# being accepted in full falls below one half (min_acceptance; the calibration is learned while serving).
+# Measured against the earlier default (a fixed chain of 4, the wall-clock optimum of bench_speedup.py's
+# grid on the demo target) in one bench_peers run (2-core CPU, 1 thread, greedy, 6 prompts x 96 tokens):
+# 1.92x vs 1.34x on demo code, 1.27x vs 1.12x on demo prose, 1.21x vs 1.11x on stories260K. Wider trees
+# (top_k 2-10) accept more but each drafting level costs a sizeable share of a target forward on a CPU;
+# where verification is nearly free (a GPU at batch 1), start from EAGLE-2's depth 7, top_k 10, 60 tokens.
+# A node count alone (``with_tree(n)``) changes only the budget; widen the tree with ``top_k``.
+DEFAULT_DEPTH = 8
 DEFAULT_TOP_K = 1
-DEFAULT_TOTAL_TOKENS = 4
+DEFAULT_TOTAL_TOKENS = 8
+DEFAULT_MIN_ACCEPTANCE = 0.5
 _TREE_FIELDS = DYNAMIC_FIELDS
 LAYOUTS = tuple(EAGLE_LAYOUT_FAMILIES)
 
@@ -66,7 +67,7 @@ class EagleConfig:
     its top token less than this probability (like transformers' ``assistant_confidence_threshold``
     and the draft kind's ``confidence``), so a deep chain costs its drafter forwards only where the
     drafter is sure. 0: always ``depth`` nodes."""
-    min_acceptance: float = 0.0
+    min_acceptance: float = DEFAULT_MIN_ACCEPTANCE
     """Chains (``top_k`` 1) only: a row's chain stops growing once the estimated probability that
     every node so far is accepted falls below this. Each node's acceptance is estimated from its
     drafter probability through a calibration learned while serving (the acceptance rate of this

@@ -16,7 +16,7 @@ __all__ = ["KIND", "LookupConfig", "LookupDrafter", "LookupMemory", "SuffixIndex
            "make_config"]
 
 OPTIONS = ("tree", "budget", "adaptive", "gate", "max_depth", "max_ngram", "min_match", "max_occurrences", "history_tokens",
-           "history_confidence", "corpus", "tokenizer")
+           "history_confidence", "remember", "corpus", "tokenizer")
 
 
 def encode_corpus(corpus, tokenizer=None) -> list[list[int]]:

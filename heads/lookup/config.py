@@ -27,6 +27,9 @@ class LookupConfig:
     """Most recent occurrences of an n-gram kept per index."""
     history_tokens: int = 200_000
     """Cross-request history: tokens of earlier requests (and the corpus) kept for matching; 0: none."""
+    remember: bool = True
+    """Add each finished request's text to the history (False: the history holds the corpus alone,
+    and no request's text outlives its call)."""
     history_confidence: float = 0.8
     """Weight of counts from the history/corpus against the row's own text (1.0)."""
     adaptive: bool = True
@@ -47,6 +50,8 @@ class LookupConfig:
         _positive_int(self.min_match, "min_match")
         _positive_int(self.max_occurrences, "max_occurrences")
         _positive_int(self.history_tokens, "history_tokens", low=0)
+        if not isinstance(self.remember, bool):
+            raise ValueError(f"LookupConfig.remember must be True or False; got {self.remember!r}")
         if not isinstance(self.gate, bool):
             raise ValueError(f"LookupConfig.gate must be True or False; got {self.gate!r}")
         if self.min_match > self.max_ngram:
@@ -86,4 +91,4 @@ class LookupConfig:
         """The hyper-parameters (the corpus is data, not recorded)."""
         return {name: getattr(self, name) for name in ("budget", "max_depth", "max_ngram", "min_match",
                                                        "max_occurrences", "history_tokens", "history_confidence",
-                                                       "adaptive", "gate")}
+                                                       "adaptive", "gate", "remember")}

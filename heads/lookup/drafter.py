@@ -33,8 +33,8 @@ class LookupMemory(nn.Module):
                 self.history.add_stream(sequence)
 
     def remember(self, sequences: list[list[int]]) -> None:
-        """Add finished requests' text to the history."""
-        if self.history is not None:
+        """Add finished requests' text to the history (unless ``config.remember`` is off)."""
+        if self.history is not None and self.config.remember:
             for sequence in sequences:
                 if sequence:
                     self.history.add_stream(sequence)
@@ -43,7 +43,10 @@ class LookupMemory(nn.Module):
         """Add token sequences (ids) to match against."""
         if self.history is None:
             raise ValueError("this lookup drafter keeps no history (history_tokens=0): nowhere to put a corpus")
-        self.remember([[int(token) for token in sequence] for sequence in sequences])
+        for sequence in sequences:
+            ids = [int(token) for token in sequence]
+            if ids:
+                self.history.add_stream(ids)
 
 
 class LookupDrafter:

@@ -262,3 +262,38 @@ def test_lookup_from_the_command_line(model_dir, tmp_path, capsys):
     assert json.loads(report_path.read_text())["identical"] is True
     assert main(_train_args(model_dir, data, tmp_path / "bad", tmp_path / "cache", tmp_path / "t.json")
                 + ["--lookup", "0"]) == 2
+
+
+def test_corpus_of_the_targets_own_outputs(model_dir, toy_target, tmp_path, capsys, monkeypatch):
+    """`selfdraft corpus` writes prompt + exactly generate's greedy continuation per prompt, as texts
+    `--lookup-corpus` reads; bad arguments are refused before the model loads, and a failed write
+    leaves no file behind."""
+    data = _write_prompts(tmp_path / "prompts.jsonl", 5, seed=6)
+    out = tmp_path / "corpus.jsonl"
+    assert main(["corpus", "--model", str(model_dir), "--data", str(data), "--out", str(out),
+                 "--prompts", "3", "--max-new-tokens", "10"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 3 and all(set(record) == {"text"} for record in records)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()][:3]
+    for prompt, record in zip(prompts, records):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        expected = toy_target.generate(ids, max_new_tokens=10, do_sample=False)
+        assert record["text"] == tokenizer.decode(expected[0], skip_special_tokens=True)
+    assert main(["bench", "--model", str(model_dir), "--lookup", "6", "--lookup-corpus", str(out), "--data",
+                 str(data), "--max-new-tokens", "8", "--prompts", "2"]) == 0
+    capsys.readouterr()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("training.commands.corpus.load_model", refuse)
+    base = ["corpus", "--model", str(model_dir), "--data", str(data)]
+    for extra, message in ((["--out", str(out), "--max-new-tokens", "0"], "--max-new-tokens"),
+                           (["--out", str(out), "--prompts", "0"], "--prompts"),
+                           (["--out", str(tmp_path)], "is a directory")):
+        assert main(base + extra) == 2
+        assert message in _one_line_error(capsys, "corpus")
+    assert main(["corpus", "--model", str(model_dir), "--data", str(tmp_path / "missing.jsonl"), "--out",
+                 str(tmp_path / "new.jsonl")]) == 2
+    assert not (tmp_path / "new.jsonl").exists()

@@ -328,6 +328,21 @@ def test_history_helps_the_second_request():
     assert second.accepted_lengths[0] >= 5  # the first step already continues the earlier request
 
 
+def test_remember_off_keeps_no_request_text():
+    """remember=False: the history holds the corpus alone; a second identical request gains nothing."""
+    model = build_model("mistral", seed=10)
+    prompt = random_prompt(10, seed=11)
+    expected = greedy_reference(model, prompt, 24)
+    spec = heads.attach_heads(model, kind="lookup", tree=10, remember=False, corpus=[[5, 6, 7]])
+    assert torch.equal(spec.generate(prompt, max_new_tokens=24), expected)
+    first = spec.last_stats.accepted_lengths
+    assert torch.equal(spec.generate(prompt, max_new_tokens=24), expected)
+    assert spec.last_stats.accepted_lengths == first
+    assert len(spec.heads.history) == 3  # the corpus' tokens only
+    with pytest.raises(ValueError, match="remember"):
+        LookupConfig(remember="no")
+
+
 def test_history_survives_a_new_tree_and_auto():
     """Finished rows reach the history when they finish, not when the same drafter is reset, so a
     drafter swapped by set_tree or speculate="auto" loses nothing."""
