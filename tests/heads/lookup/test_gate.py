@@ -19,7 +19,8 @@ from tests.heads.lookup.test_lookup_kind import reference, repeated_prompt
 from tree_attention.tree import Tree, TreeBatch
 
 KINDS = {"medusa": {"num_heads": 2, "tree": 6}, "eagle": {"total_tokens": 4},
-         "eagle-chain": {"kind": "eagle", "top_k": 1, "depth": 4, "total_tokens": 4}}
+         "eagle-chain": {"kind": "eagle", "top_k": 1, "depth": 4, "total_tokens": 4},
+         "eagle-parallel": {"kind": "eagle", "parallel": 2, "top_k": 2, "total_tokens": 4}}
 
 
 def _spec(model, name):
