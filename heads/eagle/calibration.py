@@ -18,7 +18,8 @@ class ChainCalibration:
     EDGES = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
     PRIOR = 2.0
 
-    def __init__(self) -> None:
+    def __init__(self, prior_rate: float = 1.0) -> None:
+        self.prior_rate = prior_rate  # the acceptance assumed before any evidence (PRIOR pseudo-nodes)
         self.edges = torch.tensor(self.EDGES)
         self.accepted = torch.zeros(len(self.EDGES) + 1, dtype=torch.float64)
         self.seen = torch.zeros(len(self.EDGES) + 1, dtype=torch.float64)
@@ -28,7 +29,7 @@ class ChainCalibration:
 
     def rates(self, bins: torch.Tensor) -> torch.Tensor:
         """Estimated acceptance of a reached node in each of ``bins``."""
-        return ((self.accepted + self.PRIOR) / (self.seen + self.PRIOR))[bins]
+        return ((self.accepted + self.PRIOR * self.prior_rate) / (self.seen + self.PRIOR))[bins]
 
     def observe(self, chains: list[list[int]], bins: list[list[int]], produced: list[list[int]]) -> None:
         """Per row: the drafted tokens of a chain, their bins, and the tokens the target produced

@@ -34,6 +34,14 @@ def committed_pairs(batch: DraftBatch, device) -> tuple[torch.Tensor, torch.Tens
     return counts, next_tokens, valid
 
 
+SAMPLED_PRIOR_RATE = 0.6
+"""The acceptance a sampled call's fresh calibration assumes of a chain node before evidence (greedy
+calls share one calibration across calls and start optimistic, at 1). A sampled call learns within
+its own few dozen steps, so an optimistic start would spend its first steps on full-depth chains that
+sampling rarely accepts in full; at 0.6 a chain under ``min_acceptance`` 0.5 starts 2 deep and grows
+where this call's evidence shows it is accepted."""
+
+
 class EagleDrafter:
     """Proposes one dynamic tree per row and step (``tree_attention.decode.Drafter``), all rows
     of a batch in one drafter forward per tree level.
@@ -89,7 +97,8 @@ class EagleDrafter:
         self._pending = None  # the last chains (tokens, sizes, bins), until the next batch shows what was accepted
         # greedy outputs do not depend on where chains stop, so greedy calls share what they learn; a
         # sampled call learns afresh, so that its draws (and a seeded call's output) depend on it alone
-        self.calibration = ChainCalibration() if self.sampling else self.heads.chain_calibration
+        self.calibration = (ChainCalibration(SAMPLED_PRIOR_RATE) if self.sampling
+                            else self.heads.chain_calibration)
 
     def _children(self, hidden: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k next tokens (target ids) and their log-probabilities ``[m, top_k]`` from predicted

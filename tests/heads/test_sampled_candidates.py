@@ -99,7 +99,7 @@ CASES = [
                  id="eagle-tree-T1"),
     pytest.param("eagle", dict(depth=3, top_k=1, total_tokens=3, confidence=0.3), dict(temperature=1.0, top_k=0),
                  id="eagle-chain-confidence-T1"),
-    pytest.param("eagle", dict(depth=3, top_k=1, total_tokens=3, min_acceptance=0.3), dict(temperature=1.0, top_k=0),
+    pytest.param("eagle", dict(depth=3, top_k=1, total_tokens=3, min_acceptance=0.2), dict(temperature=1.0, top_k=0),
                  id="eagle-chain-calibrated-T1"),
 ]
 HEAT = 2.0
@@ -126,6 +126,9 @@ def test_sampled_candidates_keep_the_target_law(model, medusa, eagle, hot_drafts
     assert all(trees.draft_probs is not None for trees in proposed)
     if shape == "hybrid":  # lookup continuations (point masses) were merged into the sampled trees
         assert any(trees.width > len(WIDE) + 1 for trees in proposed)
+    if isinstance(shape, dict) and shape.get("min_acceptance"):  # the calibration stopped some chains early
+        sizes = {int(size) for trees in proposed for size in trees.sizes}
+        assert len(sizes) > 1 and max(sizes) == shape["depth"] + 1, sizes
 
 
 def no_residual(monkeypatch):
