@@ -62,6 +62,15 @@ class DraftBatch:
     def rows(self) -> int:
         return int(self.roots.shape[0])
 
+    def next_tokens(self) -> torch.Tensor:
+        """``[R, n]`` the token the target committed after each entry: ``tokens[r, i + 1]``, and the
+        root after the row's last entry (padding 0)."""
+        rows = self.tokens.shape[0]
+        following = torch.cat([self.tokens[:, 1:], self.tokens.new_zeros(rows, 1)], dim=1)
+        following[torch.arange(rows, device=following.device), self.lengths.to(following.device) - 1] = \
+            self.roots.to(following.device)
+        return following
+
     def then(self, later: "DraftBatch") -> "DraftBatch":
         """This batch's entries followed, row by row, by ``later``'s (same rows), with ``later``'s
         roots: what a drafter that skipped a step must see at its next call."""

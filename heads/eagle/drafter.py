@@ -27,9 +27,8 @@ def committed_pairs(batch: DraftBatch, device) -> tuple[torch.Tensor, torch.Tens
     and (features[-1], root). Returns ``(counts [R], next_tokens [R, n], valid [R, n])``: the pairs per
     row, the token of each pair (the root after the row's last feature), and which columns are real."""
     counts = batch.lengths.to(device)
-    rows, width = batch.tokens.shape
-    next_tokens = torch.cat([batch.tokens[:, 1:], batch.tokens.new_zeros(rows, 1)], dim=1).to(device)
-    next_tokens[torch.arange(rows, device=device), counts - 1] = batch.roots.to(device)
+    width = batch.tokens.shape[1]
+    next_tokens = batch.next_tokens().to(device)
     valid = torch.arange(width, device=device)[None, :] < counts[:, None]
     return counts, next_tokens, valid
 
@@ -133,9 +132,8 @@ class EagleDrafter:
         rows = batch.tokens.shape[0]
         if tokens.shape[0] != rows:
             return
-        lengths, committed, roots = batch.lengths.tolist(), batch.tokens.tolist(), batch.roots.tolist()
         chains = [row[1:size] for row, size in zip(tokens.tolist(), sizes.tolist())]
-        produced = [committed[row][1:lengths[row]] + [roots[row]] for row in range(rows)]
+        produced = [row[:length] for row, length in zip(batch.next_tokens().tolist(), batch.lengths.tolist())]
         self.calibration.observe(chains, bins.tolist(), produced)
 
     def _commit(self, batch: DraftBatch) -> torch.Tensor:

@@ -115,10 +115,14 @@ class LookupDrafter:
             found.append(proposal)
         return found
 
-    @torch.no_grad()
-    def propose(self, batch: DraftBatch) -> TreeBatch:
-        proposals = self.proposals(batch)
+    @staticmethod
+    def as_trees(batch: DraftBatch, proposals: list[Proposal]) -> TreeBatch:
+        """Each row's proposal below its root, padded into one batch."""
         fields = pad_proposals(batch.roots.tolist(), proposals, batch.roots.device)
         uniform = bool((fields["sizes"] == fields["tokens"].shape[1]).all())
         return TreeBatch(fields["tokens"], fields["parents"], fields["depths"], fields["visibility"],
                          fields["sizes"], uniform=uniform)
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> TreeBatch:
+        return self.as_trees(batch, self.proposals(batch))

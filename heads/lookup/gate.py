@@ -15,8 +15,6 @@ every step, so that a seeded call's draws never depend on timings.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from tree_attention.tree import TreeBatch
@@ -142,6 +140,3 @@ class LookupGate:
                 "base_seconds": self.base_seconds, "lookup_seconds": self.lookup_seconds,
                 "rest_seconds": dict(self.rest_seconds)}
 
-
-def now() -> float:
-    return time.perf_counter()

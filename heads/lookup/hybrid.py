@@ -13,14 +13,16 @@ draw: the sampling rule (accept with ``r(x)``, remove ``x`` from the residual) s
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tree_attention.decode import DraftBatch
 from tree_attention.tree import Tree, TreeBatch
 
 from .drafter import LookupDrafter
-from .gate import LookupGate, match_class, now, tree_accepted
-from .index import Proposal, pad_proposals
+from .gate import LookupGate, match_class, tree_accepted
+from .index import Proposal
 
 
 def merge_proposal(tree: Tree, proposal: Proposal) -> Tree:
@@ -87,10 +89,7 @@ class HybridDrafter:
         self.gate.rest(alone, started - self._returned)
         if trees.rows != batch.rows:
             return
-        rows, width = batch.tokens.shape
-        produced = torch.cat([batch.tokens[:, 1:], batch.tokens.new_zeros(rows, 1)], dim=1)
-        lengths = batch.lengths.to(produced.device)
-        produced[torch.arange(rows, device=produced.device), lengths - 1] = batch.roots.to(produced.device)
+        produced, lengths = batch.next_tokens(), batch.lengths
         merged = None if alone else tree_accepted(trees, produced.to(trees.tokens.device),
                                                   lengths.to(trees.tokens.device))
         listed = [row[:length] for row, length in zip(produced.tolist(), lengths.tolist())]
@@ -99,35 +98,34 @@ class HybridDrafter:
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> TreeBatch:
         gate = self.gate if self.gating else None
-        started = now()
+        started = time.perf_counter()
         if gate is not None:
             self._learn(batch, started)
         proposals = self.lookup.proposals(batch)
         found = any(proposal.tokens for proposal in proposals)
-        keys = [match_class(proposal) for proposal in proposals]
+        keys = None
         if gate is not None:
-            looked = now()
+            keys = [match_class(proposal) for proposal in proposals]
+            looked = time.perf_counter()
             gate.timed("lookup_seconds", looked - started)
             if found and gate.lookup_alone(keys):
                 self._unseen = batch if self._unseen is None else self._unseen.then(batch)
-                fields = pad_proposals(batch.roots.tolist(), proposals, batch.roots.device)
-                trees = TreeBatch(fields["tokens"], fields["parents"], fields["depths"], fields["visibility"],
-                                  fields["sizes"], uniform=bool((fields["sizes"] == fields["tokens"].shape[1]).all()))
+                trees = self.lookup.as_trees(batch, proposals)
                 gate.lookup_steps += 1
                 self._last = (True, keys, proposals, trees)
-                self._returned = now()
+                self._returned = time.perf_counter()
                 return trees
             started = looked
         if self._unseen is not None:
             batch, self._unseen = self._unseen.then(batch), None
         trees = self.base.propose(batch)
         if gate is not None:
-            gate.timed("base_seconds", now() - started)
+            gate.timed("base_seconds", time.perf_counter() - started)
             gate.merged_steps += 1
         if found:
             trees = TreeBatch.from_trees([merge_proposal(tree, proposal) if proposal.tokens else tree
                                           for tree, proposal in zip(trees.trees(), proposals)])
         if gate is not None:
             self._last = (False, keys, proposals, trees)
-            self._returned = now()
+            self._returned = time.perf_counter()
         return trees
