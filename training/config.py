@@ -45,6 +45,11 @@ class TrainConfig:
     unroll_steps: int = 1
     """EAGLE: drafting steps unrolled on the drafter's own predicted features (training-time test;
     1: teacher forcing only, as EAGLE-1)."""
+    choose_drafting: bool = True
+    """EAGLE with ``drafting="auto"`` (trained for parallel drafting): after training, time greedy
+    generation of held-out prompts in each drafting mode on this machine and keep the faster as the
+    drafter's ``drafting`` (:func:`heads.eagle.switch.choose_drafting`). False: keep ``auto``, the
+    mode chosen step by step while serving."""
     seed: int = 0
     checkpoint_every: int = 0
     """Save a resumable checkpoint every N steps (0: never)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from tree_attention.verify import SamplingRule
+from tree_attention.verify import GreedyRule, SamplingRule
 
 from ..adapter import AdapterError
 from ..kind import DrafterKind, refuse_options
@@ -20,19 +20,22 @@ from .drafter import EagleDrafter
 from .loss import EagleLoss
 from .modules import Eagle3Midlayer, EagleHeads, parallel_attention_mask, unrolled_attention_mask
 from .parallel import ParallelEagleDrafter, parallel_template
+from .switch import DraftingChoice, SwitchingEagleDrafter
 
 __all__ = ["KIND", "EagleConfig", "EagleDrafter", "EagleHeads", "Eagle3Midlayer", "unrolled_attention_mask",
-           "ParallelEagleDrafter", "parallel_attention_mask", "parallel_template", "DEFAULT_DEPTH", "DEFAULT_TOP_K",
+           "ParallelEagleDrafter", "parallel_attention_mask", "parallel_template", "SwitchingEagleDrafter",
+           "DraftingChoice", "DEFAULT_DEPTH", "DEFAULT_TOP_K",
            "DEFAULT_TOTAL_TOKENS", "LAYOUTS"]
 
 OPTIONS = ("num_layers", "depth", "top_k", "total_tokens", "feature_layers", "draft_vocab_size", "layout", "parallel",
-           "sample", "confidence", "min_acceptance")
+           "sample", "confidence", "min_acceptance", "drafting", "parallel_tokens")
 
 
 def make_config(num_layers: int | None = None, depth: int | None = None, top_k: int | None = None,
                 total_tokens: int | None = None, feature_layers=None, draft_vocab_size: int | None = None,
                 layout: str | None = None, parallel: int | None = None, sample: str | None = None,
-                confidence: float | None = None, min_acceptance: float | None = None, **others) -> EagleConfig:
+                confidence: float | None = None, min_acceptance: float | None = None, drafting: str | None = None,
+                parallel_tokens: int | None = None, **others) -> EagleConfig:
     """The config ``attach_heads(kind="eagle", ...)`` builds; a lone ``total_tokens`` lowers the
     default depth to fit it."""
     refuse_options("eagle", OPTIONS, others)
@@ -43,6 +46,8 @@ def make_config(num_layers: int | None = None, depth: int | None = None, top_k: 
                        parallel=1 if parallel is None else parallel, sample=sample or "auto",
                        confidence=0.0 if confidence is None else confidence,
                        min_acceptance=EagleConfig.min_acceptance if min_acceptance is None else min_acceptance,
+                       drafting=drafting,
+                       parallel_tokens=EagleConfig.parallel_tokens if parallel_tokens is None else parallel_tokens,
                        **EagleConfig().with_tree(shape).tree)
 
 
@@ -50,10 +55,12 @@ def build_heads(target, config: EagleConfig) -> EagleHeads:
     return EagleHeads(config, target)
 
 
-def build_drafter(spec, tree) -> EagleDrafter | ParallelEagleDrafter:
+def build_drafter(spec, tree) -> EagleDrafter | ParallelEagleDrafter | SwitchingEagleDrafter:
     config = spec.config.with_tree(tree)
-    if config.parallel > 1:
+    if config.drafting == "parallel":
         return ParallelEagleDrafter(spec.heads, spec.target, config, spec.accuracy)
+    if config.drafting == "auto":
+        return SwitchingEagleDrafter(spec.heads, spec.target, config, spec.accuracy)
     return EagleDrafter(spec.heads, spec.target, config)
 
 
@@ -61,7 +68,9 @@ def bind_rule(drafter, rule):
     """``drafter`` set up for the serving ``rule``: sampled candidates (drawn from the drafter's
     distribution under the rule's own warp and generator) when the rule samples losslessly and the
     config's ``sample`` mode allows it; top-k candidates otherwise (greedy, typical, ``never``)."""
-    if not isinstance(drafter, EagleDrafter):
+    if isinstance(drafter, SwitchingEagleDrafter):  # which mode drafts never changes a greedy output
+        drafter.choosing = isinstance(rule, GreedyRule)
+    elif not isinstance(drafter, EagleDrafter):
         return drafter
     sampled = isinstance(rule, SamplingRule) and rule.lossless and drafter.sample != "never"
     drafter.sample_with(rule.warp if sampled else None, rule.generator if sampled else None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import LAYOUTS
+from .config import DRAFTING_MODES, LAYOUTS
 
 LEARNING_RATE = 1e-2
 """``selfdraft train --kind eagle``'s default ``--lr``. The drafter's projection and decoder layer start
@@ -16,6 +16,13 @@ TOKEN_WEIGHT = 1.0
 """``--token-weight``'s default (EAGLE-1 uses 0.1): with the token loss at 0.1 the feature regression
 dominates and top-1 agreement, what acceptance counts, lags (stories260K at lr 1e-2: 0.72 at 0.1,
 0.77 at 0.3, 0.78 at 1.0 and 3.0, deeper steps best at 0.3-1.0)."""
+PARALLEL = 3
+"""``selfdraft train --kind eagle``'s default ``--parallel``, with ``--drafting auto``: the drafter also
+learns two mask queries, and serving drafts each step sequentially or in parallel, whichever commits
+more tokens per second on the machine (:mod:`heads.eagle.switch`). The teacher-forced pairs are
+trained exactly as a sequential drafter's (``--parallel 1``); sharing the layer with the mask queries
+cost the sequential chain's tau about 5% on demo-llama and 13% on stories260K, where the parallel
+tree is the faster mode."""
 
 
 def layer_list(text: str) -> list[int]:
@@ -42,9 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "layer, exportable with --format eagle) or eagle3 (the EAGLE-3 midlayer, needs three "
                             "--feature-layers, exportable with --format eagle3); Llama-family targets only")
     group.add_argument("--parallel", type=int, default=None,
-                       help="depths drafted in one drafter forward with learned mask queries (P-EAGLE style; "
-                            "default 1: sequential EAGLE, one forward per tree level). K > 1 drafts a static "
+                       help=f"depths drafted in one drafter forward with learned mask queries (P-EAGLE style; "
+                            f"default {PARALLEL} with --drafting auto; 1: sequential EAGLE only, one forward per "
+                            "tree level). K > 1 drafts a static "
                             "top-k tree of min(depth, K) levels from one forward per step")
+    group.add_argument("--drafting", choices=DRAFTING_MODES + ("online",), default=None,
+                       help="how a drafter trained with --parallel > 1 drafts: auto (default with --parallel > 1: "
+                            "after training, greedy generation of held-out prompts is timed in both modes and the "
+                            "faster is kept), online (the mode is chosen step by step while serving), parallel or "
+                            "sequential")
+    group.add_argument("--parallel-tokens", type=int, default=None,
+                       help="--drafting auto: drafted nodes of the parallel mode's static tree (default 16)")
     group.add_argument("--min-acceptance", type=float, default=None,
                        help="chains (--top-k 1): stop drafting once the calibrated probability that every node so "
                             "far is accepted falls below this (default 0.5; 0: always --depth nodes)")
@@ -59,16 +74,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "test; default 1)")
 
 
+def default_parallel(args: argparse.Namespace) -> bool:
+    """Whether ``--parallel`` defaults to :data:`PARALLEL`: not where another flag asks for what parallel
+    drafting cannot do (``--unroll-steps`` > 1 trains sequential steps; the ``eagle1``/``eagle3``
+    layouts are for export to formats without mask queries; ``--drafting sequential``)."""
+    return (args.unroll_steps == 1 and args.eagle_layout in (None, "native")
+            and getattr(args, "drafting", None) in (None, "auto", "online", "parallel"))
+
+
 def options(args: argparse.Namespace) -> dict:
-    """The ``attach_heads(kind="eagle", ...)`` options; None where a flag was not given."""
-    return {"num_layers": args.num_layers, "depth": args.depth, "top_k": args.top_k,
+    """The ``attach_heads(kind="eagle", ...)`` options; None where a flag was not given, except
+    ``parallel`` and ``drafting`` when training this kind (:data:`PARALLEL`, ``auto``)."""
+    parallel, drafting = args.parallel, args.drafting
+    if getattr(args, "kind", None) == "eagle" and parallel is None and default_parallel(args):
+        parallel = PARALLEL
+    if drafting is None and parallel is not None and parallel > 1:
+        drafting = "auto"
+    if drafting == "online":  # chosen while serving: the config's auto, not resolved after training
+        drafting = "auto"
+    return {"drafting": drafting, "parallel_tokens": args.parallel_tokens,
+            "num_layers": args.num_layers, "depth": args.depth, "top_k": args.top_k,
             "total_tokens": args.total_tokens, "feature_layers": args.feature_layers,
             "draft_vocab_size": args.draft_vocab_size, "layout": args.eagle_layout,
-            "parallel": args.parallel, "confidence": getattr(args, "confidence", None),
+            "parallel": parallel, "confidence": getattr(args, "confidence", None),
             "min_acceptance": args.min_acceptance}
 
 
 def train_options(args: argparse.Namespace) -> dict:
     """The ``TrainConfig`` fields EAGLE's flags set."""
     return {"feature_weight": args.feature_weight, "token_weight": args.token_weight,
-            "feature_noise": args.feature_noise, "unroll_steps": args.unroll_steps}
+            "feature_noise": args.feature_noise, "unroll_steps": args.unroll_steps,
+            "choose_drafting": args.drafting != "online"}

@@ -24,6 +24,7 @@ DEFAULT_TOTAL_TOKENS = 8
 DEFAULT_MIN_ACCEPTANCE = 0.5
 _TREE_FIELDS = DYNAMIC_FIELDS
 LAYOUTS = tuple(EAGLE_LAYOUT_FAMILIES)
+DRAFTING_MODES = ("sequential", "parallel", "auto")
 
 
 def _positive_int(value: object, name: str, low: int = 1) -> None:
@@ -61,6 +62,18 @@ class EagleConfig:
     over those depths (:mod:`heads.eagle.parallel`): ``min(depth, K)`` deep, at most ``top_k``
     candidates per depth, ``total_tokens`` nodes chosen best-first by measured (else prior)
     per-depth, per-rank accuracy. Adds the ``mask_embedding`` and ``mask_feature`` tensors."""
+    drafting: str | None = None
+    """How a drafter trained with ``parallel = K > 1`` drafts: ``parallel`` (one forward per step,
+    the static tree above), ``sequential`` (EAGLE's dynamic tree of ``depth``/``top_k``/
+    ``total_tokens``, one forward per level; the mask queries unused) or ``auto``: greedy calls
+    measure the tokens per second of each mode on this machine and draft with the faster
+    (:mod:`heads.eagle.switch`), the parallel mode with a tree of ``parallel_tokens`` nodes; other
+    calls draft sequentially. Which mode drafts never changes a greedy output. None: ``sequential``
+    for ``parallel`` 1, ``parallel`` otherwise (adapters written before this field). ``selfdraft
+    train --kind eagle`` trains ``parallel`` 3 with ``auto`` by default."""
+    parallel_tokens: int = 16
+    """``drafting="auto"`` only: drafted nodes of the parallel mode's static tree (best-first over
+    all ``K`` depths and the ranks of the measured accuracy table)."""
 
     confidence: float = 0.0
     """Chains (``top_k`` 1) only: a row's chain stops below a node whose drafter distribution gives
@@ -94,6 +107,14 @@ class EagleConfig:
         _positive_int(self.top_k, "top_k")
         _positive_int(self.total_tokens, "total_tokens", low=0)
         _positive_int(self.parallel, "parallel")
+        _positive_int(self.parallel_tokens, "parallel_tokens")
+        if self.drafting is None:
+            self.drafting = "sequential" if self.parallel == 1 else "parallel"
+        if self.drafting not in DRAFTING_MODES:
+            raise ValueError(f"EagleConfig.drafting must be one of {DRAFTING_MODES}; got {self.drafting!r}")
+        if self.drafting != "sequential" and self.parallel == 1:
+            raise ValueError(f"EagleConfig.drafting {self.drafting!r} needs a drafter trained for parallel drafting "
+                             f"(parallel >= 2); this one has parallel=1")
         if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) or \
                 not 0.0 <= self.confidence < 1.0:
             raise ValueError(f"EagleConfig.confidence must be a probability in [0, 1); got {self.confidence!r}")

@@ -240,10 +240,15 @@ class EagleLoss:
 
     def finish(self, accuracy: list[list[float]]) -> None:
         """Sequential drafting: nothing to update (its tree is built dynamically). Parallel drafting:
-        the measured per-depth accuracy shapes its static tree from now on (kept in the adapter)."""
+        the measured per-depth accuracy shapes its static tree from now on (kept in the adapter);
+        ``drafting="auto"`` with ``choose_drafting``: the faster mode on held-out prompts is kept."""
         if self.parallel > 1:
             self.spec.accuracy = accuracy
             self.spec.set_tree(None)
+        if self.spec.config.drafting == "auto" and self.config.choose_drafting:
+            from .switch import choose_drafting
+
+            self.drafting_rates = choose_drafting(self.spec, self.context.validation_sequences)
 
     @torch.no_grad()
     def rank_accuracy(self, max_rank: int = 10, steps: int | None = None) -> list[list[float]]:

@@ -165,6 +165,7 @@ class EagleHeads(nn.Module):
         else:
             self.mask_embedding = self.mask_feature = None
         self.chain_calibration = ChainCalibration()  # serving statistics, not weights: never saved
+        self.drafting_choices: dict = {}  # drafting="auto": per configuration, heads.eagle.switch.DraftingChoice
         if config.draft_vocab_size is not None:
             self.register_buffer("token_map", torch.arange(config.draft_vocab_size))
         else:

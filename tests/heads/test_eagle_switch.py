@@ -1,0 +1,196 @@
+"""``drafting="auto"``: an EAGLE drafter trained for parallel drafting drafts each step sequentially
+or in parallel. Greedy parity under every sequence of modes (the two drafters share one cache), the
+choice's bursts and measurements, sampled calls never switching, the training-time choice, the
+config and the command line's defaults."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+import heads
+from heads.eagle import DraftingChoice, EagleConfig, EagleDrafter, ParallelEagleDrafter, SwitchingEagleDrafter
+from heads.eagle import cli as eagle_cli
+from heads.eagle import switch
+from tests.conftest import build_model, greedy_reference, left_pad, progression_batch, random_prompt
+from training.trainer import TrainConfig, make_trainer
+
+
+class ScriptedChoice(DraftingChoice):
+    """Modes from a repeating script instead of measurements (records what it was asked to measure)."""
+
+    def __init__(self, script: str) -> None:
+        super().__init__()
+        self.script, self.index, self.measured = script, 0, []
+
+    def choose(self):
+        mode = {"s": "sequential", "p": "parallel"}[self.script[self.index % len(self.script)]]
+        self.index += 1
+        self.steps[mode] += 1
+        return mode, False
+
+    def observe(self, mode, tokens, seconds):
+        self.measured.append((mode, tokens))
+        super().observe(mode, tokens, seconds)
+
+
+def _scripted(spec, script: str) -> ScriptedChoice:
+    choice = ScriptedChoice(script)
+    spec.drafter.choice = choice
+    return choice
+
+
+@pytest.mark.parametrize("name, options", [
+    ("llama", {}), ("mistral", dict(top_k=2, total_tokens=5, depth=3)), ("gpt2", {}), ("gemma2", {}),
+    ("qwen2", dict(draft_vocab_size=40)),
+])
+@pytest.mark.parametrize("script", ["sp", "ssp", "pps"])
+def test_greedy_parity_under_any_sequence_of_modes(name, options, script):
+    model = build_model(name, seed=3)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto", **options)
+    assert isinstance(spec.drafter, SwitchingEagleDrafter)
+    choice = _scripted(spec, script)
+    for seed, length in enumerate((1, 15)):  # longer than the tiny sliding windows once generated
+        prompt = random_prompt(length, seed)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=24), greedy_reference(model, prompt, 24))
+    assert choice.steps["sequential"] and choice.steps["parallel"]
+    prompts = [random_prompt(length, length)[0] for length in (3, 11, 6)]
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=20), expected)
+
+
+def test_measurements_skip_first_steps_and_count_committed_tokens():
+    model = build_model("llama", seed=1)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto")
+    choice = _scripted(spec, "sp")
+    prompt = random_prompt(6, 0)
+    output = spec.generate(prompt, max_new_tokens=16, min_new_tokens=16)
+    # every step but the first (it also committed the prompt) is measured at the next step; the last step's
+    # outcome is never seen by the drafter
+    steps = spec.last_stats.target_forwards - 1
+    assert len(choice.measured) == steps - 2
+    modes = [mode for mode, _ in choice.measured]
+    assert modes == [("sequential", "parallel")[(index + 1) % 2] for index in range(len(modes))]
+    assert sum(tokens for _, tokens in choice.measured) <= output.shape[1] - prompt.shape[1]
+
+
+def test_sampled_calls_draft_sequentially_and_greedy_calls_choose():
+    model = build_model("llama", seed=1)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto")
+    prompt = random_prompt(5, 1)
+    spec.generate(prompt, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=0,
+                  generator=torch.Generator().manual_seed(0))
+    assert sum(spec.drafter.choice.steps.values()) == 0
+    first = spec.generate(prompt, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=0,
+                          generator=torch.Generator().manual_seed(3))
+    again = spec.generate(prompt, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=0,
+                          generator=torch.Generator().manual_seed(3))
+    assert torch.equal(first, again)
+    spec.generate(prompt, max_new_tokens=12)
+    assert sum(spec.drafter.choice.steps.values()) > 0
+
+
+def _feed(choice: DraftingChoice, rates: dict[str, float], steps: int) -> list[str]:
+    """Drive ``choice`` for ``steps`` steps where mode m commits 2 tokens in ``2 / rates[m]`` seconds."""
+    modes = []
+    for _ in range(steps):
+        mode, skip = choice.choose()
+        modes.append(mode)
+        if not skip:
+            choice.observe(mode, 2.0, 2.0 / rates[mode])
+    return modes
+
+
+@pytest.mark.parametrize("faster", ["sequential", "parallel"])
+def test_choice_measures_both_then_keeps_the_faster_and_revisits_the_other(faster):
+    choice = DraftingChoice()
+    slower = "parallel" if faster == "sequential" else "sequential"
+    modes = _feed(choice, {faster: 130.0, slower: 100.0}, 600)
+    warm = 2 * (1 + switch.MIN_SEEN) + switch.WARMUP * 2
+    assert set(modes[:warm]) == {"sequential", "parallel"}
+    assert choice.faster() == faster
+    later = modes[warm:]
+    share = later.count(slower) / len(later)
+    assert 0 < share < 0.15, share  # bursts of the slower mode, a small share of the steps
+    # a wide gap revisits the slower mode less often than a narrow one
+    narrow = DraftingChoice()
+    narrow_modes = _feed(narrow, {faster: 104.0, slower: 100.0}, 600)[warm:]
+    assert narrow_modes.count(slower) > later.count(slower)
+    # the machine changes: the other mode becomes faster, and the choice follows
+    modes = _feed(choice, {faster: 60.0, slower: 100.0}, 1500)
+    assert choice.faster() == slower and modes[-100:].count(slower) > 80
+
+
+def test_config_and_older_adapters(tmp_path):
+    assert EagleConfig().drafting == "sequential"
+    assert EagleConfig(parallel=3).drafting == "parallel"  # adapters written before the field
+    with pytest.raises(ValueError, match="needs a drafter trained for parallel drafting"):
+        EagleConfig(drafting="auto")
+    with pytest.raises(ValueError, match="drafting must be one of"):
+        EagleConfig(parallel=2, drafting="fastest")
+    with pytest.raises(ValueError, match="parallel_tokens"):
+        EagleConfig(parallel=2, drafting="auto", parallel_tokens=0)
+    model = build_model("llama", seed=2)
+    sequential = heads.attach_heads(model, kind="eagle", parallel=3, drafting="sequential")
+    assert type(sequential.drafter) is EagleDrafter
+    assert isinstance(heads.attach_heads(model, kind="eagle", parallel=3).drafter, ParallelEagleDrafter)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto", parallel_tokens=6)
+    assert spec.drafter.parallel.template.size == 7 and spec.drafter.parallel.template.max_depth <= 3
+    spec.save_pretrained(tmp_path / "auto")
+    saved = json.loads((tmp_path / "auto" / "adapter_config.json").read_text())
+    assert saved["drafter"]["drafting"] == "auto" and saved["drafter"]["parallel_tokens"] == 6
+    assert isinstance(heads.load_heads(model, tmp_path / "auto").drafter, SwitchingEagleDrafter)
+
+
+def test_training_keeps_the_faster_mode(monkeypatch):
+    model = build_model("llama", seed=4)
+    sequences = list(greedy_reference(model, progression_batch(24, 6, torch.Generator().manual_seed(7)), 12))
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto")
+    # a machine where sequential drafting is slow: every sequential propose sleeps
+    slow = EagleDrafter.propose
+
+    def sleepy(self, batch):
+        import time
+        time.sleep(0.004)
+        return slow(self, batch)
+
+    monkeypatch.setattr(EagleDrafter, "propose", sleepy)
+    trainer = make_trainer(spec, sequences, TrainConfig(steps=2, batch_size=4, validation_fraction=0.3),
+                           progress=False)
+    trainer.train()
+    assert spec.config.drafting == "parallel" and isinstance(spec.drafter, ParallelEagleDrafter)
+    assert spec.drafter.template.size == spec.config.total_tokens + 1 == EagleConfig.parallel_tokens + 1
+    rates = trainer.hook.drafting_rates
+    assert rates["parallel"] > rates["sequential"]
+    prompt = sequences[0][:5][None]
+    assert torch.equal(spec.generate(prompt, max_new_tokens=10), greedy_reference(model, prompt, 10))
+    online = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto")
+    make_trainer(online, sequences, TrainConfig(steps=1, batch_size=4, choose_drafting=False), progress=False).train()
+    assert online.config.drafting == "auto"
+
+
+def _cli_args(**flags) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    eagle_cli.add_arguments(parser)
+    args = parser.parse_args([item for name, value in flags.items() for item in (f"--{name.replace('_', '-')}", value)])
+    args.kind = "eagle"
+    return args
+
+
+def test_command_line_defaults():
+    options = eagle_cli.options(_cli_args())
+    assert options["parallel"] == eagle_cli.PARALLEL and options["drafting"] == "auto"
+    assert eagle_cli.train_options(_cli_args())["choose_drafting"] is True
+    online = _cli_args(drafting="online")
+    assert eagle_cli.options(online)["drafting"] == "auto" and eagle_cli.train_options(online)["choose_drafting"] is False
+    for flags in (dict(unroll_steps="2"), dict(eagle_layout="eagle1"), dict(drafting="sequential")):
+        assert eagle_cli.options(_cli_args(**flags))["parallel"] is None, flags
+    assert eagle_cli.options(_cli_args(parallel="1"))["drafting"] is None
+    other = _cli_args()
+    other.kind = "medusa"  # another kind's run: EAGLE's options stay unset
+    assert eagle_cli.options(other)["parallel"] is None and eagle_cli.options(other)["drafting"] is None
