@@ -18,11 +18,10 @@ dominates and top-1 agreement, what acceptance counts, lags (stories260K at lr 1
 0.77 at 0.3, 0.78 at 1.0 and 3.0, deeper steps best at 0.3-1.0)."""
 PARALLEL = 3
 """``selfdraft train --kind eagle``'s default ``--parallel``, with ``--drafting auto``: the drafter also
-learns two mask queries, and serving drafts each step sequentially or in parallel, whichever commits
-more tokens per second on the machine (:mod:`heads.eagle.switch`). The teacher-forced pairs are
-trained exactly as a sequential drafter's (``--parallel 1``); sharing the layer with the mask queries
-cost the sequential chain's tau about 5% on demo-llama and 13% on stories260K, where the parallel
-tree is the faster mode."""
+learns two mask queries, and greedy serving drafts each step sequentially or in parallel, whichever
+commits more tokens per second on the machine and traffic (:mod:`heads.eagle.switch`). The
+teacher-forced pairs are trained exactly as a sequential drafter's (``--parallel 1``), but they share
+the layer with the mask queries (see ``--mask-query-weight``)."""
 
 
 def layer_list(text: str) -> list[int]:
@@ -53,11 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"default {PARALLEL} with --drafting auto; 1: sequential EAGLE only, one forward per "
                             "tree level). K > 1 drafts a static "
                             "top-k tree of min(depth, K) levels from one forward per step")
-    group.add_argument("--drafting", choices=DRAFTING_MODES + ("online",), default=None,
+    group.add_argument("--drafting", choices=DRAFTING_MODES, default=None,
                        help="how a drafter trained with --parallel > 1 drafts: auto (default with --parallel > 1: "
-                            "after training, greedy generation of held-out prompts is timed in both modes and the "
-                            "faster is kept), online (the mode is chosen step by step while serving), parallel or "
+                            "greedy calls measure both modes while serving and draft with the faster), parallel or "
                             "sequential")
+    group.add_argument("--mask-query-weight", type=float, default=0.2,
+                       help="--parallel > 1: weight of the mask queries' losses against the teacher-forced pairs' "
+                            "(default 0.2; higher favours the parallel mode over the sequential one)")
     group.add_argument("--parallel-tokens", type=int, default=None,
                        help="--drafting auto: drafted nodes of the parallel mode's static tree (default 16)")
     group.add_argument("--min-acceptance", type=float, default=None,
@@ -79,7 +80,7 @@ def default_parallel(args: argparse.Namespace) -> bool:
     drafting cannot do (``--unroll-steps`` > 1 trains sequential steps; the ``eagle1``/``eagle3``
     layouts are for export to formats without mask queries; ``--drafting sequential``)."""
     return (args.unroll_steps == 1 and args.eagle_layout in (None, "native")
-            and getattr(args, "drafting", None) in (None, "auto", "online", "parallel"))
+            and getattr(args, "drafting", None) in (None, "auto", "parallel"))
 
 
 def options(args: argparse.Namespace) -> dict:
@@ -89,8 +90,6 @@ def options(args: argparse.Namespace) -> dict:
     if getattr(args, "kind", None) == "eagle" and parallel is None and default_parallel(args):
         parallel = PARALLEL
     if drafting is None and parallel is not None and parallel > 1:
-        drafting = "auto"
-    if drafting == "online":  # chosen while serving: the config's auto, not resolved after training
         drafting = "auto"
     return {"drafting": drafting, "parallel_tokens": args.parallel_tokens,
             "num_layers": args.num_layers, "depth": args.depth, "top_k": args.top_k,
@@ -104,4 +103,4 @@ def train_options(args: argparse.Namespace) -> dict:
     """The ``TrainConfig`` fields EAGLE's flags set."""
     return {"feature_weight": args.feature_weight, "token_weight": args.token_weight,
             "feature_noise": args.feature_noise, "unroll_steps": args.unroll_steps,
-            "choose_drafting": args.drafting != "online"}
+            "mask_query_weight": args.mask_query_weight}

@@ -75,7 +75,7 @@ def fit_linear(gram: torch.Tensor, cross: torch.Tensor, ridge: float = RIDGE) ->
 def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor, teacher_logits: torch.Tensor,
                  attention_mask: torch.Tensor, student_logits, config,
                  token_map: torch.Tensor | None = None, head_features=None, *,
-                 losses) -> tuple[torch.Tensor, list[float]]:
+                 losses, parallel: bool = False) -> tuple[torch.Tensor, list[float]]:
     """Weighted EAGLE loss over unrolled steps and each step's top-1 agreement with the target.
 
     Args:
@@ -88,6 +88,8 @@ def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor
         head_features: maps predictions to what the output head reads (the ``eagle3`` layout's final
             norm), the space of ``top_features`` that the regression compares in (None: identity).
         losses: the namespace of divergences (``training.losses``).
+        parallel: ``predictions`` are parallel drafting's depths (the teacher-forced pairs, then the
+            mask queries); the mask queries' losses are scaled by ``config.mask_query_weight``.
     """
     length = top_features.shape[1]
     in_draft = None
@@ -111,7 +113,8 @@ def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor
         loss = config.feature_weight * losses.feature_regression(regressed, top_features[:, step:], valid)
         loss = loss + config.token_weight * losses.divergence(config.divergence, logits, teacher, config.temperature,
                                                               config.jsd_beta, valid)
-        total = total + config.head_decay ** (step - 1) * loss
+        scale = config.mask_query_weight if parallel and step > 1 else 1.0  # the mask queries' depths
+        total = total + scale * config.head_decay ** (step - 1) * loss
         with torch.no_grad():
             agreement.append(float(losses.masked_mean((logits.argmax(-1) == teacher.argmax(-1)).float(), valid)))
     return total, agreement
@@ -230,7 +233,8 @@ class EagleLoss:
             return self.spec.target.logits(features.to(top.dtype), rows)
 
         loss, agreement = eagle_losses(predictions, top, teacher, attention_mask, logits, self.config,
-                                       drafter.token_map, drafter.head_features, losses=self.context.losses)
+                                       drafter.token_map, drafter.head_features, losses=self.context.losses,
+                                       parallel=self.parallel > 1)
         return loss, agreement, predictions, logits, teacher
 
     def micro_loss(self, heads, input_ids: torch.Tensor, attention_mask: torch.Tensor, indices: list[int],
@@ -240,15 +244,11 @@ class EagleLoss:
 
     def finish(self, accuracy: list[list[float]]) -> None:
         """Sequential drafting: nothing to update (its tree is built dynamically). Parallel drafting:
-        the measured per-depth accuracy shapes its static tree from now on (kept in the adapter);
-        ``drafting="auto"`` with ``choose_drafting``: the faster mode on held-out prompts is kept."""
+        the measured per-depth accuracy shapes its static tree from now on (kept in the adapter)."""
         if self.parallel > 1:
             self.spec.accuracy = accuracy
             self.spec.set_tree(None)
-        if self.spec.config.drafting == "auto" and self.config.choose_drafting:
-            from .switch import choose_drafting
 
-            self.drafting_rates = choose_drafting(self.spec, self.context.validation_sequences)
 
     @torch.no_grad()
     def rank_accuracy(self, max_rank: int = 10, steps: int | None = None) -> list[list[float]]:

@@ -11,11 +11,12 @@ sequential drafter's first step, and its mask queries give the parallel depths.
 
 :class:`SwitchingEagleDrafter` holds one drafter of each mode over one shared drafter cache (both
 append a step's committed pairs the same way and crop whatever they drafted past them at the next
-step), so a step of either mode may follow a step of the other. :class:`DraftingChoice` keeps, per
-mode, running estimates of the tokens a step commits and of the wall-clock seconds from one
-``propose`` to the next (drafting, verification and the rest of the loop), and picks the mode with
-the higher ratio, in bursts: each mode is measured first, then the faster drafts for a stretch and
-the other a short burst, so that its estimate follows the machine.
+step), so a step of either mode may follow a step of the other. :class:`DraftingChoice` measures,
+in exploration windows where the modes alternate every two steps, the tokens each mode's steps
+commit and their wall-clock seconds from one ``propose`` to the next (drafting, verification and
+the rest of the loop), then drafts with the faster mode for a stretch that grows with the gap, and
+measures again. Alternating within a window compares the modes on the same stretch of text: how
+many tokens a step commits swings far more with the text than between the modes.
 
 Which tree is verified never changes a greedy output, so greedy calls choose; a sampled call drafts
 sequentially at every step (its candidates drawn from the drafter's distribution), so that a seeded
@@ -24,7 +25,6 @@ call's draws never depend on timings.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import replace
 
@@ -39,82 +39,77 @@ from .drafter import EagleDrafter
 from .modules import EagleHeads
 from .parallel import ParallelEagleDrafter
 
-logger = logging.getLogger(__name__)
-
 MODES = ("sequential", "parallel")
-MIN_SEEN = 8
-"""Measured steps of each mode before the choice acts on the measurements."""
 WARMUP = 4
-"""Unmeasured steps before a mode's first measured one (sequential chains start long, till their
+"""Unmeasured sequential steps before the first exploration (its chains start long, till their
 calibration has seen a few outcomes)."""
-EXPLORE = 48
-"""Steps of the chosen mode between two bursts of the other, when their estimated rates are within
-10%; the interval grows with the gap (a mode 30% slower is revisited every 144 steps)."""
-BURST = 6
-"""Steps of the other mode in a burst; the first step of every burst is not measured (it follows a
-step of the other mode)."""
-DECAY = 0.1
-"""Weight of the newest measured step in the running estimates."""
+EXPLORE = 32
+"""Steps of an exploration window: the modes alternate every :data:`BLOCK` steps, so both are
+measured on the same stretch of text (how many tokens a step commits varies far more between
+stretches of text than between the modes)."""
+BLOCK = 2
+EXPLOIT = 192
+"""Steps of the faster mode after a window whose two rates were within 10%; the stretch grows with
+the gap between them (up to 4x). Then the next window measures both again."""
 
 
 class DraftingChoice:
-    """Per mode: running estimates of tokens committed per step and seconds per step, and the
-    choice of the next step's mode, in bursts: each mode is tried until measured :data:`MIN_SEEN`
-    times, then the faster drafts :data:`EXPLORE` steps or more and the other :data:`BURST`. Kept on the
-    drafter's heads across ``generate`` calls, per drafting configuration (serving statistics,
-    never saved)."""
+    """The choice of each step's mode: exploration windows of :data:`EXPLORE` steps in which the
+    modes alternate, each followed by a stretch of the faster mode (per window: committed tokens
+    over wall-clock seconds of each mode's steps). Kept on the drafter's heads across ``generate``
+    calls, per drafting configuration (serving statistics, never saved)."""
 
     def __init__(self) -> None:
-        self.tokens = dict.fromkeys(MODES, 0.0)
+        self.tokens = dict.fromkeys(MODES, 0.0)  # the current (or last) window's sums
         self.seconds = dict.fromkeys(MODES, 0.0)
-        self.seen = dict.fromkeys(MODES, 0)
         self.steps = dict.fromkeys(MODES, 0)  # steps drafted in each mode (statistics)
-        self.mode = MODES[0]  # the current burst's mode
-        self._left = 0  # steps left in it
-        self._skip = 0  # of which the first ones are not measured
+        self.windows = 0  # exploration windows completed
+        self.chosen: str | None = None  # the faster mode of the last window
+        self._warm = WARMUP
+        self._exploring = 0  # steps of the current window drafted so far (0: not exploring)
+        self._left = 0  # steps left in the current stretch of the chosen mode
 
     def observe(self, mode: str, tokens: float, seconds: float) -> None:
-        """One measured step of ``mode`` committed ``tokens`` (all rows) in ``seconds``."""
-        if seconds <= 0:
-            return
-        if self.seen[mode] == 0:
-            self.tokens[mode], self.seconds[mode] = tokens, seconds
-        else:
-            self.tokens[mode] += DECAY * (tokens - self.tokens[mode])
-            self.seconds[mode] += DECAY * (seconds - self.seconds[mode])
-        self.seen[mode] += 1
+        """A step of ``mode`` committed ``tokens`` (all rows) in ``seconds``; counts in a window only."""
+        if self._exploring and seconds > 0:
+            self.tokens[mode] += tokens
+            self.seconds[mode] += seconds
 
     def rate(self, mode: str) -> float | None:
-        """Estimated tokens per second of ``mode`` (None before it was measured)."""
-        return self.tokens[mode] / self.seconds[mode] if self.seen[mode] else None
+        """Tokens per second of ``mode`` in the current (or last) window; None before it was measured."""
+        return self.tokens[mode] / self.seconds[mode] if self.seconds[mode] > 0 else None
 
     def faster(self) -> str | None:
-        """The mode with the higher estimated rate, once both were measured :data:`MIN_SEEN` times."""
-        if any(self.seen[mode] < MIN_SEEN for mode in MODES):
-            return None
-        return max(MODES, key=self.rate)
+        """The faster mode of the last completed window (None before one)."""
+        return self.chosen
+
+    def _close_window(self) -> None:
+        rates = {mode: self.rate(mode) or 0.0 for mode in MODES}
+        best = max(MODES, key=rates.get)
+        other = MODES[1 - MODES.index(best)]
+        gap = rates[best] / rates[other] - 1.0 if rates[other] > 0 else 1.0
+        self.chosen, self.windows = best, self.windows + 1
+        self._left = int(EXPLOIT * min(4.0, max(1.0, gap / 0.1)))
 
     def choose(self) -> tuple[str, bool]:
-        """The next step's mode, and whether that step is left unmeasured (the first of a burst, or
-        a mode's warm-up)."""
-        if self._left == 0:
-            unseen = [mode for mode in MODES if self.seen[mode] < MIN_SEEN]
-            if unseen:
-                self.mode = unseen[0]
-                self._skip = 1 + (WARMUP if self.seen[self.mode] == 0 else 0)
-                self._left = self._skip + MIN_SEEN - self.seen[self.mode]
-            else:
-                best = self.faster()
-                other = MODES[1 - MODES.index(best)]
-                explore = self.mode == best
-                gap = self.rate(best) / self.rate(other) - 1.0
-                self.mode, self._skip = (other if explore else best), 1
-                self._left = BURST if explore else int(EXPLORE * max(1.0, gap / 0.1))
-        self._left -= 1
-        self.steps[self.mode] += 1
-        skip = self._skip > 0
-        self._skip -= skip
-        return self.mode, skip
+        """The next step's mode, and whether that step is left unmeasured (outside windows). Call after
+        :meth:`observe` of the step before it."""
+        if self._exploring == EXPLORE:  # the window's last step is measured: choose
+            self._exploring = 0
+            self._close_window()
+        if self._warm:
+            self._warm -= 1
+            mode, skip = MODES[0], True
+        elif self._left:
+            self._left -= 1
+            mode, skip = self.chosen, True
+        else:
+            if not self._exploring:  # a new window
+                self.tokens, self.seconds = dict.fromkeys(MODES, 0.0), dict.fromkeys(MODES, 0.0)
+            mode, skip = MODES[(self._exploring // BLOCK) % 2], False
+            self._exploring += 1
+        self.steps[mode] += 1
+        return mode, skip
 
 
 def parallel_tree_config(config: EagleConfig, accuracy) -> EagleConfig:
@@ -199,47 +194,3 @@ class SwitchingEagleDrafter:
             self._share()
         return trees
 
-
-PROMPTS = 8
-"""Held-out sequences :func:`choose_drafting` times generation on."""
-NEW_TOKENS = 48
-ROUNDS = 2
-
-
-def choose_drafting(spec, sequences, prompts: int = PROMPTS, max_new_tokens: int = NEW_TOKENS,
-                    rounds: int = ROUNDS) -> dict[str, float]:
-    """Set ``spec``'s drafting (``auto``, trained for parallel drafting) to the mode that generates
-    faster: greedy, the first half of up to ``prompts`` held-out token ``sequences`` as prompts,
-    ``max_new_tokens`` each, the modes alternating over ``rounds`` rounds (the sequential mode's
-    chains calibrate during a first untimed round). The parallel mode keeps the tree it has under
-    ``auto`` (:func:`parallel_tree_config`). Returns the measured tokens per second of each mode."""
-    config = spec.config
-    candidates = {"sequential": replace(config, drafting="sequential"),
-                  "parallel": parallel_tree_config(config, spec.accuracy)}
-    chosen = [sequence[: max(1, sequence.numel() // 2)][None] for sequence in sequences[:prompts] if sequence.numel() > 1]
-    if not chosen:
-        spec.config = candidates["sequential"]
-        spec.set_tree(None)
-        return {}
-    device = spec.target.device
-    tokens = dict.fromkeys(candidates, 0)
-    seconds = dict.fromkeys(candidates, 0.0)
-    for round_index in range(rounds + 1):
-        order = list(candidates) if round_index % 2 == 0 else list(reversed(candidates))
-        for mode in order:
-            spec.config = candidates[mode]
-            spec.set_tree(None)
-            for prompt in chosen:
-                prompt = prompt.to(device)
-                start = time.perf_counter()
-                output = spec.generate(prompt, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
-                if round_index:  # round 0 warms up (and calibrates the sequential chains)
-                    seconds[mode] += time.perf_counter() - start
-                    tokens[mode] += output.shape[1] - prompt.shape[1]
-    rates = {mode: tokens[mode] / seconds[mode] for mode in candidates if seconds[mode] > 0}
-    best = max(rates, key=rates.get)
-    logger.info("drafting: %s (greedy, %d held-out prompts x %d tokens: %s)", best, len(chosen), max_new_tokens,
-                ", ".join(f"{mode} {rate:.1f} tokens/s" for mode, rate in rates.items()))
-    spec.config = candidates[best]
-    spec.set_tree(None)
-    return rates

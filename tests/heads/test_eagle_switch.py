@@ -107,23 +107,41 @@ def _feed(choice: DraftingChoice, rates: dict[str, float], steps: int) -> list[s
 
 
 @pytest.mark.parametrize("faster", ["sequential", "parallel"])
-def test_choice_measures_both_then_keeps_the_faster_and_revisits_the_other(faster):
+def test_choice_explores_in_windows_then_keeps_the_faster(faster):
     choice = DraftingChoice()
     slower = "parallel" if faster == "sequential" else "sequential"
-    modes = _feed(choice, {faster: 130.0, slower: 100.0}, 600)
-    warm = 2 * (1 + switch.MIN_SEEN) + switch.WARMUP * 2
-    assert set(modes[:warm]) == {"sequential", "parallel"}
-    assert choice.faster() == faster
-    later = modes[warm:]
+    modes = _feed(choice, {faster: 130.0, slower: 100.0}, 2000)
+    warm, window = switch.WARMUP, switch.EXPLORE
+    assert modes[:warm] == ["sequential"] * warm
+    explored = modes[warm:warm + window]  # the modes alternate in blocks, on the same stretch of text
+    assert explored[:2 * switch.BLOCK] == ["sequential"] * switch.BLOCK + ["parallel"] * switch.BLOCK
+    assert explored.count(faster) == explored.count(slower)
+    assert choice.faster() == faster and choice.windows >= 2
+    later = modes[warm + window:]
+    assert later[:switch.EXPLOIT] == [faster] * switch.EXPLOIT
     share = later.count(slower) / len(later)
-    assert 0 < share < 0.15, share  # bursts of the slower mode, a small share of the steps
-    # a wide gap revisits the slower mode less often than a narrow one
+    assert 0 < share < 0.05, share  # windows keep measuring the slower mode, a small share of the steps
+    # a narrow gap measures again sooner than a wide one
     narrow = DraftingChoice()
-    narrow_modes = _feed(narrow, {faster: 104.0, slower: 100.0}, 600)[warm:]
-    assert narrow_modes.count(slower) > later.count(slower)
-    # the machine changes: the other mode becomes faster, and the choice follows
+    narrow_later = _feed(narrow, {faster: 104.0, slower: 100.0}, 2000)[warm + window:]
+    assert narrow_later.count(slower) > later.count(slower)
+    # the machine changes: the other mode becomes faster, and the next window follows
     modes = _feed(choice, {faster: 60.0, slower: 100.0}, 1500)
     assert choice.faster() == slower and modes[-100:].count(slower) > 80
+
+
+def test_choice_compares_modes_on_the_same_text():
+    """Tokens per step swing with the text (here: every other block of 8 steps is easy); alternating
+    blocks inside a window measure both modes on both kinds of text."""
+    choice = DraftingChoice()
+    for step in range(3000):
+        mode, skip = choice.choose()
+        easy = (step // 8) % 2 == 0
+        tokens = (6.0 if easy else 1.5) * (1.2 if mode == "sequential" else 1.0)
+        if not skip:
+            choice.observe(mode, tokens, 0.01)
+    assert choice.faster() == "sequential"
+    assert choice.steps["sequential"] > 0.9 * sum(choice.steps.values())
 
 
 def test_config_and_older_adapters(tmp_path):
@@ -147,31 +165,25 @@ def test_config_and_older_adapters(tmp_path):
     assert isinstance(heads.load_heads(model, tmp_path / "auto").drafter, SwitchingEagleDrafter)
 
 
-def test_training_keeps_the_faster_mode(monkeypatch):
+def test_training_an_auto_drafter_and_the_mask_query_weight(tmp_path):
     model = build_model("llama", seed=4)
     sequences = list(greedy_reference(model, progression_batch(24, 6, torch.Generator().manual_seed(7)), 12))
-    spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto")
-    # a machine where sequential drafting is slow: every sequential propose sleeps
-    slow = EagleDrafter.propose
-
-    def sleepy(self, batch):
-        import time
-        time.sleep(0.004)
-        return slow(self, batch)
-
-    monkeypatch.setattr(EagleDrafter, "propose", sleepy)
-    trainer = make_trainer(spec, sequences, TrainConfig(steps=2, batch_size=4, validation_fraction=0.3),
-                           progress=False)
-    trainer.train()
-    assert spec.config.drafting == "parallel" and isinstance(spec.drafter, ParallelEagleDrafter)
-    assert spec.drafter.template.size == spec.config.total_tokens + 1 == EagleConfig.parallel_tokens + 1
-    rates = trainer.hook.drafting_rates
-    assert rates["parallel"] > rates["sequential"]
+    losses = {}
+    for weight in (0.0, 1.0):
+        spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto")
+        torch.manual_seed(0)
+        trainer = make_trainer(spec, sequences, TrainConfig(steps=1, batch_size=4, mask_query_weight=weight),
+                               progress=False)
+        losses[weight] = trainer.train().losses[0]
+    assert losses[1.0] > losses[0.0]  # the mask queries' losses count only with their weight
+    assert spec.config.drafting == "auto" and isinstance(spec.drafter, SwitchingEagleDrafter)
+    spec.save_pretrained(tmp_path / "auto")
+    loaded = heads.load_heads(model, tmp_path / "auto")
+    assert isinstance(loaded.drafter, SwitchingEagleDrafter) and loaded.accuracy == spec.accuracy
     prompt = sequences[0][:5][None]
-    assert torch.equal(spec.generate(prompt, max_new_tokens=10), greedy_reference(model, prompt, 10))
-    online = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto")
-    make_trainer(online, sequences, TrainConfig(steps=1, batch_size=4, choose_drafting=False), progress=False).train()
-    assert online.config.drafting == "auto"
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=10), greedy_reference(model, prompt, 10))
+    with pytest.raises(ValueError, match="mask_query_weight"):
+        TrainConfig(mask_query_weight=-1.0)
 
 
 def _cli_args(**flags) -> argparse.Namespace:
@@ -185,9 +197,8 @@ def _cli_args(**flags) -> argparse.Namespace:
 def test_command_line_defaults():
     options = eagle_cli.options(_cli_args())
     assert options["parallel"] == eagle_cli.PARALLEL and options["drafting"] == "auto"
-    assert eagle_cli.train_options(_cli_args())["choose_drafting"] is True
-    online = _cli_args(drafting="online")
-    assert eagle_cli.options(online)["drafting"] == "auto" and eagle_cli.train_options(online)["choose_drafting"] is False
+    assert eagle_cli.train_options(_cli_args())["mask_query_weight"] == 0.2
+    assert eagle_cli.train_options(_cli_args(mask_query_weight="0.5"))["mask_query_weight"] == 0.5
     for flags in (dict(unroll_steps="2"), dict(eagle_layout="eagle1"), dict(drafting="sequential")):
         assert eagle_cli.options(_cli_args(**flags))["parallel"] is None, flags
     assert eagle_cli.options(_cli_args(parallel="1"))["drafting"] is None
