@@ -135,7 +135,7 @@ class SwitchingEagleDrafter:
         self.choice = heads.drafting_choices.setdefault(key, DraftingChoice())
         self.sample = self.sequential.sample
         self.choosing = False
-        self._last: tuple[str, bool] | None = None  # the last step's mode, and whether it began a burst
+        self._last: tuple[str, bool] | None = None  # the last step's mode, and whether it goes unmeasured
         self._started: float | None = None  # when the last step's propose began
         self.reset(1)
 

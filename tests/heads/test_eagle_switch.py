@@ -205,3 +205,17 @@ def test_command_line_defaults():
     other = _cli_args()
     other.kind = "medusa"  # another kind's run: EAGLE's options stay unset
     assert eagle_cli.options(other)["parallel"] is None and eagle_cli.options(other)["drafting"] is None
+
+
+def test_speculate_auto_and_lookup_hybrid_stay_lossless():
+    """The auto policy builds a switching drafter per tree size; the hybrid wraps one; both greedy-exact."""
+    model = build_model("qwen2", seed=5)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto", lookup=True)
+    prompts = [random_prompt(length, 40 + length)[0] for length in (4, 9)]
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    for _ in range(3):  # the choice carries over between calls
+        assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto"), expected)
+        assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=20), expected)
+    assert sum(choice.steps["parallel"] for choice in spec.heads.drafting_choices.values()) > 0
