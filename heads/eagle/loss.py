@@ -249,7 +249,6 @@ class EagleLoss:
             self.spec.accuracy = accuracy
             self.spec.set_tree(None)
 
-
     @torch.no_grad()
     def rank_accuracy(self, max_rank: int = 10, steps: int | None = None) -> list[list[float]]:
         """On held-out sequences, drafting a chain on its own predictions (no noise): per step
