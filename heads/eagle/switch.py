@@ -139,17 +139,10 @@ class SwitchingEagleDrafter:
         self._started: float | None = None  # when the last step's propose began
         self.reset(1)
 
-    @property
-    def cache(self):
-        return self.sequential.cache
-
-    @property
-    def committed(self) -> torch.Tensor:
-        return self.sequential.committed
-
-    def _share(self) -> None:
-        """The parallel drafter works on the sequential one's cache and counts."""
-        self.parallel.cache, self.parallel.committed = self.sequential.cache, self.sequential.committed
+    @staticmethod
+    def _share(source, target) -> None:
+        """``target`` continues from ``source``'s drafter cache and committed counts (one cache for both modes)."""
+        target.cache, target.committed = source.cache, source.committed
 
     def sample_with(self, warp, generator) -> None:
         self.sequential.sample_with(warp, generator)
@@ -160,12 +153,12 @@ class SwitchingEagleDrafter:
 
     def reset(self, batch_size: int) -> None:
         self.sequential.reset(batch_size)
-        self._share()
+        self._share(self.sequential, self.parallel)
         self._last = self._started = None
 
     def retire(self, keep: torch.Tensor) -> None:
         self.sequential.retire(keep)
-        self._share()
+        self._share(self.sequential, self.parallel)
         self._started = None  # the next batch's lengths no longer match the last step's rows
 
     def _mode(self, batch: DraftBatch) -> str:
@@ -188,9 +181,9 @@ class SwitchingEagleDrafter:
             if self.sequential.min_acceptance > 0:  # the last sequential chains still calibrate on what was produced
                 self.sequential._learn(batch)
             trees = self.parallel.propose(batch)
-            self.sequential.cache, self.sequential.committed = self.parallel.cache, self.parallel.committed
+            self._share(self.parallel, self.sequential)
         else:
             trees = self.sequential.propose(batch)
-            self._share()
+            self._share(self.sequential, self.parallel)
         return trees
 
