@@ -24,13 +24,6 @@ from torch.nn import functional as F
 from tree_attention.mask import AttentionMask
 
 
-def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary rotation of ``[B, H, T, D]`` by tables ``[B, 1, T, D]`` (the half-split convention)."""
-    half = states.shape[-1] // 2
-    rotated = torch.cat([-states[..., half:], states[..., :half]], dim=-1)
-    return states * cos + rotated * sin
-
-
 def _norm(module: nn.Module, states: torch.Tensor) -> torch.Tensor:
     """An RMS norm module (``weight``, ``variance_epsilon``: normalise in float32, scale by
     ``weight``) or an identity. (``F.rms_norm`` is not fused on CPU and costs more.)"""
@@ -57,13 +50,14 @@ class LeanDecoder:
         self.layer_types = list(getattr(config, "layer_types", None) or [None] * len(decoder.layers))
         self.static_rope = getattr(decoder.rotary_emb, "rope_type", None) in STATIC_ROPE_TYPES
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fused_weights: dict[int, tuple] = {}  # layer index -> (source key, fused tensors)
 
     def _rotary(self, inputs: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary tables ``[B, 1, T, D]`` at ``position_ids``: indexed from a table the model's own
+        """Rotary tables ``[B, T, 1, D]`` at ``position_ids``: indexed from a table the model's own
         ``rotary_emb`` computed (static rope types), or from ``rotary_emb`` itself."""
         if not self.static_rope:
             cos, sin = self.decoder.rotary_emb(inputs, position_ids)
-            return cos.unsqueeze(1), sin.unsqueeze(1)
+            return cos.unsqueeze(2), sin.unsqueeze(2)
         tables = self._tables
         needed = int(position_ids.max()) + 1
         if (tables is None or tables[0].shape[0] < needed or tables[0].dtype != inputs.dtype
@@ -72,26 +66,65 @@ class LeanDecoder:
             positions = torch.arange(size, device=inputs.device)[None]
             cos, sin = self.decoder.rotary_emb(inputs, positions)
             tables = self._tables = (cos[0], sin[0])
-        return tables[0][position_ids].unsqueeze(1), tables[1][position_ids].unsqueeze(1)
+        return tables[0][position_ids].unsqueeze(2), tables[1][position_ids].unsqueeze(2)
+
+    def _fused(self, index: int, layer: nn.Module) -> tuple:
+        """Layer ``index``'s fused weights, rebuilt whenever a source weight changed (an optimizer
+        step, ``.to()``): one projection ``[q; k; rot(q); rot(k); v]`` whose ``rot`` rows are the
+        q/k rows composed with the rotary half-rotation (so the rotation is ``qk * cos + rot(qk) *
+        sin``, no per-call rotation), and one ``[gate; up]`` projection; then the query heads and the
+        query + key heads. (A weight tensor *replaced* by another object with the same storage is not
+        noticed; in-place updates and moves are.)"""
+        entry = self._fused_weights.get(index)
+        if entry is not None and all(tensor._version == version and tensor.data_ptr() == pointer
+                                     for tensor, version, pointer in entry[0]):
+            return entry[1]
+        attention, mlp = layer.self_attn, layer.mlp
+        sources = [module.weight for module in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj,
+                                                mlp.up_proj)]
+        sources += [module.bias for module in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj,
+                                               mlp.up_proj) if module.bias is not None]
+        key = [(tensor, tensor._version, tensor.data_ptr()) for tensor in sources]
+        head_dim, half = attention.head_dim, attention.head_dim // 2
+
+        def rotated(rows: torch.Tensor) -> torch.Tensor:  # rot(x) = cat(-x[half:], x[:half]) per head, on the rows
+            heads_rows = rows.reshape(-1, head_dim, *rows.shape[1:])
+            return torch.cat([-heads_rows[:, half:], heads_rows[:, :half]], dim=1).reshape(rows.shape)
+
+        def bias(module: nn.Linear) -> torch.Tensor:
+            return module.bias if module.bias is not None else module.weight.new_zeros(module.weight.shape[0])
+
+        q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
+        weight = torch.cat([q.weight, k.weight, rotated(q.weight), rotated(k.weight), v.weight]).detach()
+        qkv_bias = None
+        if any(module.bias is not None for module in (q, k, v)):
+            qkv_bias = torch.cat([bias(q), bias(k), rotated(bias(q)), rotated(bias(k)), bias(v)]).detach()
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        gate_up_bias = None
+        if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
+            gate_up_bias = torch.cat([bias(mlp.gate_proj), bias(mlp.up_proj)]).detach()
+        queries = q.out_features // head_dim
+        fused = (weight, qkv_bias, gate_up, gate_up_bias, queries, queries + k.out_features // head_dim)
+        self._fused_weights[index] = (key, fused)
+        return fused
 
     def __call__(self, inputs: torch.Tensor, position_ids: torch.Tensor, attention_mask: AttentionMask,
                  cache) -> torch.Tensor:
         decoder = self.decoder
         batch, length, _ = inputs.shape
-        cos, sin = self._rotary(inputs, position_ids)
+        cos, sin = self._rotary(inputs, position_ids)  # (B, T, 1, D): broadcast over heads
         hidden = inputs
         for index, layer in enumerate(decoder.layers):
             mask = attention_mask[self.layer_types[index]] if isinstance(attention_mask, dict) else attention_mask
             attention, mlp = layer.self_attn, layer.mlp
+            qkv_weight, qkv_bias, gate_up, gate_up_bias, queries, rotary = self._fused(index, layer)
             normed = _norm(layer.input_layernorm, hidden)
             head_dim = attention.head_dim
-            query = F.linear(normed, attention.q_proj.weight, attention.q_proj.bias)
-            key = F.linear(normed, attention.k_proj.weight, attention.k_proj.bias)
-            value = F.linear(normed, attention.v_proj.weight, attention.v_proj.bias)
-            query = query.view(batch, length, -1, head_dim).transpose(1, 2)
-            key = key.view(batch, length, -1, head_dim).transpose(1, 2)
-            value = value.view(batch, length, -1, head_dim).transpose(1, 2)
-            query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+            projected = F.linear(normed, qkv_weight, qkv_bias).view(batch, length, -1, head_dim)
+            turned = projected[:, :, :rotary] * cos + projected[:, :, rotary:2 * rotary] * sin
+            query = turned[:, :, :queries].transpose(1, 2)
+            key = turned[:, :, queries:].transpose(1, 2)
+            value = projected[:, :, 2 * rotary:].transpose(1, 2)
             if cache is not None:
                 key, value = cache.update(key, value, index)
             if mask is not None:
@@ -101,7 +134,6 @@ class LeanDecoder:
             attended = attended.transpose(1, 2).reshape(batch, length, -1)
             hidden = hidden + F.linear(attended, attention.o_proj.weight, attention.o_proj.bias)
             normed = _norm(layer.post_attention_layernorm, hidden)
-            gate = F.linear(normed, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = F.linear(normed, mlp.up_proj.weight, mlp.up_proj.bias)
+            gate, up = F.linear(normed, gate_up, gate_up_bias).chunk(2, dim=-1)
             hidden = hidden + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         return _norm(decoder.norm, hidden)

@@ -175,9 +175,15 @@ class RaggedCache:
         select_rows(self.cache, rows)
         self.visible, self.positions = self.visible[rows], self.positions[rows]
 
+    def dense(self) -> bool:
+        """True when no row has a hole (every slot the bookkeeping covers is visible)."""
+        return bool(self.visible.all())
+
     def compact(self) -> bool:
         """Squeeze the holes out (each row's live slots right-aligned) once they fill half the
         cache; True if it did."""
+        if self.dense():
+            return False
         counts = self.visible.sum(dim=1)
         longest = int(counts.max())
         if 2 * longest > self.width:

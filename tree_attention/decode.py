@@ -62,10 +62,16 @@ class DraftBatch:
     def rows(self) -> int:
         return int(self.roots.shape[0])
 
+    def full(self) -> bool:
+        """True when every row has all ``n`` entries (no padding): batch 1 always."""
+        return self.tokens.shape[0] == 1 or bool((self.lengths == self.tokens.shape[1]).all())
+
     def next_tokens(self) -> torch.Tensor:
         """``[R, n]`` the token the target committed after each entry: ``tokens[r, i + 1]``, and the
         root after the row's last entry (padding 0)."""
         rows = self.tokens.shape[0]
+        if self.full():
+            return torch.cat([self.tokens[:, 1:], self.roots.to(self.tokens.device)[:, None]], dim=1)
         following = torch.cat([self.tokens[:, 1:], self.tokens.new_zeros(rows, 1)], dim=1)
         following[torch.arange(rows, device=following.device), self.lengths.to(following.device) - 1] = \
             self.roots.to(following.device)

@@ -62,6 +62,27 @@ def causal_visibility(length: int, device: torch.device | str) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool, device=device).tril_().unsqueeze(0)
 
 
+_CAUSAL_BLOCKS: dict[tuple, torch.Tensor] = {}
+
+
+def causal_extension_mask(cache_width: int, queries: int, dtype: torch.dtype,
+                          device: torch.device | str) -> torch.Tensor:
+    """``[1, 1, Q, W + Q]`` additive mask of ``Q`` new tokens appended causally after ``W`` cached
+    slots that all stay visible (no holes, no sliding window): the same mask as
+    ``additive_mask`` of the causal visibility, from two operations (the ``Q x Q`` triangle is
+    cached per size, dtype and device)."""
+    key = (queries, dtype, torch.device(device))
+    block = _CAUSAL_BLOCKS.get(key)
+    if block is None:
+        block = torch.zeros(queries, queries, dtype=dtype, device=device)
+        block.masked_fill_(~torch.ones(queries, queries, dtype=torch.bool, device=device).tril_(),
+                           torch.finfo(dtype).min)
+        block = _CAUSAL_BLOCKS.setdefault(key, block)
+    mask = torch.zeros(1, 1, queries, cache_width + queries, dtype=dtype, device=device)
+    mask[0, 0, :, cache_width:] = block
+    return mask
+
+
 def tree_visibility(prefix_length: int, ancestors: torch.Tensor) -> torch.Tensor:
     """``[1, N, prefix_length + N]`` bool: every node sees the whole prefix and its own ancestors."""
     count = ancestors.shape[0]

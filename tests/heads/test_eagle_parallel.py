@@ -176,3 +176,42 @@ def test_export_refuses_parallel_drafters(tmp_path):
     with pytest.raises(heads.AdapterError, match=r"parallel > 1.*--parallel 1"):
         interop.export_adapter(tmp_path / "eagle", "eagle", tmp_path / "out", model=model)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-tied", "phi3"])
+def test_dense_fast_path_drafts_what_the_general_path_drafts(name, monkeypatch):
+    """Batch 1 without padding takes the dense path (causal extension mask, contiguous positions);
+    forcing the general path (holes and per-row bookkeeping) on the same steps gives the same
+    features to float rounding and the same trees."""
+    model = build_model(name, seed=4)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, top_k=2, total_tokens=5)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for parameter in spec.heads.parameters():
+            parameter.normal_(std=0.3)
+    ids = random_prompt(24, seed=5)
+    with torch.no_grad():
+        features, _ = spec.target.forward(ids, torch.arange(24)[None], None, None, "last")
+    steps = [(0, 9), (9, 12), (12, 13), (13, 17), (17, 23)]  # (start, end): pairs committed per step
+
+    def run(general: bool):
+        if general:
+            monkeypatch.setattr(cache_ops.RaggedCache, "dense", lambda self: False)
+        drafter = ParallelEagleDrafter(spec.heads, spec.target, spec.config)
+        outputs = []
+        for start, end in steps:
+            batch = DraftBatch(features[:, start:end], ids[:, start:end], torch.tensor([end - start]), ids[:, end])
+            with torch.no_grad():
+                outputs.append((drafter._draft(batch), drafter.cache.width))
+        monkeypatch.undo()
+        return outputs
+
+    calls = []
+    original = ParallelEagleDrafter._draft_dense
+    monkeypatch.setattr(ParallelEagleDrafter, "_draft_dense", lambda self, *a: calls.append(1) or original(self, *a))
+    dense = run(general=False)
+    assert len(calls) == len(steps)
+    general = run(general=True)
+    for (fast, fast_width), (slow, slow_width) in zip(dense, general):
+        assert fast_width == slow_width
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)

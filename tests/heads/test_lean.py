@@ -99,3 +99,36 @@ def test_a_rotary_table_grows_past_its_first_size():
             drafter._lean = None
             slow = drafter.step(inputs, inputs, positions, mask, None)
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_weights_follow_in_place_updates_and_moves():
+    """The lean forward's fused projections are rebuilt when a source weight changes in place (an
+    optimizer step, ``load_state_dict``) or moves (``.to()``): it keeps equalling the public forward."""
+    model = build_model("qwen2")  # q/k/v biases
+    drafter = heads.attach_heads(model, kind="eagle").heads
+    lean = drafter._lean
+    features = torch.randn(1, 5, drafter.hidden_size)
+    positions, mask = _masks(drafter, 5, 0, tree=False)
+
+    def both():
+        with torch.no_grad():
+            drafter._lean = None
+            public = drafter.step(features, features, positions, mask, cache_ops.new_cache())
+            drafter._lean = lean
+            return public, drafter.step(features, features, positions, mask, cache_ops.new_cache())
+
+    torch.testing.assert_close(*reversed(both()), rtol=1e-5, atol=1e-5)
+    layer = drafter.decoder.layers[0]
+    with torch.no_grad():
+        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.up_proj):
+            module.weight.mul_(1.5)
+        layer.self_attn.q_proj.bias.add_(0.3)
+    public, fast = both()
+    torch.testing.assert_close(fast, public, rtol=1e-5, atol=1e-5)
+    drafter.to(torch.float64)
+    features = features.double()
+    positions, mask = _masks(drafter, 5, 0, tree=False)
+    mask = mask.double() if isinstance(mask, torch.Tensor) else mask
+    public, fast = both()
+    assert fast.dtype == torch.float64
+    torch.testing.assert_close(fast, public, rtol=1e-9, atol=1e-9)
