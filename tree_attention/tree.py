@@ -393,11 +393,26 @@ def truncate_depth(tree: Tree, max_depth: int) -> Tree:
     return Tree(tree.tokens[keep], parents, tree.depths[keep], tree.ancestors[keep][:, keep], draft_probs)
 
 
+_CHAIN_TEMPLATES: dict[tuple[int, torch.device], TreeTemplate] = {}
+
+
+def chain_template(size: int, device: torch.device | str) -> TreeTemplate:
+    """The chain of ``size`` nodes (the root included), cached per size and device."""
+    key = (size, torch.device(device))
+    template = _CHAIN_TEMPLATES.get(key)
+    if template is None:
+        template = from_choices([(0,) * depth for depth in range(1, size)]).to(device)
+        template = _CHAIN_TEMPLATES.setdefault(key, template)
+    return template
+
+
 def chain_batch(tokens: torch.Tensor, sizes: torch.Tensor, draws: list[torch.Tensor] | None) -> TreeBatch:
     """Chains as a :class:`TreeBatch`: ``tokens`` ``[R, N]`` (roots first), ``sizes`` ``[R]`` real
     nodes per row; ``draws[d - 1]`` ``[R, V]`` the distribution node ``d`` was drawn from (sampled
     chains; the roots' rows of ``draft_probs`` are unused and zero)."""
     rows, width = tokens.shape
+    if not draws and bool((sizes == width).all()):  # every row a whole chain: the cached template's shape
+        return TreeBatch.from_template(chain_template(width, tokens.device), tokens)
     columns = torch.arange(width, device=tokens.device)
     real = columns[None, :] < sizes[:, None]  # (R, N)
     parents = torch.where(real & (columns[None, :] > 0), columns[None, :] - 1, -1)

@@ -10,7 +10,7 @@ import torch
 
 from tree_attention import cache as cache_ops
 from tree_attention.decode import DraftBatch
-from tree_attention.mask import causal_visibility
+from tree_attention.mask import causal_extension_mask, causal_visibility
 from tree_attention.dynamic import advance_growth, grow_dynamic_tree
 from tree_attention.sampled import draw_without_replacement, drawn_from, grow_sampled_tree
 from tree_attention.tree import Tree, TreeBatch, chain_batch
@@ -142,9 +142,18 @@ class EagleDrafter:
         if self.min_acceptance > 0:
             self._learn(batch)
         self.cache.crop()
-        counts, next_tokens, valid = committed_pairs(batch, self.committed.device)
         rows, width = batch.tokens.shape
         device, dtype = self.committed.device, self.target.dtype
+        if self.heads.layout is None and batch.full() and self.cache.dense():  # causal over a hole-free cache
+            positions = self.committed[:, None] + torch.arange(width, device=device)[None, :]
+            mask = causal_extension_mask(self.cache.width, width, dtype, device).expand(rows, -1, -1, -1)
+            embeddings = self.target.input_embeddings(batch.next_tokens().to(device))  # (R, n, d)
+            features = self.heads.fuse(batch.features.to(device=device, dtype=dtype))
+            predicted = self.heads.step(features, embeddings, positions, mask, self.cache.cache)
+            self.cache.extend(torch.ones(rows, width, dtype=torch.bool, device=device), positions)
+            self.committed = self.committed + width
+            return predicted[:, -1]  # (R, d)
+        counts, next_tokens, valid = committed_pairs(batch, self.committed.device)
         last, row_index, columns = counts - 1, torch.arange(rows, device=device), torch.arange(width, device=device)
         visible = causal_visibility(width, device) & (valid[:, None, :] | torch.eye(width, dtype=torch.bool,
                                                                                     device=device)[None])
@@ -179,6 +188,9 @@ class EagleDrafter:
         growing = limits > 0
         reach = torch.ones(rows, dtype=torch.float64)  # estimated chance that every node so far is accepted
         start = self.committed - 1  # (R,) the roots' positions
+        # a chain node sees every committed slot and the chain above it: with no holes (and no
+        # sliding window) that is every key, and no mask is needed
+        unmasked = self.heads.layout is None and self.cache.dense()
         for level in range(1, depth + 1):
             children, scores = self._children(features, draft_rows)  # (R, 1), (R, 1) or (R, 1, V)
             token = children[:, 0]
@@ -197,9 +209,11 @@ class EagleDrafter:
             if level == depth or not bool(growing.any()):
                 break
             positions = (start + level)[:, None]  # (R, 1)
-            keys = start[:, None] + torch.arange(1, level + 1, device=device)[None, :]  # this step's chain slots
-            visible = torch.ones(rows, 1, level, dtype=torch.bool, device=device)
-            mask = self.cache.mask(positions, visible, self.heads.layout, features.dtype, keys)
+            mask = None
+            if not unmasked:
+                keys = start[:, None] + torch.arange(1, level + 1, device=device)[None, :]  # this step's chain slots
+                visible = torch.ones(rows, 1, level, dtype=torch.bool, device=device)
+                mask = self.cache.mask(positions, visible, self.heads.layout, features.dtype, keys)
             embeddings = self.target.input_embeddings(token[:, None])  # (R, 1, d)
             features = self.heads.step(features[:, None], embeddings, positions, mask, self.cache.cache)[:, 0]
         chains = torch.stack(tokens, dim=1)
