@@ -25,7 +25,7 @@ import hashlib
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import torch
@@ -129,6 +129,8 @@ class Backbone:
     """Hidden-state indices whose concatenation ``forward`` returns as features (None: the top
     layer). Index 0 is the embedding output, ``i`` the output of decoder layer ``i`` and
     ``num_layers`` the top-layer features (after the final norm)."""
+    _post: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    """The output head's post-processing from the config (soft-cap, scale, divisor), read on first use."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -163,20 +165,23 @@ class Backbone:
         With ``rows`` (from :meth:`output_rows`) only those vocabulary rows: ``[..., V']``, after
         ``rows.norm`` when it has one.
         """
-        config = self.model.config
         if rows is None:
             logits = self.output_head(features)
         else:
             if rows.norm is not None:
                 features = rows.norm(features)
             logits = nn.functional.linear(features, rows.weight, rows.bias)
-        softcap = getattr(config, "final_logit_softcapping", None)
+        if self._post is None:  # read once: a config attribute read costs microseconds, and this runs per level
+            config = self.model.config
+            scale = getattr(config, "logit_scale", None)  # Cohere multiplies
+            self._post = (getattr(config, "final_logit_softcapping", None),
+                          scale if scale is not None and config.model_type.startswith("cohere") else None,
+                          getattr(config, "logits_scaling", None))  # Granite divides
+        softcap, scale, divisor = self._post
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        scale = getattr(config, "logit_scale", None)  # Cohere multiplies
-        if scale is not None and config.model_type.startswith("cohere"):
+        if scale is not None:
             logits = logits * scale
-        divisor = getattr(config, "logits_scaling", None)  # Granite divides
         if divisor is not None:
             logits = logits / divisor
         return logits

@@ -157,6 +157,7 @@ class EagleHeads(nn.Module):
             self.projection = nn.Linear(2 * hidden, hidden)
             self.decoder = decoder_copy(target, config.num_layers, config.layout)
             self._cache_keyword = cache_ops.cache_keyword(self.decoder)
+        self._draft_rows = None  # (source key, OutputRows) of the draft vocabulary, see draft_rows
         self._lean = LeanDecoder(self.decoder) if self.projection is not None and lean_decoder_ok(self.decoder) else None
         self.layout = attention_layout(self.decoder.config)
         if config.parallel > 1:  # the inputs of parallel drafting's mask queries (set from data by EagleLoss)
@@ -196,7 +197,15 @@ class EagleHeads(nn.Module):
         plain output head (whole vocabulary, no norm)."""
         if self.token_map is None and self.output_norm is None:
             return None
-        return target.output_rows(self.token_map, self.output_norm)
+        if self.token_map is None:
+            return target.output_rows(None, self.output_norm)
+        # the draft vocabulary's rows are a copy: made once per (head, token map) state, not per level
+        sources = (target.output_head.weight, target.output_head.bias, self.token_map)
+        key = tuple(None if tensor is None else (tensor.data_ptr(), tensor._version) for tensor in sources)
+        cached = self._draft_rows
+        if cached is None or cached[0] != key or cached[1].norm is not self.output_norm:
+            cached = self._draft_rows = (key, target.output_rows(self.token_map, self.output_norm))
+        return cached[1]
 
     def head_features(self, predicted: torch.Tensor) -> torch.Tensor:
         """Predicted features ``[..., d]`` as the output head reads them (after ``eagle3``'s final
