@@ -24,6 +24,33 @@ teacher-forced pairs are trained exactly as a sequential drafter's (``--parallel
 the layer with the mask queries (see ``--mask-query-weight``)."""
 
 
+DRAFT_VOCAB_SHARE = 4
+DRAFT_VOCAB_FROM = 8192
+"""``--draft-vocab-size auto`` (the default): targets with at least :data:`DRAFT_VOCAB_FROM` tokens draft
+over their ``1 / DRAFT_VOCAB_SHARE`` most frequent training tokens (EAGLE-3's 32k of Llama 3's 128k),
+smaller vocabularies over all of them. Every drafting level runs the output head over the draft
+vocabulary, so on demo-llama (8192 tokens, width 256) a quarter of the head makes a level cheaper;
+the tokens left out are rare in the target's own text, and the target verifies every draft anyway."""
+
+
+def draft_vocab(text: str):
+    """``"auto"``, ``"full"`` or a positive count (an argparse type)."""
+    if text in ("auto", "full"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected auto, full or a positive token count; got {text!r}")
+    return value
+
+
+def auto_draft_vocab(vocab_size: int) -> int | None:
+    """The draft vocabulary ``--draft-vocab-size auto`` gives a target of ``vocab_size`` tokens (None: all)."""
+    return vocab_size // DRAFT_VOCAB_SHARE if vocab_size >= DRAFT_VOCAB_FROM else None
+
+
 def layer_list(text: str) -> list[int]:
     """``"2,6,11"`` -> ``[2, 6, 11]`` (an argparse type)."""
     try:
@@ -41,8 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--feature-layers", type=layer_list, default=None,
                        help="EAGLE-3: comma-separated backbone hidden states to fuse as input (0: embeddings, "
                             "num_hidden_layers: top layer), e.g. 2,6,11")
-    group.add_argument("--draft-vocab-size", type=int, default=None,
-                       help="EAGLE-3: reduced draft vocabulary of the most frequent target tokens in the data")
+    group.add_argument("--draft-vocab-size", type=draft_vocab, default="auto",
+                       help="reduced draft vocabulary of the most frequent target tokens in the data (EAGLE-3): a "
+                            f"count, full, or auto (default: a quarter of the vocabulary from {DRAFT_VOCAB_FROM} "
+                            "tokens up, all of it below; full with --eagle-layout eagle1)")
     group.add_argument("--eagle-layout", choices=LAYOUTS, default=None,
                        help="drafter architecture: native (default; selfdraft's, any family), eagle1 (the EAGLE-1 "
                             "layer, exportable with --format eagle) or eagle3 (the EAGLE-3 midlayer, needs three "
@@ -94,7 +123,8 @@ def options(args: argparse.Namespace) -> dict:
     return {"drafting": drafting, "parallel_tokens": args.parallel_tokens,
             "num_layers": args.num_layers, "depth": args.depth, "top_k": args.top_k,
             "total_tokens": args.total_tokens, "feature_layers": args.feature_layers,
-            "draft_vocab_size": args.draft_vocab_size, "layout": args.eagle_layout,
+            "draft_vocab_size": args.draft_vocab_size if isinstance(args.draft_vocab_size, int) else None,
+            "layout": args.eagle_layout,
             "parallel": parallel, "confidence": getattr(args, "confidence", None),
             "min_acceptance": args.min_acceptance}
 
@@ -104,3 +134,12 @@ def train_options(args: argparse.Namespace) -> dict:
     return {"feature_weight": args.feature_weight, "token_weight": args.token_weight,
             "feature_noise": args.feature_noise, "unroll_steps": args.unroll_steps,
             "mask_query_weight": args.mask_query_weight}
+
+
+def target_options(args: argparse.Namespace, vocab_size: int) -> dict:
+    """Options that depend on the loaded target: ``--draft-vocab-size auto`` resolved for a vocabulary
+    of ``vocab_size`` (not for the ``eagle1`` layout, whose export format drafts the whole vocabulary)."""
+    if getattr(args, "kind", None) != "eagle" or args.draft_vocab_size != "auto" or args.eagle_layout == "eagle1":
+        return {}
+    size = auto_draft_vocab(vocab_size)
+    return {} if size is None else {"draft_vocab_size": size}

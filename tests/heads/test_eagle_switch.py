@@ -205,6 +205,24 @@ def test_command_line_defaults():
     other = _cli_args()
     other.kind = "medusa"  # another kind's run: EAGLE's options stay unset
     assert eagle_cli.options(other)["parallel"] is None and eagle_cli.options(other)["drafting"] is None
+    assert eagle_cli.target_options(other, 8192) == {}
+
+
+def test_draft_vocabulary_default():
+    """``--draft-vocab-size auto`` (the default) is resolved against the loaded target: a quarter of a
+    vocabulary of 8192 tokens or more, all of a smaller one, all for the eagle1 export layout; a count
+    or ``full`` is taken as given; anything else is refused by argparse."""
+    assert eagle_cli.options(_cli_args())["draft_vocab_size"] is None  # unresolved until the target is known
+    assert eagle_cli.target_options(_cli_args(), 8192) == {"draft_vocab_size": 2048}
+    assert eagle_cli.target_options(_cli_args(), 128256) == {"draft_vocab_size": 32064}
+    assert eagle_cli.target_options(_cli_args(), 512) == {}
+    assert eagle_cli.target_options(_cli_args(eagle_layout="eagle1"), 32000) == {}
+    assert eagle_cli.target_options(_cli_args(draft_vocab_size="full"), 32000) == {}
+    given = _cli_args(draft_vocab_size="1000")
+    assert eagle_cli.options(given)["draft_vocab_size"] == 1000 and eagle_cli.target_options(given, 32000) == {}
+    for bad in ("0", "-3", "half"):
+        with pytest.raises(SystemExit):
+            _cli_args(draft_vocab_size=bad)
 
 
 def test_speculate_auto_and_lookup_hybrid_stay_lossless():

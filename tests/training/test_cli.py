@@ -297,3 +297,25 @@ def test_corpus_of_the_targets_own_outputs(model_dir, toy_target, tmp_path, caps
     assert main(["corpus", "--model", str(model_dir), "--data", str(tmp_path / "missing.jsonl"), "--out",
                  str(tmp_path / "new.jsonl")]) == 2
     assert not (tmp_path / "new.jsonl").exists()
+
+
+def test_eagle_resume_with_the_automatic_draft_vocabulary(model_dir, tmp_path, capsys, monkeypatch):
+    """``--draft-vocab-size auto`` is resolved against the target before the resume check, so a
+    resumed run compares the same drafter; the adapter records the resolved size."""
+    from heads.eagle import cli as eagle_cli
+
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    monkeypatch.setattr(eagle_cli, "DRAFT_VOCAB_FROM", 2)  # the toy vocabulary counts as large
+    data = _write_prompts(tmp_path / "prompts.jsonl", 12, seed=5)
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+    args = _train_args(model_dir, data, tmp_path / "adapter", tmp_path / "cache", tmp_path / "s.json", steps=4)
+    at = args.index("--num-heads")
+    args[at:at + 2] = ["--kind", "eagle"]
+    args[args.index("--eval-prompts") + 1] = "0"
+    assert main(args + checkpoints) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["drafter"]["draft_vocab_size"] == vocab // eagle_cli.DRAFT_VOCAB_SHARE
+    assert main(args + checkpoints + ["--resume"]) == 0
+    assert "(the checkpoint had finished the run: no step trained)" in capsys.readouterr().out
+    assert main(args + checkpoints + ["--resume", "--draft-vocab-size", "full"]) == 2
+    assert "draft_vocab_size" in _one_line_error(capsys, "train")

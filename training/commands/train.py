@@ -164,6 +164,17 @@ def drafter_options(args) -> dict:
     return options
 
 
+def resolved_options(args, model_config) -> dict:
+    """:func:`drafter_options` with the options that depend on the target (e.g. EAGLE's
+    ``--draft-vocab-size auto``) resolved against its config."""
+    options = drafter_options(args)
+    target_options = getattr(kinds.get(args.kind).cli, "target_options", None)
+    if target_options is not None:
+        text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        options.update(target_options(args, int(text_config.vocab_size)))
+    return options
+
+
 def _sequences(args, model, tokenizer, prompts, accelerator):
     """The training sequences: the target's continuations of the prompts (cached), or their text."""
     import heads
@@ -272,6 +283,15 @@ def check_arguments(args, processes: int):
     require(not config.joint or args.kind in joint,
             f"--joint: joint training (a LoRA on the backbone) is for --kind {' or '.join(joint)}, not {args.kind}")
     if args.resume:
+        from transformers import AutoConfig
+
+        try:  # the run's drafter as it will be built on this target, to compare with the checkpoint's
+            model_config = AutoConfig.from_pretrained(args.model, revision=args.revision)
+            drafter = kinds.get(args.kind).make_config(**resolved_options(args, model_config))
+        except OSError as error:
+            raise UsageError(f"--model {args.model}: cannot read its config: {error}") from error
+        except ValueError as error:
+            raise UsageError(str(error)) from error
         directory = checkpoint.latest_checkpoint(args.checkpoint_dir)
         saved = checkpoint.read_state(directory)
         current = checkpoint.recipe(config.__dict__, args.kind, drafter.to_dict(), processes)
@@ -299,7 +319,7 @@ def run(args) -> int:
     sequences = _sequences(args, model, tokenizer, prompts, accelerator)
     torch.manual_seed(args.seed)  # drafters initialised at random (EAGLE) start alike in every run and process
     try:
-        spec = heads.attach_heads(model, kind=args.kind, **drafter_options(args))
+        spec = heads.attach_heads(model, kind=args.kind, **resolved_options(args, model.config))
     except ValueError as error:  # e.g. a draft model that does not share the target's vocabulary
         raise UsageError(str(error)) from error
     prompt_ids = None
