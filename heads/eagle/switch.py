@@ -51,6 +51,10 @@ BLOCK = 2
 EXPLOIT = 192
 """Steps of the faster mode after a window whose two rates were within 10%; the stretch grows with
 the gap between them (up to 4x). Then the next window measures both again."""
+CHECK = 32
+"""Measured steps of a stretch after which its mode's rate so far is held against the other mode's
+window rate: a stretch whose mode runs slower than the mode it was chosen over (a window misled by
+a transient load, or traffic that changed) ends there and a window measures both again."""
 
 
 class DraftingChoice:
@@ -68,12 +72,30 @@ class DraftingChoice:
         self._warm = WARMUP
         self._exploring = 0  # steps of the current window drafted so far (0: not exploring)
         self._left = 0  # steps left in the current stretch of the chosen mode
+        self._stretch = [0.0, 0.0, 0]  # the current stretch's measured tokens, seconds and steps
+        self.rechecks = 0  # stretches ended early by the check (statistics)
 
     def observe(self, mode: str, tokens: float, seconds: float) -> None:
-        """A step of ``mode`` committed ``tokens`` (all rows) in ``seconds``; counts in a window only."""
-        if self._exploring and seconds > 0:
+        """A step of ``mode`` committed ``tokens`` (all rows) in ``seconds``: counts in the current
+        window, or in the current stretch of the chosen mode."""
+        if seconds <= 0:
+            return
+        if self._exploring:
             self.tokens[mode] += tokens
             self.seconds[mode] += seconds
+        elif self._left and mode == self.chosen:
+            self._stretch[0] += tokens
+            self._stretch[1] += seconds
+            self._stretch[2] += 1
+
+    def _misled(self) -> bool:
+        """True once the stretch has :data:`CHECK` measured steps and its mode's rate is below the
+        rate the other mode had in the window."""
+        tokens, seconds, steps = self._stretch
+        if steps < CHECK or seconds <= 0:
+            return False
+        other = self.rate(MODES[1 - MODES.index(self.chosen)])
+        return other is not None and tokens / seconds < other
 
     def rate(self, mode: str) -> float | None:
         """Tokens per second of ``mode`` in the current (or last) window; None before it was measured."""
@@ -90,6 +112,7 @@ class DraftingChoice:
         gap = rates[best] / rates[other] - 1.0 if rates[other] > 0 else 1.0
         self.chosen, self.windows = best, self.windows + 1
         self._left = int(EXPLOIT * min(4.0, max(1.0, gap / 0.1)))
+        self._stretch = [0.0, 0.0, 0]
 
     def choose(self) -> tuple[str, bool]:
         """The next step's mode, and whether that step is left unmeasured (outside windows). Call after
@@ -100,9 +123,12 @@ class DraftingChoice:
         if self._warm:
             self._warm -= 1
             mode, skip = MODES[0], True
+        elif self._left and self._misled():
+            self._left, self.rechecks = 0, self.rechecks + 1
+            return self.choose()  # a window starts now
         elif self._left:
             self._left -= 1
-            mode, skip = self.chosen, True
+            mode, skip = self.chosen, False  # measured: the stretch's rate is checked (see CHECK)
         else:
             if not self._exploring:  # a new window
                 self.tokens, self.seconds = dict.fromkeys(MODES, 0.0), dict.fromkeys(MODES, 0.0)

@@ -130,6 +130,24 @@ def test_choice_explores_in_windows_then_keeps_the_faster(faster):
     assert choice.faster() == slower and modes[-100:].count(slower) > 80
 
 
+def test_a_misled_window_is_corrected_within_the_check():
+    """A window that a transient load misled (the parallel steps looked faster) picks the slower
+    mode; its stretch runs below the other mode's window rate, so after CHECK measured steps a new
+    window measures both again and the faster mode takes over, long before the stretch would end."""
+    choice = DraftingChoice()
+    true_rates = {"sequential": 200.0, "parallel": 100.0}
+    transient = {"sequential": 100.0, "parallel": 120.0}  # the first window's measurements
+    _feed(choice, transient, switch.WARMUP + switch.EXPLORE)
+    modes = _feed(choice, true_rates, switch.CHECK + switch.EXPLORE + 20)  # its first step closes the window
+    assert modes[:switch.CHECK] == ["parallel"] * switch.CHECK
+    assert choice.rechecks == 1 and choice.faster() == "sequential"
+    assert modes[-20:] == ["sequential"] * 20
+    # a stretch that keeps its window's rate runs to its end
+    steady = DraftingChoice()
+    _feed(steady, true_rates, 2000)
+    assert steady.rechecks == 0
+
+
 def test_choice_compares_modes_on_the_same_text():
     """Tokens per step swing with the text (here: every other block of 8 steps is easy); alternating
     blocks inside a window measure both modes on both kinds of text."""
