@@ -49,12 +49,16 @@ measured on the same stretch of text (how many tokens a step commits varies far 
 stretches of text than between the modes)."""
 BLOCK = 2
 EXPLOIT = 192
-"""Steps of the faster mode after a window whose two rates were within 10%; the stretch grows with
-the gap between them (up to 4x). Then the next window measures both again."""
+"""Steps of the faster mode after a window whose two rates were 10% apart; the stretch is shorter for
+a closer call (down to a quarter) and longer for a wider gap (up to 4x). Then the next window
+measures both again."""
 CHECK = 32
-"""Measured steps of a stretch after which its mode's rate so far is held against the other mode's
-window rate: a stretch whose mode runs slower than the mode it was chosen over (a window misled by
-a transient load, or traffic that changed) ends there and a window measures both again."""
+DRIFT = 0.2
+"""A stretch is measured too: once it has :data:`CHECK` measured steps, a rate more than
+:data:`DRIFT` away from what its mode did in the window (the text got harder or easier, or a
+passing load misled the window) ends it, and a window measures both modes on the new text. Which
+mode is faster changes with the text: on demo-llama the modes tie on a hard prompt and the chain
+commits twice as much per second on an easy one."""
 
 
 class DraftingChoice:
@@ -73,7 +77,7 @@ class DraftingChoice:
         self._exploring = 0  # steps of the current window drafted so far (0: not exploring)
         self._left = 0  # steps left in the current stretch of the chosen mode
         self._stretch = [0.0, 0.0, 0]  # the current stretch's measured tokens, seconds and steps
-        self.rechecks = 0  # stretches ended early by the check (statistics)
+        self.rechecks = 0  # stretches ended early because their rate drifted (statistics)
 
     def observe(self, mode: str, tokens: float, seconds: float) -> None:
         """A step of ``mode`` committed ``tokens`` (all rows) in ``seconds``: counts in the current
@@ -88,14 +92,14 @@ class DraftingChoice:
             self._stretch[1] += seconds
             self._stretch[2] += 1
 
-    def _misled(self) -> bool:
-        """True once the stretch has :data:`CHECK` measured steps and its mode's rate is below the
-        rate the other mode had in the window."""
+    def _drifted(self) -> bool:
+        """True once the stretch has :data:`CHECK` measured steps and its mode's rate has moved more
+        than :data:`DRIFT` from the rate it had in the window."""
         tokens, seconds, steps = self._stretch
         if steps < CHECK or seconds <= 0:
             return False
-        other = self.rate(MODES[1 - MODES.index(self.chosen)])
-        return other is not None and tokens / seconds < other
+        before = self.rate(self.chosen)
+        return before is not None and abs(tokens / seconds / before - 1.0) > DRIFT
 
     def rate(self, mode: str) -> float | None:
         """Tokens per second of ``mode`` in the current (or last) window; None before it was measured."""
@@ -111,7 +115,7 @@ class DraftingChoice:
         other = MODES[1 - MODES.index(best)]
         gap = rates[best] / rates[other] - 1.0 if rates[other] > 0 else 1.0
         self.chosen, self.windows = best, self.windows + 1
-        self._left = int(EXPLOIT * min(4.0, max(1.0, gap / 0.1)))
+        self._left = int(EXPLOIT * min(4.0, max(0.25, gap / 0.1)))
         self._stretch = [0.0, 0.0, 0]
 
     def choose(self) -> tuple[str, bool]:
@@ -123,7 +127,7 @@ class DraftingChoice:
         if self._warm:
             self._warm -= 1
             mode, skip = MODES[0], True
-        elif self._left and self._misled():
+        elif self._left and self._drifted():
             self._left, self.rechecks = 0, self.rechecks + 1
             return self.choose()  # a window starts now
         elif self._left:
