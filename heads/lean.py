@@ -34,6 +34,13 @@ def _norm(module: nn.Module, states: torch.Tensor) -> torch.Tensor:
     return module.weight * wide.to(states.dtype)
 
 
+def weights_state(tensors) -> tuple:
+    """A key of ``tensors`` (None entries allowed) that changes when any of them is updated in place
+    (an optimizer step, ``load_state_dict``) or moved (``.to()``): what a tensor derived from them and
+    kept across calls (a fused or sliced copy) is checked against."""
+    return tuple(None if tensor is None else (tensor.data_ptr(), tensor._version) for tensor in tensors)
+
+
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 """Rotary types whose tables depend on the position alone (no dependence on the sequence length
 seen so far), so a table computed once by the model's own ``rotary_emb`` can be indexed."""
@@ -50,7 +57,7 @@ class LeanDecoder:
         self.layer_types = list(getattr(config, "layer_types", None) or [None] * len(decoder.layers))
         self.static_rope = getattr(decoder.rotary_emb, "rope_type", None) in STATIC_ROPE_TYPES
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._fused_weights: dict[int, tuple] = {}  # layer index -> (source key, fused tensors)
+        self._fused_weights: dict[int, tuple] = {}  # layer index -> (sources, their weights_state, fused tensors)
 
     def _rotary(self, inputs: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary tables ``[B, T, 1, D]`` at ``position_ids``: indexed from a table the model's own
@@ -76,15 +83,11 @@ class LeanDecoder:
         query + key heads. (A weight tensor *replaced* by another object with the same storage is not
         noticed; in-place updates and moves are.)"""
         entry = self._fused_weights.get(index)
-        if entry is not None and all(tensor._version == version and tensor.data_ptr() == pointer
-                                     for tensor, version, pointer in entry[0]):
-            return entry[1]
+        if entry is not None and weights_state(entry[0]) == entry[1]:
+            return entry[2]
         attention, mlp = layer.self_attn, layer.mlp
-        sources = [module.weight for module in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj,
-                                                mlp.up_proj)]
-        sources += [module.bias for module in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj,
-                                               mlp.up_proj) if module.bias is not None]
-        key = [(tensor, tensor._version, tensor.data_ptr()) for tensor in sources]
+        modules = (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj)
+        sources = [module.weight for module in modules] + [module.bias for module in modules]
         head_dim, half = attention.head_dim, attention.head_dim // 2
 
         def rotated(rows: torch.Tensor) -> torch.Tensor:  # rot(x) = cat(-x[half:], x[:half]) per head, on the rows
@@ -105,7 +108,7 @@ class LeanDecoder:
             gate_up_bias = torch.cat([bias(mlp.gate_proj), bias(mlp.up_proj)]).detach()
         queries = q.out_features // head_dim
         fused = (weight, qkv_bias, gate_up, gate_up_bias, queries, queries + k.out_features // head_dim)
-        self._fused_weights[index] = (key, fused)
+        self._fused_weights[index] = (sources, weights_state(sources), fused)
         return fused
 
     def __call__(self, inputs: torch.Tensor, position_ids: torch.Tensor, attention_mask: AttentionMask,

@@ -33,6 +33,34 @@ def committed_pairs(batch: DraftBatch, device) -> tuple[torch.Tensor, torch.Tens
     return counts, next_tokens, valid
 
 
+def dense_ok(heads: EagleHeads, batch: DraftBatch, cache: cache_ops.RaggedCache) -> bool:
+    """Whether a step can take :func:`dense_forward`: every row commits its whole batch (no padding),
+    the drafter cache has no holes and the drafter has no sliding window."""
+    return heads.layout is None and batch.full() and cache.dense()
+
+
+def dense_forward(heads: EagleHeads, target, cache: cache_ops.RaggedCache, committed: torch.Tensor,
+                  batch: DraftBatch, extra: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """The drafter forward that commits each row's pairs when :func:`dense_ok`: every query sees the
+    whole cache and the queries before it, so the mask is the causal extension of the cache and
+    positions run on from ``committed``. ``extra`` (features, embeddings ``[R, E, d]``) are queried
+    after the pairs in the same forward and left past the bookkeeping (cropped at the next step).
+    Returns the predicted features ``[R, n + E, d]`` and the new committed counts."""
+    rows, width = batch.tokens.shape
+    device, dtype = committed.device, target.dtype
+    features = heads.fuse(batch.features.to(device=device, dtype=dtype))
+    embeddings = target.input_embeddings(batch.next_tokens().to(device))  # (R, n, d)
+    if extra is not None:
+        features = torch.cat([features, extra[0]], dim=1)
+        embeddings = torch.cat([embeddings, extra[1].to(dtype)], dim=1)
+    queries = features.shape[1]
+    positions = committed[:, None] + torch.arange(queries, device=device)[None, :]
+    mask = causal_extension_mask(cache.width, queries, dtype, device).expand(rows, -1, -1, -1)
+    predicted = heads.step(features, embeddings, positions, mask, cache.cache)
+    cache.extend(torch.ones(rows, width, dtype=torch.bool, device=device), positions[:, :width])
+    return predicted, committed + width
+
+
 SAMPLED_PRIOR_RATE = 0.6
 """The acceptance a sampled call's fresh calibration assumes of a chain node before evidence (greedy
 calls share one calibration across calls and start optimistic, at 1). A sampled call learns within
@@ -144,14 +172,8 @@ class EagleDrafter:
         self.cache.crop()
         rows, width = batch.tokens.shape
         device, dtype = self.committed.device, self.target.dtype
-        if self.heads.layout is None and batch.full() and self.cache.dense():  # causal over a hole-free cache
-            positions = self.committed[:, None] + torch.arange(width, device=device)[None, :]
-            mask = causal_extension_mask(self.cache.width, width, dtype, device).expand(rows, -1, -1, -1)
-            embeddings = self.target.input_embeddings(batch.next_tokens().to(device))  # (R, n, d)
-            features = self.heads.fuse(batch.features.to(device=device, dtype=dtype))
-            predicted = self.heads.step(features, embeddings, positions, mask, self.cache.cache)
-            self.cache.extend(torch.ones(rows, width, dtype=torch.bool, device=device), positions)
-            self.committed = self.committed + width
+        if dense_ok(self.heads, batch, self.cache):
+            predicted, self.committed = dense_forward(self.heads, self.target, self.cache, self.committed, batch)
             return predicted[:, -1]  # (R, d)
         counts, next_tokens, valid = committed_pairs(batch, self.committed.device)
         last, row_index, columns = counts - 1, torch.arange(rows, device=device), torch.arange(width, device=device)

@@ -57,7 +57,7 @@ from tree_attention.mask import AttentionMask, layout_masks
 
 from ..backbone import Backbone, attention_layout
 from ..families import check_eagle_layout, decoder_copy, eagle3_parts, lean_decoder_ok, rotary_attention
-from ..lean import LeanDecoder
+from ..lean import LeanDecoder, weights_state
 from .calibration import ChainCalibration
 from .config import EagleConfig
 
@@ -200,8 +200,7 @@ class EagleHeads(nn.Module):
         if self.token_map is None:
             return target.output_rows(None, self.output_norm)
         # the draft vocabulary's rows are a copy: made once per (head, token map) state, not per level
-        sources = (target.output_head.weight, target.output_head.bias, self.token_map)
-        key = tuple(None if tensor is None else (tensor.data_ptr(), tensor._version) for tensor in sources)
+        key = weights_state((target.output_head.weight, target.output_head.bias, self.token_map))
         cached = self._draft_rows
         if cached is None or cached[0] != key or cached[1].norm is not self.output_norm:
             cached = self._draft_rows = (key, target.output_rows(self.token_map, self.output_norm))

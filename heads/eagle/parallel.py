@@ -26,7 +26,7 @@ import torch
 
 from tree_attention import cache as cache_ops
 from tree_attention.decode import DraftBatch
-from tree_attention.mask import causal_extension_mask, causal_visibility
+from tree_attention.mask import causal_visibility
 from tree_attention.tree import (
     TreeBatch, TreeTemplate, best_first_choices, from_choices, prior_accuracy, truncate_batch,
 )
@@ -34,7 +34,7 @@ from tree_attention.tree import (
 from ..backbone import Backbone
 from ..families import position_limit
 from .config import EagleConfig
-from .drafter import committed_pairs
+from .drafter import committed_pairs, dense_forward, dense_ok
 from .modules import EagleHeads, check_against_target
 
 
@@ -95,8 +95,10 @@ class ParallelEagleDrafter:
         self.cache.crop()
         rows, width = batch.tokens.shape
         masks = self.parallel - 1
-        if self.heads.layout is None and self.position_limit is None and batch.full() and self.cache.dense():
-            return self._draft_dense(batch, rows, width, masks)
+        if self.position_limit is None and dense_ok(self.heads, batch, self.cache):
+            predicted, self.committed = dense_forward(self.heads, self.target, self.cache, self.committed, batch,
+                                                      self.heads.mask_inputs(rows, masks))
+            return predicted[:, width - 1:]  # (R, K, d): the last pair's output, then the mask queries'
         counts, next_tokens, valid = committed_pairs(batch, self.committed.device)
         device, dtype = self.committed.device, self.target.dtype
         last, row_index, columns = counts - 1, torch.arange(rows, device=device), torch.arange(width, device=device)
@@ -118,23 +120,6 @@ class ParallelEagleDrafter:
         self.cache.extend(valid, pair_positions)  # the mask queries' entries stay past the width: cropped next step
         self.committed = self.committed + counts
         return torch.cat([predicted[row_index, last][:, None], predicted[:, width:]], dim=1)  # (R, K, d)
-
-    def _draft_dense(self, batch: DraftBatch, rows: int, width: int, masks: int) -> torch.Tensor:
-        """:meth:`_draft` when no row has a hole or padding (batch 1 without a padded prompt, or
-        rows that committed alike): every query sees the whole cache and the queries before it, so
-        the mask is the causal extension of the cache and positions run on from ``committed``."""
-        device, dtype = self.committed.device, self.target.dtype
-        queries = width + masks
-        positions = self.committed[:, None] + torch.arange(queries, device=device)[None, :]  # (R, n + K - 1)
-        attention = causal_extension_mask(self.cache.width, queries, dtype, device).expand(rows, -1, -1, -1)
-        mask_features, mask_embeddings = self.heads.mask_inputs(rows, masks)
-        features = torch.cat([self.heads.fuse(batch.features.to(device=device, dtype=dtype)), mask_features], dim=1)
-        embeddings = torch.cat([self.target.input_embeddings(batch.next_tokens().to(device)),
-                                mask_embeddings.to(dtype)], dim=1)
-        predicted = self.heads.step(features, embeddings, positions, attention, self.cache.cache)  # (R, n + K - 1, d)
-        self.cache.extend(torch.ones(rows, width, dtype=torch.bool, device=device), positions[:, :width])
-        self.committed = self.committed + width
-        return predicted[:, width - 1:]  # (R, K, d): the last pair's output, then the mask queries'
 
     def _depth_limits(self) -> list[int] | None:
         """Each row's deepest verifiable node near a hard position limit (its root sits at position

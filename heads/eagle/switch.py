@@ -119,8 +119,8 @@ class DraftingChoice:
         self._stretch = [0.0, 0.0, 0]
 
     def choose(self) -> tuple[str, bool]:
-        """The next step's mode, and whether that step is left unmeasured (outside windows). Call after
-        :meth:`observe` of the step before it."""
+        """The next step's mode, and whether that step is left unmeasured (the warm-up steps; window
+        and stretch steps are measured). Call after :meth:`observe` of the step before it."""
         if self._exploring == EXPLORE:  # the window's last step is measured: choose
             self._exploring = 0
             self._close_window()

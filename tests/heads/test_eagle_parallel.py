@@ -12,6 +12,7 @@ import torch
 import heads
 from heads import interop
 from heads.eagle import EagleConfig, ParallelEagleDrafter, parallel_attention_mask, parallel_template
+from heads.eagle import parallel as parallel_module
 from tests.conftest import build_model, greedy_reference, left_pad, progression_batch, random_prompt
 from training.trainer import TrainConfig, make_trainer
 from tree_attention import cache as cache_ops
@@ -207,8 +208,8 @@ def test_dense_fast_path_drafts_what_the_general_path_drafts(name, monkeypatch):
         return outputs
 
     calls = []
-    original = ParallelEagleDrafter._draft_dense
-    monkeypatch.setattr(ParallelEagleDrafter, "_draft_dense", lambda self, *a: calls.append(1) or original(self, *a))
+    original = parallel_module.dense_forward
+    monkeypatch.setattr(parallel_module, "dense_forward", lambda *a: calls.append(1) or original(*a))
     dense = run(general=False)
     assert len(calls) == len(steps)
     general = run(general=True)

@@ -170,8 +170,7 @@ def resolved_options(args, model_config) -> dict:
     options = drafter_options(args)
     target_options = getattr(kinds.get(args.kind).cli, "target_options", None)
     if target_options is not None:
-        text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-        options.update(target_options(args, int(text_config.vocab_size)))
+        options.update(target_options(args, int(model_config.get_text_config().vocab_size)))
     return options
 
 
