@@ -164,7 +164,11 @@ def warper(temperature: float, top_k: int, top_p: float):
     no_ids = torch.empty(0, dtype=torch.long)
 
     def warp(logits: torch.Tensor) -> torch.Tensor:
-        return processors(no_ids, logits)
+        # each warper called directly: LogitsProcessorList.__call__ inspects every processor's
+        # signature on every call (tens of microseconds a step); warpers take (input_ids, scores)
+        for processor in processors:
+            logits = processor(no_ids, logits)
+        return logits
 
     return warp
 

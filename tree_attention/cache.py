@@ -29,9 +29,70 @@ class UnsupportedCacheError(TypeError):
     """A cache layout whose entries cannot be rearranged after verification."""
 
 
+class GrowingLayer(DynamicLayer):
+    """A full-history cache layer that appends into spare room instead of concatenating.
+
+    ``DynamicLayer.update`` concatenates, copying a layer's whole history on every forward; here
+    ``keys`` and ``values`` are views ``[..., :length, :]`` of buffers with room to spare (capacity
+    doubling), so a forward copies only its new entries. Whatever sets ``keys`` / ``values``
+    (cropping keeps views of the buffers; a row selection or a foreign tensor does not) is noticed
+    at the next update, which then moves the history into fresh buffers."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._buffers = None
+
+    def _backed(self, length: int, key_states: torch.Tensor) -> bool:
+        """Whether the history is the first ``length`` entries of the buffers and there is room after it
+        for ``key_states``."""
+        buffers = self._buffers
+        if buffers is None:
+            return False
+        keys, values = buffers
+        if keys.shape[-2] < length + key_states.shape[-2] or keys.dtype != key_states.dtype:
+            return False
+        if keys.shape[:2] != key_states.shape[:2] or keys.shape[-1] != key_states.shape[-1]:
+            return False
+        if length == 0:
+            return True
+        return (self.keys.data_ptr() == keys.data_ptr() and self.keys.stride() == keys.stride()
+                and self.values.data_ptr() == values.data_ptr() and self.values.stride() == values.stride())
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.keys.shape[-2] if self.keys.numel() else 0
+        end = length + key_states.shape[-2]
+        if not self._backed(length, key_states):
+            capacity = max(2 * end, 64)
+            keys = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[-1])
+            values = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[-1])
+            if length:
+                keys[..., :length, :] = self.keys
+                values[..., :length, :] = self.values
+            self._buffers = (keys, values)
+        keys, values = self._buffers
+        keys[..., length:end, :] = key_states
+        values[..., length:end, :] = value_states
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self._buffers = None
+        super().reset()
+
+
+class GrowingCache(DynamicCache):
+    """A :class:`~transformers.DynamicCache` of :class:`GrowingLayer` layers."""
+
+    def __init__(self) -> None:
+        Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+
 def new_cache() -> DynamicCache:
-    """An empty cache in which every layer keeps its full history (rollback-safe)."""
-    return DynamicCache()
+    """An empty cache in which every layer keeps its full history (rollback-safe) and appends without
+    copying what it holds."""
+    return GrowingCache()
 
 
 @lru_cache(maxsize=None)

@@ -131,3 +131,45 @@ def test_additive_mask_values():
     mask = additive_mask(torch.tensor([[[True, False]]]), torch.float16)
     assert mask.dtype == torch.float16 and mask.shape == (1, 1, 1, 2)
     assert mask[0, 0, 0, 0] == 0 and mask[0, 0, 0, 1] == torch.finfo(torch.float16).min
+
+
+def test_growing_layer_matches_concatenation_through_crops_gathers_and_row_selection():
+    """The loop's cache layer appends into spare room; whatever the loop does to it (crop, gather a
+    path, select rows, reset) it holds exactly what a concatenating DynamicCache holds, and appending
+    does not move the history while there is room."""
+    from transformers import DynamicCache
+
+    generator = torch.Generator().manual_seed(0)
+    growing, reference = cache_ops.new_cache(), DynamicCache()
+    assert isinstance(growing, cache_ops.GrowingCache)
+
+    def both(operation):
+        operation(growing)
+        operation(reference)
+        for ours, theirs in zip(growing.layers, reference.layers):
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+    def append(count, rows=3):
+        keys = torch.randn(rows, 2, count, 4, generator=generator)
+        values = torch.randn(rows, 2, count, 4, generator=generator)
+        return lambda cache: [cache.update(keys + layer, values - layer, layer) for layer in range(2)]
+
+    both(append(5))
+    start = growing.layers[0].keys.data_ptr()
+    for count in (3, 1, 7):
+        both(append(count))
+    assert growing.layers[0].keys.data_ptr() == start  # appended in place, no reallocation
+    both(lambda cache: cache_ops.crop(cache, 12))
+    both(append(6))
+    path = torch.tensor([[0, 2, 5], [1, 3, 3], [4, 4, 4]])
+    both(lambda cache: cache_ops.gather(cache, 12, path))
+    both(append(2))
+    both(lambda cache: cache_ops.select_rows(cache, torch.tensor([2, 0])))
+    both(append(40, rows=2))  # past the first buffers' room: moved once into larger ones
+    both(lambda cache: cache_ops.crop(cache, 3))
+    both(append(1, rows=2))
+    for layer in growing.layers:
+        layer.reset()
+    for layer in reference.layers:
+        layer.reset()
+    both(append(2, rows=1))
