@@ -22,44 +22,87 @@ import heapq
 import math
 from typing import Generator
 
+import numpy as np
 import torch
 
 from .dynamic import Expansion, _check_dynamic_shape, _tree_from_candidates, best_nodes, expansion_request
 from .tree import Tree
 
 
+TRIES = 2
+"""Draws of a token from a row's undepleted distribution before the row's remaining mass is summed
+afresh (see :func:`_draw_row`)."""
+
+
+def _draw_row(weights: np.ndarray, count: int, uniforms: np.ndarray) -> list[int]:
+    """``count`` distinct tokens drawn in order without replacement from ``weights`` ``[V]`` (at least
+    ``count`` of them positive), with ``uniforms`` ``[count * (TRIES + 1)]``. Each token is drawn from
+    the whole row and redrawn while it repeats an earlier one (rejection: exactly the renormalised
+    rest), up to :data:`TRIES` times; then from the rest's own cumulative sums (one pass)."""
+    cdf = np.cumsum(weights, dtype=np.float64)
+    total, last = cdf[-1], len(weights) - 1
+    drawn: list[int] = []
+    rest = None
+    for index in range(count):
+        base, token = index * (TRIES + 1), None
+        for attempt in range(TRIES):
+            candidate = min(int(np.searchsorted(cdf, uniforms[base + attempt] * total, side="right")), last)
+            if weights[candidate] > 0 and candidate not in drawn:
+                token = candidate
+                break
+        if token is None:
+            if rest is None:
+                rest = weights.astype(np.float64)
+            rest[drawn] = 0.0
+            cumulative = np.cumsum(rest)
+            token = int(np.searchsorted(cumulative, uniforms[base + TRIES] * cumulative[-1], side="right"))
+            if token > last or rest[token] <= 0:  # rounding at the top end: the last token with mass left
+                token = int(np.flatnonzero(rest)[-1])
+        drawn.append(token)
+    return drawn
+
+
 def draw_without_replacement(logits: torch.Tensor, probs: torch.Tensor, count: int,
                              generator: torch.Generator | None) -> torch.Tensor:
-    """``count`` tokens per row of ``probs`` ``[..., V]``, drawn without replacement in order
-    (Gumbel-top-k: the same law as drawing one at a time from the renormalised rest).
+    """``count`` tokens per row of ``probs`` ``[..., V]``, drawn without replacement in order (the same
+    law as drawing one at a time from the renormalised rest), on the host from one generator call:
+    a few cumulative-sum passes per row, where a Gumbel or exponential race needs a random number per
+    vocabulary entry (milliseconds for a few rows of an 8K vocabulary).
 
     Once ``probs``' support is used up, the remaining tokens are the best of the rest by ``logits``
     ``[..., V]`` (deterministic: point masses, see :func:`drawn_from`). Returns ``[..., count]`` long.
     """
-    if count > probs.shape[-1]:
-        raise ValueError(f"cannot draw {count} distinct tokens from a vocabulary of {probs.shape[-1]}")
-    uniform = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float64)
-    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300, max=1.0 - 1e-16)))
-    support = probs > 0
-    keys = torch.where(support, probs.double().log() + gumbel, -math.inf)
-    drawn = torch.topk(keys, count, dim=-1).indices  # (..., count) the first `supported` are real draws
-    spare = torch.topk(logits.float().masked_fill(support, -math.inf), count, dim=-1).indices
-    supported = support.sum(dim=-1, keepdim=True)  # (..., 1)
-    slot = torch.arange(count, device=probs.device)
-    return torch.where(slot < supported, drawn, spare.gather(-1, (slot - supported).clamp(min=0)))
+    vocab = probs.shape[-1]
+    if count > vocab:
+        raise ValueError(f"cannot draw {count} distinct tokens from a vocabulary of {vocab}")
+    flat = probs.detach().reshape(-1, vocab).cpu()
+    rows = flat.shape[0]
+    uniforms = torch.rand(rows, count * (TRIES + 1), generator=generator, dtype=torch.float64).numpy()
+    weights = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).numpy()
+    supported = (flat > 0).sum(dim=-1).tolist()
+    drawn = [_draw_row(weights[row], min(count, supported[row]), uniforms[row]) for row in range(rows)]
+    if min(supported) < count:  # the rest by logits, deterministically
+        spare = torch.topk(logits.detach().reshape(-1, vocab).float().cpu().masked_fill(flat > 0, -math.inf),
+                           count, dim=-1).indices.tolist()
+        drawn = [tokens + spare[row][:count - len(tokens)] for row, tokens in enumerate(drawn)]
+    return torch.tensor(drawn, dtype=torch.long, device=probs.device).view(*probs.shape[:-1], count)
 
 
 def depleted(probs: torch.Tensor, tokens: torch.Tensor, earlier: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
     """The distribution each of ``tokens`` ``[...]`` was drawn from: ``probs`` ``[..., V]`` with the
     ``earlier`` ``[..., k]`` tokens where ``used`` (bool, broadcast to ``earlier``) removed and
     renormalised; a one-hot row at the token when that leaves it no probability (a point mass).
-    Returns ``[..., V]`` in ``probs``' dtype."""
+    ``earlier`` holds distinct tokens per row (draws without replacement). Returns ``[..., V]`` in
+    ``probs``' dtype (three passes over the rows: copy, sum, divide)."""
     remove = used.expand(earlier.shape)
-    keep = torch.ones_like(probs).scatter_reduce(-1, earlier, (~remove).to(probs.dtype), reduce="amin")
-    rest = probs * keep
+    rest = probs.clone(memory_format=torch.contiguous_format)
+    rest.scatter_(-1, earlier, rest.gather(-1, earlier) * (~remove).to(probs.dtype))
     own = rest.gather(-1, tokens[..., None])  # (..., 1)
-    point = torch.nn.functional.one_hot(tokens, probs.shape[-1]).to(probs.dtype)
-    return torch.where(own > 0, rest / rest.sum(dim=-1, keepdim=True).clamp_min(1e-30), point)
+    rest.div_(rest.sum(dim=-1, keepdim=True).clamp_min(1e-30))
+    point = own[..., 0] <= 0
+    if bool(point.any()):
+        rest[point] = torch.nn.functional.one_hot(tokens[point], probs.shape[-1]).to(probs.dtype)
+    return rest
 
 
 def drawn_from(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -157,23 +157,24 @@ def _inverse_cdf(weights: np.ndarray, uniform: float) -> int:
     return index
 
 
-def _accept_row(parents: list[int], tokens: list[int], p: np.ndarray, q: np.ndarray | None,
+def _accept_row(parents: list[int], tokens: list[int], p, q: np.ndarray | None,
                 uniforms: np.ndarray, use_residual: bool = True) -> tuple[list[int], int]:
     """The sampling rule on one tree (see the module docstring), on the host: ``p`` ``[N, V]`` the
-    target's distributions, ``q`` ``[N, V]`` or None the children's draft rows, ``uniforms`` ``[N]``
+    target's distributions (indexed by node), ``q`` ``[N, V]`` or None the children's draft rows, ``uniforms`` ``[N]``
     the draws (one per child tried, then the bonus token's). Returns the path and the bonus token."""
     children: list[list[int]] = [[] for _ in parents]
     for node in range(1, len(parents)):
         children[parents[node]].append(node)
     node, path, draw = 0, [0], 0
     while True:
-        residual, accepted = p[node], None
+        target = p[node].astype(np.float64)
+        residual, accepted = target, None
         for child in children[node]:
             token = tokens[child]
             if q is None:
                 chance = residual[token]
             else:
-                row = q[child]
+                row = q[child].astype(np.float64)
                 chance = min(1.0, residual[token] / max(row[token], 1e-30))
             draw += 1
             if uniforms[draw - 1] < chance:
@@ -187,15 +188,19 @@ def _accept_row(parents: list[int], tokens: list[int], p: np.ndarray, q: np.ndar
             else:
                 residual = np.maximum(residual - row, 0.0)
             total = residual.sum()
-            residual = p[node] if total <= 0.0 else residual / total  # <= 0: cannot happen after a rejection
+            residual = target if total <= 0.0 else residual / total  # <= 0: cannot happen after a rejection
         if accepted is None:
-            return path, _inverse_cdf(residual if use_residual else p[node], float(uniforms[draw]))
+            return path, _inverse_cdf(residual if use_residual else target, float(uniforms[draw]))
         node = accepted
         path.append(node)
 
 
 def _host(values: torch.Tensor | None) -> np.ndarray | None:
-    return None if values is None else values.detach().to("cpu", torch.float64).numpy()
+    """``values`` as a numpy array (no copy on the CPU; the rows a rule visits are widened to float64)."""
+    if values is None:
+        return None
+    values = values.detach().cpu()
+    return (values if values.dtype in (torch.float32, torch.float64) else values.float()).numpy()
 
 
 def sample_accept(tree: Tree, probs: torch.Tensor, generator: torch.Generator | None = None,
@@ -217,20 +222,43 @@ def sample_accept(tree: Tree, probs: torch.Tensor, generator: torch.Generator | 
     return Acceptance(torch.tensor(path, device=probs.device), token)
 
 
+class _NodeProbabilities:
+    """A row's target distributions ``[V]`` by node, each computed (warp, softmax) when the rule first
+    visits the node: a rule visits the accepted path and its last node's children, a few of ``N``."""
+
+    def __init__(self, logits: torch.Tensor, probabilities: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.logits, self.probabilities, self.rows = logits, probabilities, {}
+
+    def __getitem__(self, node: int) -> np.ndarray:
+        row = self.rows.get(node)
+        if row is None:
+            row = self.rows[node] = _host(self.probabilities(self.logits[node][None]))[0]
+        return row
+
+
+LAZY_ELEMENTS = 1 << 16
+"""Logits of a step with more entries than this (nodes x vocabulary) are turned into distributions
+only at the nodes the rule visits; smaller ones all at once (one softmax costs less than a few)."""
+
+
 def sample_accept_batch(trees: TreeBatch, probs: torch.Tensor, generator: torch.Generator | None = None,
-                        draft_probs: torch.Tensor | None = None, use_residual: bool = True) -> BatchAcceptance:
+                        draft_probs: torch.Tensor | None = None, use_residual: bool = True,
+                        probabilities: Callable[[torch.Tensor], torch.Tensor] | None = None) -> BatchAcceptance:
     """:func:`sample_accept` for every row of ``trees`` (``probs`` ``[R, N, V]``, ``draft_probs``
     ``[R, N, V]`` or None), the rows' draws taken in row order from one call to the generator and
     every row's arithmetic on the host (a few microseconds per tried child, against tens for tensor
-    operations)."""
+    operations). With ``probabilities`` (logits ``[n, V]`` -> distributions), ``probs`` are logits,
+    turned into distributions only at the nodes the rule visits."""
     rows, width = trees.tokens.shape
     uniforms = torch.rand(rows, width, generator=generator, dtype=torch.float64).numpy()
-    p, q = _host(probs), _host(draft_probs)
+    p = None if probabilities is not None else _host(probs)
+    q = _host(draft_probs)
     parents, tokens = trees.parents.tolist(), trees.tokens.tolist()
     sizes = [width] * rows if trees.uniform else trees.sizes.tolist()
     paths, next_tokens = [], []
     for row, size in enumerate(sizes):
-        path, token = _accept_row(parents[row][:size], tokens[row][:size], p[row, :size],
+        target = _NodeProbabilities(probs[row], probabilities) if p is None else p[row, :size]
+        path, token = _accept_row(parents[row][:size], tokens[row][:size], target,
                                   None if q is None else q[row, :size], uniforms[row], use_residual)
         paths.append(path)
         next_tokens.append(token)
@@ -322,6 +350,9 @@ class SamplingRule(AcceptanceRule):
     def accept_batch(self, trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
         if trees.width == 1:  # roots only, a plain step: each row's next token drawn from p
             return roots_acceptance(self.first_tokens(logits[:, 0]))
+        if logits[0].numel() > LAZY_ELEMENTS:
+            return sample_accept_batch(trees, logits, self.generator, trees.draft_probs, self.use_residual,
+                                       probabilities=self.probabilities)
         probs = self.probabilities(logits.reshape(-1, logits.shape[-1])).view(logits.shape)
         return sample_accept_batch(trees, probs, self.generator, trees.draft_probs, self.use_residual)
 

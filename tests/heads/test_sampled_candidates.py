@@ -140,10 +140,10 @@ def no_residual(monkeypatch):
 def wrong_q(monkeypatch):
     """Rows that are not what the candidates were drawn from: q sharpened (squared, renormalised)."""
     def sharpen(original):
-        def sharpened(tree, probs, generator=None, draft_probs=None, use_residual=True):
+        def sharpened(tree, probs, generator=None, draft_probs=None, use_residual=True, **options):
             rows = draft_probs.double() ** 2
             rows = rows / rows.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-            return original(tree, probs, generator, rows, use_residual)
+            return original(tree, probs, generator, rows, use_residual, **options)
         return sharpened
 
     monkeypatch.setattr(verify, "sample_accept", sharpen(verify.sample_accept))

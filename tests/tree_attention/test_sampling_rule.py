@@ -100,3 +100,38 @@ def test_typical_huge_threshold_is_plain_sampling():
         assert acceptance.path.tolist() == [0]
         first.append(acceptance.next_token)
     assert chi_square_pvalue(first, {t: float(P[0, t]) for t in range(V)}) > FALSE_ALARM
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_lazy_node_distributions_decide_as_the_whole_batch_does(drafted):
+    """A step with large logits computes the target's distribution only at the nodes the rule visits;
+    with the same draws it accepts exactly what the rule on all nodes' distributions accepts."""
+    depths = set()
+    for seed in range(40):
+        eager, lazy = _lazy_case(drafted, seed)
+        assert torch.equal(eager.paths, lazy.paths) and torch.equal(eager.lengths, lazy.lengths)
+        assert torch.equal(eager.next_tokens, lazy.next_tokens)
+        depths.update(eager.lengths.tolist())
+    assert len(depths) > 1  # some drafts were accepted, some rejected
+
+
+def _lazy_case(drafted: bool, seed: int):
+    from tree_attention.tree import TreeBatch
+    from tree_attention.verify import SamplingRule, sample_accept_batch
+
+    generator = torch.Generator().manual_seed(seed)
+    rows, vocab = 3, 40
+    template = from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    logits = torch.randn(rows, template.size, vocab, generator=generator) * 2
+    tokens = torch.randint(0, 4, (rows, template.size), generator=generator)  # small ids: often accepted
+    trees = TreeBatch.from_template(template.to("cpu"), tokens)
+    if drafted:
+        q = torch.softmax(torch.randn(rows, template.size, vocab, generator=generator), dim=-1)
+        trees = TreeBatch(trees.tokens, trees.parents, trees.depths, trees.visibility, trees.sizes, q,
+                          uniform=True, depth=trees.depth)
+    rule = SamplingRule(lambda values: values / 0.7)
+    probs = rule.probabilities(logits.reshape(-1, vocab)).view(logits.shape)
+    eager = sample_accept_batch(trees, probs, torch.Generator().manual_seed(seed), trees.draft_probs)
+    lazy = sample_accept_batch(trees, logits, torch.Generator().manual_seed(seed), trees.draft_probs,
+                               probabilities=rule.probabilities)
+    return eager, lazy
