@@ -62,12 +62,35 @@ def _draw_row(weights: np.ndarray, count: int, uniforms: np.ndarray) -> list[int
     return drawn
 
 
+RACE_ELEMENTS = 1 << 14
+"""Up to this many entries (rows x vocabulary) tokens are drawn by a Gumbel race in a few tensor
+operations; above it the host's per-row draws cost less (on a small vocabulary their Python
+bookkeeping costs more than the race)."""
+
+
+def _race(logits: torch.Tensor, probs: torch.Tensor, count: int, generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`draw_without_replacement` by a Gumbel race: the tokens by decreasing ``log probs + G``,
+    ``G`` standard Gumbel (i.i.d. per entry), then the rest by ``logits`` past the support."""
+    uniform = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300, max=1.0 - 1e-16)))
+    support = probs > 0
+    keys = torch.where(support, probs.double().log() + gumbel, -math.inf)
+    drawn = torch.topk(keys, count, dim=-1).indices  # (..., count) the first `supported` are real draws
+    supported = support.sum(dim=-1, keepdim=True)  # (..., 1)
+    if bool((supported >= count).all()):
+        return drawn
+    spare = torch.topk(logits.float().masked_fill(support, -math.inf), count, dim=-1).indices
+    slot = torch.arange(count, device=probs.device)
+    return torch.where(slot < supported, drawn, spare.gather(-1, (slot - supported).clamp(min=0)))
+
+
 def draw_without_replacement(logits: torch.Tensor, probs: torch.Tensor, count: int,
                              generator: torch.Generator | None) -> torch.Tensor:
     """``count`` tokens per row of ``probs`` ``[..., V]``, drawn without replacement in order (the same
-    law as drawing one at a time from the renormalised rest), on the host from one generator call:
-    a few cumulative-sum passes per row, where a Gumbel or exponential race needs a random number per
-    vocabulary entry (milliseconds for a few rows of an 8K vocabulary).
+    law as drawing one at a time from the renormalised rest). Large ones on the host from one
+    generator call: a few cumulative-sum passes per row, where a race needs a random number per
+    vocabulary entry (milliseconds for a few rows of an 8K vocabulary); small ones by a race
+    (:data:`RACE_ELEMENTS`).
 
     Once ``probs``' support is used up, the remaining tokens are the best of the rest by ``logits``
     ``[..., V]`` (deterministic: point masses, see :func:`drawn_from`). Returns ``[..., count]`` long.
@@ -75,6 +98,8 @@ def draw_without_replacement(logits: torch.Tensor, probs: torch.Tensor, count: i
     vocab = probs.shape[-1]
     if count > vocab:
         raise ValueError(f"cannot draw {count} distinct tokens from a vocabulary of {vocab}")
+    if probs.numel() <= RACE_ELEMENTS:
+        return _race(logits, probs, count, generator)
     flat = probs.detach().reshape(-1, vocab).cpu()
     rows = flat.shape[0]
     uniforms = torch.rand(rows, count * (TRIES + 1), generator=generator, dtype=torch.float64).numpy()

@@ -30,7 +30,14 @@ def sequential_law(q: list[float], count: int) -> dict:
     return law
 
 
-def test_draws_without_replacement_follow_the_sequential_law():
+@pytest.fixture(params=["host", "race"])
+def drawing(request, monkeypatch):
+    """Both ways of drawing: per row on the host (large draws) and the Gumbel race (small ones)."""
+    monkeypatch.setattr(sampled, "RACE_ELEMENTS", 0 if request.param == "host" else 1 << 40)
+    return request.param
+
+
+def test_draws_without_replacement_follow_the_sequential_law(drawing):
     q = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
     generator = torch.Generator().manual_seed(0)
     tokens = draw_without_replacement(q.log().expand(6000, -1), q.expand(6000, -1), 3, generator)
@@ -38,7 +45,16 @@ def test_draws_without_replacement_follow_the_sequential_law():
     assert pvalue > FALSE_ALARM, pvalue
 
 
-def test_rows_are_what_each_draw_came_from_and_point_masses_past_the_support():
+def test_a_concentrated_row_still_gives_distinct_draws_in_the_sequential_law(drawing):
+    q = torch.tensor([0.94, 0.03, 0.02, 0.01, 0.0])  # repeats of the first token are drawn often
+    tokens = draw_without_replacement(q.log().expand(6000, -1), q.expand(6000, -1), 4, torch.Generator().manual_seed(2))
+    assert all(len(set(row)) == 4 for row in tokens.tolist())
+    pvalue = chi_square_pvalue([tuple(row) for row in tokens[:, :3].tolist()], sequential_law(q.tolist(), 3))
+    assert pvalue > FALSE_ALARM, pvalue
+    assert not (tokens == 4).any()  # four tokens have probability: the one without is never drawn
+
+
+def test_rows_are_what_each_draw_came_from_and_point_masses_past_the_support(drawing):
     q = torch.tensor([[0.0, 0.6, 0.0, 0.4, 0.0]])
     logits = torch.tensor([[5.0, 1.0, 3.0, 0.0, -1.0]])
     tokens = draw_without_replacement(logits, q, 4, torch.Generator().manual_seed(1))
