@@ -68,11 +68,13 @@ def bind_rule(drafter, rule):
     """``drafter`` set up for the serving ``rule``: sampled candidates (drawn from the drafter's
     distribution under the rule's own warp and generator) when the rule samples losslessly and the
     config's ``sample`` mode allows it; top-k candidates otherwise (greedy, typical, ``never``)."""
+    lossless_sampling = isinstance(rule, SamplingRule) and rule.lossless
     if isinstance(drafter, SwitchingEagleDrafter):  # which mode drafts never changes a greedy output
         drafter.choosing = isinstance(rule, GreedyRule)
+        drafter.bind_sampling(rule.key if lossless_sampling else None)  # a sampled call: one mode throughout
     elif not isinstance(drafter, EagleDrafter):
         return drafter
-    sampled = isinstance(rule, SamplingRule) and rule.lossless and drafter.sample != "never"
+    sampled = lossless_sampling and drafter.sample != "never"
     drafter.sample_with(rule.warp if sampled else None, rule.generator if sampled else None)
     return drafter
 

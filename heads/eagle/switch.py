@@ -18,9 +18,12 @@ the rest of the loop), then drafts with the faster mode for a stretch that grows
 measures again. Alternating within a window compares the modes on the same stretch of text: how
 many tokens a step commits swings far more with the text than between the modes.
 
-Which tree is verified never changes a greedy output, so greedy calls choose; a sampled call drafts
-sequentially at every step (its candidates drawn from the drafter's distribution), so that a seeded
-call's draws never depend on timings.
+Which tree is verified never changes a greedy output, so greedy calls choose per step. A sampled
+call drafts in one mode throughout, so that its draws never depend on timings within it:
+:class:`CallModeChoice` measures whole calls of each mode per sampling setting (sequential candidates
+drawn from the drafter's distribution; parallel ones its top-k tokens, point masses to the rule) and
+gives each call the mode that committed more tokens per second, trying the other every
+:data:`RETRY_CALLS` calls.
 """
 
 from __future__ import annotations
@@ -142,6 +145,46 @@ class DraftingChoice:
         return mode, skip
 
 
+RETRY_CALLS = 8
+"""A sampled call in the mode that is not the faster one, every this many calls (traffic changes)."""
+CALL_MIN_STEPS = 4
+"""Measured steps a sampled call needs to count in :class:`CallModeChoice` (a warm-up call's do not)."""
+CALL_DECAY = 0.5
+"""Weight of a mode's earlier calls against its newest one in :class:`CallModeChoice`'s rates."""
+
+
+class CallModeChoice:
+    """The mode of whole sampled calls under one sampling setting: each mode's committed tokens and
+    seconds over its calls (earlier calls decayed by :data:`CALL_DECAY`); untried modes first (the
+    sequential one before the parallel one), then the faster, the slower every :data:`RETRY_CALLS`
+    calls. Kept on the drafter's heads across calls (serving statistics, never saved)."""
+
+    def __init__(self) -> None:
+        self.tokens = dict.fromkeys(MODES, 0.0)
+        self.seconds = dict.fromkeys(MODES, 0.0)
+        self.calls = dict.fromkeys(MODES, 0)
+
+    def rate(self, mode: str) -> float | None:
+        return self.tokens[mode] / self.seconds[mode] if self.seconds[mode] > 0 else None
+
+    def choose(self) -> str:
+        untried = [mode for mode in MODES if not self.calls[mode]]
+        if untried:
+            return untried[0]
+        best = max(MODES, key=lambda mode: self.rate(mode) or 0.0)
+        if sum(self.calls.values()) % RETRY_CALLS == RETRY_CALLS - 1:
+            return MODES[1 - MODES.index(best)]
+        return best
+
+    def observe(self, mode: str, tokens: float, seconds: float) -> None:
+        """A finished call of ``mode`` committed ``tokens`` in ``seconds`` (its measured steps)."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        self.tokens[mode] = CALL_DECAY * self.tokens[mode] + tokens
+        self.seconds[mode] = CALL_DECAY * self.seconds[mode] + seconds
+        self.calls[mode] += 1
+
+
 def parallel_tree_config(config: EagleConfig, accuracy) -> EagleConfig:
     """The parallel mode's config under ``drafting="auto"``: every one of the ``parallel`` depths, the
     ranks of the accuracy table (the prior's without one), ``parallel_tokens`` nodes best-first."""
@@ -165,6 +208,9 @@ class SwitchingEagleDrafter:
         self.choice = heads.drafting_choices.setdefault(key, DraftingChoice())
         self.sample = self.sequential.sample
         self.choosing = False
+        self.call_choice: CallModeChoice | None = None  # a sampled call's mode choice (set by bind_rule)
+        self._key = key
+        self._call: list | None = None  # this sampled call: [choice, mode, tokens, first and last propose, steps]
         self._last: tuple[str, bool] | None = None  # the last step's mode, and whether it goes unmeasured
         self._started: float | None = None  # when the last step's propose began
         self.reset(1)
@@ -181,7 +227,19 @@ class SwitchingEagleDrafter:
     def sampling(self) -> bool:
         return self.sequential.sampling
 
+    def bind_sampling(self, rule_key: str | None) -> None:
+        """Under a lossless sampling rule (``rule_key``: its settings) each call drafts in the mode
+        :class:`CallModeChoice` gives it; None: sequential drafting (typical acceptance)."""
+        self.call_choice = None if rule_key is None else self.heads.drafting_choices.setdefault(
+            (self._key, "sampled", rule_key), CallModeChoice())
+
+    def _close_call(self) -> None:
+        call, self._call = self._call, None
+        if call is not None and call[5] >= CALL_MIN_STEPS:  # a warm-up call's few steps say little
+            call[0].observe(call[1], call[2], call[4] - call[3])
+
     def reset(self, batch_size: int) -> None:
+        self._close_call()
         self.sequential.reset(batch_size)
         self._share(self.sequential, self.parallel)
         self._last = self._started = None
@@ -192,6 +250,15 @@ class SwitchingEagleDrafter:
         self._started = None  # the next batch's lengths no longer match the last step's rows
 
     def _mode(self, batch: DraftBatch) -> str:
+        if not self.choosing and self.call_choice is not None and self.sequential.total_tokens:
+            now = time.perf_counter()
+            if self._call is None:  # the call's first step (it also commits the prompt): not measured
+                self._call = [self.call_choice, self.call_choice.choose(), 0.0, now, now, 0]
+            else:
+                self._call[2] += float(batch.lengths.sum())
+                self._call[4] = now
+                self._call[5] += 1
+            return self._call[1]
         if not self.choosing or self.sequential.total_tokens == 0:
             self._last = None
             return "sequential"

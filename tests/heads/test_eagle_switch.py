@@ -79,20 +79,64 @@ def test_measurements_skip_first_steps_and_count_committed_tokens():
     assert sum(tokens for _, tokens in choice.measured) <= output.shape[1] - prompt.shape[1]
 
 
-def test_sampled_calls_draft_sequentially_and_greedy_calls_choose():
+class PinnedCalls(switch.CallModeChoice):
+    """Every sampled call in one mode (records the calls it was told about)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode, self.seen = mode, []
+
+    def choose(self) -> str:
+        return self.mode
+
+    def observe(self, mode, tokens, seconds):
+        self.seen.append((mode, tokens))
+        super().observe(mode, tokens, seconds)
+
+
+def test_sampled_calls_keep_one_mode_and_greedy_calls_choose(monkeypatch):
     model = build_model("llama", seed=1)
     spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto")
     prompt = random_prompt(5, 1)
-    spec.generate(prompt, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=0,
-                  generator=torch.Generator().manual_seed(0))
-    assert sum(spec.drafter.choice.steps.values()) == 0
-    first = spec.generate(prompt, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=0,
-                          generator=torch.Generator().manual_seed(3))
-    again = spec.generate(prompt, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=0,
-                          generator=torch.Generator().manual_seed(3))
-    assert torch.equal(first, again)
+    sample = lambda seed: spec.generate(prompt, max_new_tokens=24, do_sample=True, temperature=0.8, top_k=0,
+                                        generator=torch.Generator().manual_seed(seed))
+    modes = []
+    original = switch.SwitchingEagleDrafter.propose
+    monkeypatch.setattr(switch.SwitchingEagleDrafter, "propose",
+                        lambda self, batch: modes.append(self._mode(batch)) or original(self, batch))
+    monkeypatch.setattr(switch.SwitchingEagleDrafter, "_mode", lambda self, batch, inner=switch.SwitchingEagleDrafter._mode:
+                        self._pinned if getattr(self, "_pinned", None) else inner(self, batch))
+    sample(0)
+    assert sum(spec.drafter.choice.steps.values()) == 0  # the greedy choice is not consulted
+    monkeypatch.undo()
+    for mode in switch.MODES:  # given its mode, a seeded call reproduces
+        pinned = PinnedCalls(mode)
+        key = next(key for key in spec.heads.drafting_choices if "sampled" in key)
+        spec.heads.drafting_choices[key] = pinned
+        first, again = sample(3), sample(3)
+        assert torch.equal(first, again)
+        sample(4)
+        assert [seen[0] for seen in pinned.seen] == [mode] * 2 and all(seen[1] > 0 for seen in pinned.seen)
     spec.generate(prompt, max_new_tokens=12)
     assert sum(spec.drafter.choice.steps.values()) > 0
+
+
+def test_call_mode_choice_tries_both_then_keeps_the_faster_and_retries_the_other():
+    choice = switch.CallModeChoice()
+    rates = {"sequential": 100.0, "parallel": 150.0}
+    picked = []
+    for _ in range(24):
+        mode = choice.choose()
+        picked.append(mode)
+        choice.observe(mode, rates[mode], 1.0)
+    assert picked[:2] == ["sequential", "parallel"]
+    assert picked[2:].count("parallel") == 19 and picked[2:].count("sequential") == 3  # retried every 8 calls
+    rates["sequential"] = 300.0  # the traffic changed: the retry notices
+    for _ in range(16):
+        mode = choice.choose()
+        picked.append(mode)
+        choice.observe(mode, rates[mode], 1.0)
+    assert picked[-8:].count("sequential") == 7  # the faster one now, the other retried once in 8 calls
 
 
 def _feed(choice: DraftingChoice, rates: dict[str, float], steps: int) -> list[str]:

@@ -270,3 +270,32 @@ def test_a_wrong_plain_step_draw_is_caught(model, spec, monkeypatch):
     spec.set_tree(16)
     pvalue = chi_square_pvalue(auto_samples(spec, False, **settings), exact_joint(model, **settings))
     assert pvalue < FALSE_ALARM, pvalue
+
+
+@pytest.fixture(scope="module")
+def parallel_eagle_spec(model):
+    torch.manual_seed(4)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto", depth=3, top_k=2, total_tokens=6)
+    generator = torch.Generator().manual_seed(9)
+    sequences = [progression_batch(1, 24, generator, VOCAB, 0.2)[0] for _ in range(64)]
+    make_trainer(spec, sequences, TrainConfig(steps=60, batch_size=8, learning_rate=3e-3, warmup_steps=5),
+                 progress=False).train()
+    return spec
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["rule", "no-residual"])
+def test_parallel_drafting_under_sampling_matches_the_target(model, parallel_eagle_spec, monkeypatch, wrong):
+    """A sampled call of a ``drafting="auto"`` drafter may draft in parallel (its top-k tokens, point
+    masses to the rule): still the target's law, batched and padded; skipping the residual is caught."""
+    from heads.eagle import switch
+
+    monkeypatch.setattr(switch.CallModeChoice, "choose", lambda self: "parallel")
+    if wrong:
+        original = SamplingRule.__init__
+        monkeypatch.setattr(SamplingRule, "__init__", lambda self, warp, generator=None, use_residual=True:
+                            original(self, warp, generator, use_residual=False))
+    settings = dict(temperature=0.8, top_k=0)
+    pvalue = chi_square_pvalue(batched_samples(parallel_eagle_spec, runs=2 * RUNS, **settings),
+                               exact_joint(model, **settings))
+    assert parallel_eagle_spec.drafter.parallel.cache is parallel_eagle_spec.drafter.sequential.cache
+    assert (pvalue < FALSE_ALARM) if wrong else (pvalue > FALSE_ALARM), pvalue
