@@ -5,7 +5,8 @@ plain ``model.generate``; transformers' prompt lookup (``prompt_lookup_num_token
 best is reported as ``prompt_lookup``); selfdraft's ``lookup`` kind (no training) at a few tree
 budgets; and every trained selfdraft adapter given with ``--adapter NAME=TARGET:DIR``, alone and as
 a hybrid with lookup when the kind supports it. Greedy (outputs checked identical to ``generate``)
-and sampled at ``--temperature`` (top_k 0).
+and sampled at ``--temperature`` (top_k 0), where each adapter also runs with its top-k tokens as
+candidates (``NAME[top-k]``, ``sample="never"``) beside the default sampled candidates.
 
 Per method: speedup (median over prompts of the ratio of seconds per new token, t_generate / t_method:
 sampled runs stop at eos after different lengths, greedy ones produce the same tokens), tau, and for selfdraft the
@@ -114,6 +115,10 @@ def methods_for(model, target_name: str, adapters: dict, sample: bool, drafts: d
             specs[name] = heads.load_heads(model, directory)
             specs[f"{name}+lookup"] = heads.load_heads(model, directory)
             specs[f"{name}+lookup"].set_lookup(budget=HYBRID_LOOKUP_BUDGET, history_tokens=0)
+            if sample:  # candidates side by side: sampled from the drafter (the default) and its top-k tokens
+                specs[f"{name}[top-k]"] = heads.load_heads(model, directory)
+                specs[f"{name}[top-k]"].config.sample = "never"
+                specs[f"{name}[top-k]"].set_tree(None)
             if corpus and name == "medusa":
                 specs[f"{name}+lookup+corpus"] = heads.load_heads(model, directory)
                 specs[f"{name}+lookup+corpus"].set_lookup(budget=CORPUS_BUDGET, corpus=corpus, remember=False)

@@ -22,9 +22,9 @@ steps that measure a bucket's plain cost stay in the loop):
   same batch bucket and a prompt length within a factor :data:`BORROW_LENGTHS`, if any.
 - **Calibration inside the call** (a size that lost at a smaller batch bucket is not explored at a
   larger one, where it can only lose more): in a bucket whose plain cost is unknown the call starts with
-  :data:`PLAIN_STEPS` plain steps, and a drafting call opens with one plain step while the plain
-  cost has few samples or none recent (:data:`REFRESH_PLAIN`), since every size is judged against
-  it; a tree size whose cost is unknown in the bucket is tried (the largest that could pay first)
+  :data:`PLAIN_STEPS` plain steps, and a drafting call takes its second and third steps plain while
+  the plain cost has few samples or none recent (:data:`REFRESH_PLAIN`), since every size is judged
+  against it (a call's first step costs more than later ones and is left out of plain costs); a tree size whose cost is unknown in the bucket is tried (the largest that could pay first)
   on the call's own traffic.
 - **tau(n)** is the tokens per drafted step of each call's *slowest* row (a batch call lasts until
   its slowest row is done, so at batch 16 the mean row's tau overstates what drafting buys), kept
@@ -66,7 +66,8 @@ MIN_LEARN_TOKENS = PLAIN_STEPS + 2 * SWITCH_STEPS + 1  # a shorter call neither 
 # its trees are cut to its few remaining tokens, so its tau says nothing about the size (a 4-token
 # warm-up call once set prompt lookup's tau to 1.1 and kept auto on plain decoding for good)
 COST_SAMPLES = 8  # a step cost is the median of the last this many calls' measurements
-REFRESH_PLAIN = 4  # a drafting call opens with one plain step when the plain cost has fewer samples
+REFRESH_STEPS = range(1, 3)  # the steps of a drafting call that refresh the plain cost (see below)
+REFRESH_PLAIN = 4  # a drafting call takes plain steps REFRESH_STEPS when the plain cost has fewer samples
 # than COST_SAMPLES or none from the last this many calls (a stale or noisy plain cost misjudges every size)
 BORROW_LENGTHS = 4  # a new prompt-length bucket starts from costs measured within this factor
 EXPLORE = 0.5  # upper-confidence bonus: predicted x (1 + EXPLORE / sqrt(row steps seen))
@@ -101,7 +102,10 @@ class CallController:
     def __init__(self, plain_cost: float | None, size: int, prior_tau: float | None = None,
                  refresh: bool = False) -> None:
         self.plain_cost, self.size, self.prior_tau = plain_cost, size, prior_tau
-        self.plain_first = PLAIN_STEPS if plain_cost is None else int(refresh)
+        self.plain_first = PLAIN_STEPS if plain_cost is None else 0
+        # a refresh measures plain steps 1 and 2: a call's first step costs ~10% more than later ones
+        # (measured on stories260K), which made drafting look better than the backbone's generate
+        self.refresh_steps = REFRESH_STEPS if refresh and plain_cost is not None else range(0)
         self.switched_at: int | None = None  # drafted steps when drafting stopped
         self.realized: float | None = None
         self.drafted: list[float] = []  # seconds of this call's drafted steps so far
@@ -111,12 +115,12 @@ class CallController:
         if not self.size:
             decoder.drafting = False
             return False
-        if len(stats.steps) < self.plain_first:
-            return False
-        if self.plain_cost is None:  # the call's opening plain steps are this bucket's first measure
-            self.plain_cost = statistics.median(step[1] for step in stats.steps)
         if stats.steps and stats.steps[-1][0]:
             self.drafted.append(stats.steps[-1][1])
+        if len(stats.steps) < self.plain_first or len(stats.steps) in self.refresh_steps:
+            return False
+        if self.plain_cost is None:  # the call's opening plain steps (the first left out) are this bucket's first measure
+            self.plain_cost = statistics.median(step[1] for step in stats.steps[1:] or stats.steps)
         if len(self.drafted) >= SWITCH_STEPS:
             tau = stats.slowest_row_tau(self.prior_tau, PRIOR_STEPS)
             self.realized = tau * self.plain_cost / step_cost(self.drafted)
@@ -313,7 +317,10 @@ class SpeculationPolicy:
         the drafted steps), and what the call's controller did (into ``choice``)."""
         key, size = (choice["batch_bucket"], choice["length_bucket"]), choice["tree"]
         controller = choice.pop("controller", None)
-        plain = [step for step in stats.steps if not step[0]]
+        plain_steps = [step for step in stats.steps if not step[0]]
+        plain = plain_steps
+        if len(plain) > 1 and not stats.steps[0][0]:
+            plain = plain[1:]  # the call's first step costs more than later ones: left out when others were plain
         drafted = [step for step in stats.steps if step[0]]
         if plain:
             self.record_cost(key, 0, statistics.median(step[1] for step in plain))
@@ -324,6 +331,6 @@ class SpeculationPolicy:
             record = self.observed.setdefault((size, choice["rule"], key[0]), Observed())
             record.tokens += tau * len(drafted)
             record.row_steps += len(drafted)
-        choice.update({"plain_steps": len(plain), "drafted_steps": len(drafted), "slowest_row_tau": tau})
+        choice.update({"plain_steps": len(plain_steps), "drafted_steps": len(drafted), "slowest_row_tau": tau})
         if controller is not None and size:
             choice.update({"stopped_drafting_after": controller.switched_at, "realized_speedup": controller.realized})

@@ -246,8 +246,9 @@ def test_auto_stops_drafting_within_a_call_that_loses(kind):
     assert torch.equal(output, expected)
     choice, steps = spec.last_stats.speculation, spec.last_stats.steps
     assert choice["tree"] > 0 and choice["stopped_drafting_after"] == SWITCH_STEPS
-    # one plain step refreshes the bucket's plain cost (it has a single sample), then drafting until it stops
-    assert [step[0] for step in steps] == [False] + [True] * SWITCH_STEPS + [False] * (len(steps) - SWITCH_STEPS - 1)
+    # steps 1 and 2 refresh the bucket's plain cost (it has a single sample); drafting until it stops
+    assert [step[0] for step in steps] == ([True, False, False] + [True] * (SWITCH_STEPS - 1)
+                                           + [False] * (len(steps) - SWITCH_STEPS - 2))
     assert choice["realized_speedup"] < 1e-3
 
 
@@ -373,7 +374,7 @@ def test_auto_measures_only_sizes_that_could_pay():
     policy.observed[(16, "greedy", 4)] = Observed(tokens=150, row_steps=100)  # tau 1.5 at 3x the cost
     # size 8: optimistic 1.5 / (1 + 2 * 8/16) = 0.75; size 2: 1.5 / 1.25 = 1.2 >= 1.1: measure size 2
     choice = policy.choose(ids, rule, 20)
-    assert choice["tree"] == 2 and choice["exploring"] and choice["controller"].plain_first == 1  # refresh
+    assert choice["tree"] == 2 and choice["exploring"] and list(choice["controller"].refresh_steps) == [1, 2]  # refresh
     assert choice["controller"].prior_tau == 1.5  # size 16's tau bounds it: judged by the strict rule
     policy.record_cost(key, 2, 1.3)
     policy.observed[(2, "greedy", 4)] = Observed(tokens=110, row_steps=100)  # 1.1 / 1.3: no
@@ -422,13 +423,13 @@ def test_auto_learns_costs_and_tau_from_the_call_steps():
     from tree_attention.decode import DecodeStats
 
     policy = SpeculationPolicy((4,))
-    steps = [(False, 1.0, 2, 2), (False, 3.0, 2, 2), (False, 1.2, 2, 2),
+    steps = [(False, 3.0, 2, 2), (False, 1.0, 2, 2), (False, 1.2, 2, 2),  # the first step (dearer) is left out
              (True, 9.0, 6, 2), (True, 2.0, 6, 2), (True, 2.2, 4, 2), (True, 2.4, 8, 2)]
     stats = DecodeStats(steps=steps, row_drafted=[[14, 4], [10, 4]])
     choice = {"policy": "auto", "tree": 4, "rule": "greedy", "batch_bucket": 2, "length_bucket": 8,
               "controller": CallController(None, 4)}
     policy.observe(choice, stats)
-    assert policy.step_costs[((2, 8), 0)] == 1.2 and policy.step_costs[((2, 8), 4)] == 2.2
+    assert policy.step_costs[((2, 8), 0)] == 1.1 and policy.step_costs[((2, 8), 4)] == 2.2
     assert policy.observed[(4, "greedy", 2)] == Observed(tokens=10.0, row_steps=4)  # the slower row: 2.5
     assert choice["plain_steps"] == 3 and choice["drafted_steps"] == 4 and "controller" not in choice
     assert choice["slowest_row_tau"] == 2.5 and policy.taus("greedy", 2) == {4: 2.5}
@@ -481,8 +482,10 @@ def test_call_controller_switches_on_realised_speed():
 
 
 def test_auto_refreshes_a_thin_or_stale_plain_cost():
-    """A drafting call opens with one plain step while the bucket's plain cost has fewer than
-    COST_SAMPLES samples, or none from the last REFRESH_PLAIN calls; otherwise it drafts at once."""
+    """A drafting call takes its second and third steps plain (its first costs more than later
+    ones) while the bucket's plain cost has fewer than COST_SAMPLES samples, or none from the last
+    REFRESH_PLAIN calls; otherwise it drafts throughout. A bucket without a plain cost opens with
+    PLAIN_STEPS plain steps."""
     from types import SimpleNamespace
 
     from heads.policy import COST_SAMPLES, PLAIN_STEPS, REFRESH_PLAIN, Observed, SpeculationPolicy
@@ -497,12 +500,19 @@ def test_auto_refreshes_a_thin_or_stale_plain_cost():
     for call in range(COST_SAMPLES + REFRESH_PLAIN + 2):
         choice = policy.choose(ids, rule, 20)
         assert choice["tree"] == 4
-        plain_first = choice["controller"].plain_first
-        opened.append(plain_first)
-        steps = [(False, 0.5, 1, 1)] * plain_first + [(True, 1.0, 3, 1)] * 4
+        controller = choice["controller"]
+        plain_first, refresh = controller.plain_first, list(controller.refresh_steps)
+        opened.append(plain_first or len(refresh))
+        if plain_first:
+            steps = [(False, 0.9, 1, 1)] + [(False, 0.5, 1, 1)] * (plain_first - 1) + [(True, 1.0, 3, 1)] * 4
+        else:  # the first step drafts; the refresh steps are plain
+            steps = [(index not in refresh, 0.5 if index in refresh else 1.0, 1, 1) for index in range(6)]
+        assert [not controller(SimpleNamespace(stats=DecodeStats(steps=steps[:index]), drafting=True))
+                for index in range(len(steps))] == [not step[0] for step in steps]
         policy.observe(choice, DecodeStats(steps=steps, row_drafted=[[12, 4]]))
+        assert policy.step_costs[(key, 0)] == 0.5  # a call's first step is left out of the plain cost
     # no plain cost: PLAIN_STEPS; calls 1..7 fill the samples; REFRESH_PLAIN calls draft at once; one refreshes
-    assert opened == [PLAIN_STEPS] + [1] * (COST_SAMPLES - 1) + [0] * REFRESH_PLAIN + [1, 0]
+    assert opened == [PLAIN_STEPS] + [2] * (COST_SAMPLES - 1) + [0] * REFRESH_PLAIN + [2, 0]
 
 
 def test_a_short_call_neither_explores_nor_teaches():

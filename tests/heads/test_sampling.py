@@ -211,10 +211,11 @@ def test_batched_sampling_matches_the_target_in_every_row(model, spec, eagle_spe
 
 def auto_samples(spec, mixed: bool, runs=RUNS, delegate: bool = False, **settings) -> list[tuple[int, int, int]]:
     """Samples of ``speculate="auto"`` calls of 3 tokens. ``mixed``: the policy is set up so that each
-    call takes one plain step (refreshing its plain cost), then a drafted one; otherwise every step
+    call drafts its first step, then takes plain steps (refreshing its plain cost); otherwise every step
     after the prefill is a plain step (roots only), or with ``delegate`` the call is the backbone's
     own ``generate`` seeded from the call's generator."""
     generator = torch.Generator().manual_seed(3)
+    mixes = []
     spec.generate(PROMPT, max_new_tokens=1, do_sample=True, speculate="auto", **settings)
     rule = spec.last_stats.speculation["rule"]  # the key the policy files these settings' tau under
     samples = []
@@ -230,13 +231,18 @@ def auto_samples(spec, mixed: bool, runs=RUNS, delegate: bool = False, **setting
         output = spec.generate(PROMPT, max_new_tokens=3, do_sample=True, generator=generator,
                                speculate="auto", **settings)
         steps = [step[0] for step in spec.last_stats.steps]
-        assert steps == ([] if delegate else [False, True] if mixed else [False, False]), steps
+        if mixed:  # a drafted step, then plain ones (none when the drafted step finished the call)
+            assert steps[0] and not any(steps[1:]), steps
+            mixes.append(len(steps) > 1)
+        else:
+            assert steps == ([] if delegate else [False, False]), steps
         assert bool(spec.last_stats.speculation.get("delegate")) == delegate
         samples.append(tuple(output[0, -3:].tolist()))
+    assert not mixed or sum(mixes) > runs // 10, "drafted steps seldom left room for a plain one"
     return samples
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["plain-steps", "plain-then-drafted"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain-steps", "drafted-then-plain"])
 def test_auto_plain_steps_sample_the_target(model, spec, mixed):
     """Plain steps inside the loop (one batched draw per step) and plain steps followed by a drafted
     one (the drafter then sees both steps' tokens) follow the target's distribution."""
