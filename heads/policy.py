@@ -35,7 +35,9 @@ steps that measure a bucket's plain cost stay in the loop):
   scaled by ``1 + EXPLORE / sqrt(row steps seen)`` (an upper confidence bound: a size seen for only
   a few steps, e.g. prompt lookup measured at the start of a reply before anything repeats, is
   tried again until its estimate is backed by evidence); plain decoding unless that beats 1 by
-  ``margin``.
+  ``margin``. After :data:`RETRY_AFTER` plain choices in a row (then twice as many, and so on), a call
+  measures the best size again: one call's few drafted steps can misjudge a size badly (the first
+  steps of a reply accept less and cost more), and plain calls would never correct it.
 - **Choosing again within the call**: once the call has drafted :data:`SWITCH_STEPS` steps, it
   compares what drafting realised in this call (its slowest row's tau, blended with the policy's
   estimate, times ``t_plain`` over its median drafted step cost) with plain decoding, and stops
@@ -70,6 +72,7 @@ REFRESH_STEPS = range(1, 3)  # the steps of a drafting call that refresh the pla
 REFRESH_PLAIN = 4  # a drafting call takes plain steps REFRESH_STEPS when the plain cost has fewer samples
 # than COST_SAMPLES or none from the last this many calls (a stale or noisy plain cost misjudges every size)
 BORROW_LENGTHS = 4  # a new prompt-length bucket starts from costs measured within this factor
+RETRY_AFTER = 2  # consecutive plain choices before the best measured size is measured again (then doubling)
 EXPLORE = 0.5  # upper-confidence bonus: predicted x (1 + EXPLORE / sqrt(row steps seen))
 
 
@@ -153,6 +156,8 @@ class SpeculationPolicy:
     observed: dict = field(default_factory=dict)  # (n, rule key, B bucket) -> Observed (slowest row's)
     since_plain: dict = field(default_factory=dict)  # bucket -> calls since its last plain-cost sample
     delegate_plain: bool = True  # a call that drafts nothing runs the backbone's own generate
+    plain_streak: dict = field(default_factory=dict)  # (B bucket, T bucket, rule key) -> plain choices in a row
+    retry_interval: dict = field(default_factory=dict)  # same keys -> plain choices before the next retry
 
     def __post_init__(self) -> None:
         if not self.sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.sizes):
@@ -258,6 +263,9 @@ class SpeculationPolicy:
         bound = {size: predicted[size] * (1 + EXPLORE / max(1, evidence[size]) ** 0.5) for size in measured}
         best = max(bound, key=bound.get)
         chosen = best if bound[best] >= self.margin else 0
+        retry = self._retry(key + (rule.key,), chosen, max_new_tokens)
+        if retry:
+            chosen = best
         return {
             **base, "tree": chosen, "controller": CallController(plain, chosen, taus.get(chosen), refresh),
             "delegate": self.delegate_plain and not chosen,
@@ -265,7 +273,29 @@ class SpeculationPolicy:
             "step_ms": {size: 1000 * self.step_costs[(key, size)] for size in measured},
             "tau": taus, "row_steps": evidence, "predicted_speedup": predicted, "upper_bound": bound,
             "exploring": bool(chosen) and predicted[chosen] < self.margin, "margin": self.margin,
+            **({"reason": f"plain decoding chosen {RETRY_AFTER}+ calls running: the best size measured "
+                          "again (its estimate may come from a few unlucky steps)"} if retry else {}),
         }
+
+    def _retry(self, key, chosen: int, max_new_tokens: int | None) -> bool:
+        """Whether a call that would decode plainly measures the best size again instead: after
+        :data:`RETRY_AFTER` consecutive plain choices in this bucket and rule, then after twice as
+        many, and so on (an estimate from one call's few drafted steps can be far off, and a plain
+        call teaches nothing; a setting where drafting really loses pays one short stopped call per
+        doubling interval). Calls too short to learn from neither count nor retry."""
+        if chosen or (max_new_tokens is not None and max_new_tokens < MIN_LEARN_TOKENS):
+            if chosen:
+                self.plain_streak[key] = 0
+                self.retry_interval.pop(key, None)
+            return False
+        streak = self.plain_streak.get(key, 0) + 1
+        interval = self.retry_interval.get(key, RETRY_AFTER)
+        if streak < interval:
+            self.plain_streak[key] = streak
+            return False
+        self.plain_streak[key] = 0
+        self.retry_interval[key] = 2 * interval
+        return True
 
     def _loses_at_smaller_batch(self, key, size: int, rule_key: str) -> bool:
         """True when ``size`` was measured at a smaller batch bucket (prompt length within

@@ -204,12 +204,14 @@ def test_speculate_auto_records_its_choice_and_stays_identical():
         best = max(bound, key=bound.get)
         assert choice["tree"] == (best if bound[best] >= spec.policy.margin else 0)
     spec.policy.margin = 1e9  # no prediction beats that: plain decoding steps
+    spec.policy.plain_streak.clear()
     output = spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto")
     assert torch.equal(output, expected)
     assert spec.last_stats.speculation["tree"] == 0 and spec.last_stats.tree_size == 1
     assert spec.last_stats.speculation["delegate"]  # drafting nothing: the backbone's own generate ran it
     assert not any(step[0] for step in spec.last_stats.steps)
     spec.policy.delegate_plain = False  # ... or the loop's plain steps
+    spec.policy.plain_streak.clear()  # (plain choices in a row lead to a retry: see the test below)
     output = spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto")
     assert torch.equal(output, expected)
     assert spec.last_stats.speculation["tree"] == 0 and not spec.last_stats.speculation["delegate"]
@@ -560,3 +562,24 @@ def test_a_size_that_lost_at_a_smaller_batch_is_not_explored_at_a_larger_one():
     assert choice["tree"] == 0 and "smaller batch" in choice["reason"]
     far = torch.ones(8, 200, dtype=torch.long)  # prompt lengths 16x apart: nothing carries over
     assert policy.choose(far, rule, 48)["tree"] == 16
+
+
+def test_auto_measures_the_best_size_again_after_plain_choices_in_a_row():
+    """A size written off by one call's few unlucky steps is measured again after RETRY_AFTER plain
+    choices in a row, then after twice as many, and so on; a drafting choice resets the interval."""
+    from types import SimpleNamespace
+
+    from heads.policy import MIN_LEARN_TOKENS, RETRY_AFTER, Observed, SpeculationPolicy
+
+    ids = torch.ones(1, 8, dtype=torch.long)
+    policy, rule = SpeculationPolicy((4,)), SimpleNamespace(key="greedy")
+    key = policy.key(ids)
+    policy.record_cost(key, 0, 1.0)
+    policy.record_cost(key, 4, 3.0)  # tau 1.3 at three times a plain step: a clear loss
+    policy.observed[(4, "greedy", 1)] = Observed(tokens=130, row_steps=100)
+    trees = [policy.choose(ids, rule, 40)["tree"] for _ in range(3 * RETRY_AFTER + 4)]
+    retries = [index for index, tree in enumerate(trees) if tree]
+    assert retries == [RETRY_AFTER - 1, 3 * RETRY_AFTER - 1]  # after 2, then 4 plain choices
+    assert policy.choose(ids, rule, MIN_LEARN_TOKENS - 1)["tree"] == 0  # a short call neither counts nor retries
+    policy.observed[(4, "greedy", 1)] = Observed(tokens=400, row_steps=100)  # it pays now: chosen, interval reset
+    assert policy.choose(ids, rule, 40)["tree"] == 4 and key + ("greedy",) not in policy.retry_interval
