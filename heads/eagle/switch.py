@@ -55,6 +55,12 @@ EXPLOIT = 192
 """Steps of the faster mode after a window whose two rates were 10% apart; the stretch is shorter for
 a closer call (down to a quarter) and longer for a wider gap (up to 4x). Then the next window
 measures both again."""
+SATURATION_STEPS = 8
+SATURATION = 0.85
+"""A stretch of the shallower mode also ends once its last :data:`SATURATION_STEPS` steps committed
+at least this fraction of the most its tree can per row and step (see ``DraftingChoice._saturated``):
+on demo-llama code a window on a hard prompt chose the 3-deep parallel tree, which then ran at tau
+3.84 on easy prompts where the sequential chain commits 8 tokens a step."""
 CHECK = 32
 DRIFT = 0.2
 """A stretch is measured too: once it has :data:`CHECK` measured steps, a rate more than
@@ -70,7 +76,11 @@ class DraftingChoice:
     over wall-clock seconds of each mode's steps). Kept on the drafter's heads across ``generate``
     calls, per drafting configuration (serving statistics, never saved)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ceilings: dict[str, float] | None = None) -> None:
+        # per mode, the tokens per row and step it commits at most (its tree's depth + 1), where the
+        # other mode drafts deeper: a stretch of it that nears this ends (see SATURATION)
+        self.ceilings = dict(ceilings or {})
+        self._recent: list[float] = []  # the stretch's last SATURATION_STEPS steps' tokens per row
         self.tokens = dict.fromkeys(MODES, 0.0)  # the current (or last) window's sums
         self.seconds = dict.fromkeys(MODES, 0.0)
         self.steps = dict.fromkeys(MODES, 0)  # steps drafted in each mode (statistics)
@@ -82,9 +92,9 @@ class DraftingChoice:
         self._stretch = [0.0, 0.0, 0]  # the current stretch's measured tokens, seconds and steps
         self.rechecks = 0  # stretches ended early because their rate drifted (statistics)
 
-    def observe(self, mode: str, tokens: float, seconds: float) -> None:
-        """A step of ``mode`` committed ``tokens`` (all rows) in ``seconds``: counts in the current
-        window, or in the current stretch of the chosen mode."""
+    def observe(self, mode: str, tokens: float, seconds: float, rows: int = 1) -> None:
+        """A step of ``mode`` committed ``tokens`` (all ``rows`` rows) in ``seconds``: counts in the
+        current window, or in the current stretch of the chosen mode."""
         if seconds <= 0:
             return
         if self._exploring:
@@ -94,6 +104,17 @@ class DraftingChoice:
             self._stretch[0] += tokens
             self._stretch[1] += seconds
             self._stretch[2] += 1
+            self._recent = (self._recent + [tokens / max(1, rows)])[-SATURATION_STEPS:]
+
+    def _saturated(self) -> bool:
+        """True when the stretch's last :data:`SATURATION_STEPS` steps committed, per row, at least
+        :data:`SATURATION` of what its mode can (its tree's depth + 1) while the other mode drafts
+        deeper: on easy text a shallow tree caps the gain, and its rate hardly moves, so the drift
+        check cannot see that the deeper mode would now commit far more."""
+        ceiling = self.ceilings.get(self.chosen)
+        if ceiling is None or len(self._recent) < SATURATION_STEPS:
+            return False
+        return sum(self._recent) / len(self._recent) >= SATURATION * ceiling
 
     def _drifted(self) -> bool:
         """True once the stretch has :data:`CHECK` measured steps and its mode's rate has moved more
@@ -120,6 +141,7 @@ class DraftingChoice:
         self.chosen, self.windows = best, self.windows + 1
         self._left = int(EXPLOIT * min(4.0, max(0.25, gap / 0.1)))
         self._stretch = [0.0, 0.0, 0]
+        self._recent = []
 
     def choose(self) -> tuple[str, bool]:
         """The next step's mode, and whether that step is left unmeasured (the warm-up steps; window
@@ -130,7 +152,7 @@ class DraftingChoice:
         if self._warm:
             self._warm -= 1
             mode, skip = MODES[0], True
-        elif self._left and self._drifted():
+        elif self._left and (self._drifted() or self._saturated()):
             self._left, self.rechecks = 0, self.rechecks + 1
             return self.choose()  # a window starts now
         elif self._left:
@@ -205,7 +227,9 @@ class SwitchingEagleDrafter:
         parallel_config = parallel_tree_config(config, accuracy)
         self.parallel = ParallelEagleDrafter(heads, target, parallel_config, accuracy)
         key = (config.depth, config.top_k, config.total_tokens, parallel_config.total_tokens)
-        self.choice = heads.drafting_choices.setdefault(key, DraftingChoice())
+        parallel_depth = self.parallel.template.max_depth
+        ceilings = {"parallel": parallel_depth + 1.0} if parallel_depth < self.sequential.depth else {}
+        self.choice = heads.drafting_choices.setdefault(key, DraftingChoice(ceilings))
         self.sample = self.sequential.sample
         self.choosing = False
         self.call_choice: CallModeChoice | None = None  # a sampled call's mode choice (set by bind_rule)
@@ -265,7 +289,7 @@ class SwitchingEagleDrafter:
         now = time.perf_counter()
         fresh = self._started is None  # a call's first step (it also commits the prompt) or one after retire()
         if not fresh and self._last is not None and not self._last[1]:
-            self.choice.observe(self._last[0], float(batch.lengths.sum()), now - self._started)
+            self.choice.observe(self._last[0], float(batch.lengths.sum()), now - self._started, batch.rows)
         self._started = now
         mode, first = self.choice.choose()
         self._last = (mode, first or fresh)

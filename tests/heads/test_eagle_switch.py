@@ -32,9 +32,9 @@ class ScriptedChoice(DraftingChoice):
         self.steps[mode] += 1
         return mode, False
 
-    def observe(self, mode, tokens, seconds):
+    def observe(self, mode, tokens, seconds, rows=1):
         self.measured.append((mode, tokens))
-        super().observe(mode, tokens, seconds)
+        super().observe(mode, tokens, seconds, rows)
 
 
 def _scripted(spec, script: str) -> ScriptedChoice:
@@ -191,6 +191,33 @@ def test_a_stretch_whose_rate_drifts_is_measured_again():
     steady = DraftingChoice()
     _feed(steady, {"sequential": 200.0, "parallel": 100.0}, 2000)
     assert steady.rechecks == 0
+
+
+def _feed_steps(choice: DraftingChoice, per_step: dict, steps: int) -> list[str]:
+    """Drive ``choice`` where a step of mode m commits ``per_step[m] = (tokens, seconds)``."""
+    modes = []
+    for _ in range(steps):
+        mode, skip = choice.choose()
+        modes.append(mode)
+        if not skip:
+            choice.observe(mode, *per_step[mode])
+    return modes
+
+
+def test_a_saturated_shallow_stretch_is_measured_again():
+    """A window on hard text picks the 3-deep parallel tree (a tie); on easy text it commits nearly its
+    most (4 tokens a step) at an unchanged rate, so the drift check cannot fire, while the chain commits
+    twice as much. Saturation ends the stretch after SATURATION_STEPS steps and the chain takes over;
+    a saturated sequential chain (the deeper mode) or a mode without a ceiling keeps its stretch."""
+    choice = DraftingChoice({"parallel": 4.0})
+    _feed_steps(choice, {"sequential": (2.4, 0.024), "parallel": (2.45, 0.024)}, switch.WARMUP + switch.EXPLORE)
+    easy = {"sequential": (8.0, 0.040), "parallel": (3.9, 0.037)}  # rates 200 and 105 tokens/s
+    modes = _feed_steps(choice, easy, switch.SATURATION_STEPS + switch.EXPLORE + 20)
+    assert modes[:switch.SATURATION_STEPS] == ["parallel"] * switch.SATURATION_STEPS
+    assert choice.rechecks == 1 and choice.faster() == "sequential" and modes[-20:] == ["sequential"] * 20
+    unbounded = DraftingChoice()
+    _feed_steps(unbounded, {"sequential": (2.4, 0.024), "parallel": (2.45, 0.024)}, switch.WARMUP + switch.EXPLORE)
+    assert _feed_steps(unbounded, {"sequential": (8.0, 0.040), "parallel": (3.9, 0.037)}, 40) == ["parallel"] * 40
 
 
 def test_choice_compares_modes_on_the_same_text():
