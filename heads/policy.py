@@ -36,8 +36,9 @@ steps that measure a bucket's plain cost stay in the loop):
   a few steps, e.g. prompt lookup measured at the start of a reply before anything repeats, is
   tried again until its estimate is backed by evidence); plain decoding unless that beats 1 by
   ``margin``. After :data:`RETRY_AFTER` plain choices in a row (then twice as many, and so on), a call
-  measures the best size again: one call's few drafted steps can misjudge a size badly (the first
-  steps of a reply accept less and cost more), and plain calls would never correct it.
+  measures the best size again, judged as a first measurement (the lenient thresholds below, no prior
+  tau): one call's few drafted steps can misjudge a size badly (the first steps of a reply accept
+  less and cost more), and plain calls would never correct it.
 - **Choosing again within the call**: once the call has drafted :data:`SWITCH_STEPS` steps, it
   compares what drafting realised in this call (its slowest row's tau, blended with the policy's
   estimate, times ``t_plain`` over its median drafted step cost) with plain decoding, and stops
@@ -267,12 +268,14 @@ class SpeculationPolicy:
         if retry:
             chosen = best
         return {
-            **base, "tree": chosen, "controller": CallController(plain, chosen, taus.get(chosen), refresh),
+            **base, "tree": chosen,
+            # a retry judges the size afresh, as a first measurement (lenient thresholds, no prior)
+            "controller": CallController(plain, chosen, None if retry else taus.get(chosen), refresh),
             "delegate": self.delegate_plain and not chosen,
             "plain_step_ms": 1000 * plain,
             "step_ms": {size: 1000 * self.step_costs[(key, size)] for size in measured},
             "tau": taus, "row_steps": evidence, "predicted_speedup": predicted, "upper_bound": bound,
-            "exploring": bool(chosen) and predicted[chosen] < self.margin, "margin": self.margin,
+            "exploring": retry or (bool(chosen) and predicted[chosen] < self.margin), "margin": self.margin,
             **({"reason": f"plain decoding chosen {RETRY_AFTER}+ calls running: the best size measured "
                           "again (its estimate may come from a few unlucky steps)"} if retry else {}),
         }

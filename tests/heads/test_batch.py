@@ -577,8 +577,11 @@ def test_auto_measures_the_best_size_again_after_plain_choices_in_a_row():
     policy.record_cost(key, 0, 1.0)
     policy.record_cost(key, 4, 3.0)  # tau 1.3 at three times a plain step: a clear loss
     policy.observed[(4, "greedy", 1)] = Observed(tokens=130, row_steps=100)
-    trees = [policy.choose(ids, rule, 40)["tree"] for _ in range(3 * RETRY_AFTER + 4)]
+    choices = [policy.choose(ids, rule, 40) for _ in range(3 * RETRY_AFTER + 4)]
+    trees = [choice["tree"] for choice in choices]
     retries = [index for index, tree in enumerate(trees) if tree]
+    retried = choices[retries[0]]  # judged afresh: exploring, no prior tau (the lenient thresholds)
+    assert retried["exploring"] and retried["controller"].prior_tau is None and "again" in retried["reason"]
     assert retries == [RETRY_AFTER - 1, 3 * RETRY_AFTER - 1]  # after 2, then 4 plain choices
     assert policy.choose(ids, rule, MIN_LEARN_TOKENS - 1)["tree"] == 0  # a short call neither counts nor retries
     policy.observed[(4, "greedy", 1)] = Observed(tokens=400, row_steps=100)  # it pays now: chosen, interval reset
