@@ -67,8 +67,10 @@ class EagleConfig:
     the static tree above), ``sequential`` (EAGLE's dynamic tree of ``depth``/``top_k``/
     ``total_tokens``, one forward per level; the mask queries unused) or ``auto``: greedy calls
     measure the tokens per second of each mode on this machine and draft with the faster
-    (:mod:`heads.eagle.switch`), the parallel mode with a tree of ``parallel_tokens`` nodes; other
-    calls draft sequentially. Which mode drafts never changes a greedy output. None: ``sequential``
+    (:mod:`heads.eagle.switch`), the parallel mode with a tree of ``parallel_tokens`` nodes; a
+    lossless sampled call drafts in one mode throughout, the one whole calls at its sampling
+    settings measured faster (the other now and then); typical-acceptance calls draft sequentially.
+    Which mode drafts never changes a greedy output. None: ``sequential``
     for ``parallel`` 1, ``parallel`` otherwise (adapters written before this field). ``selfdraft
     train --kind eagle`` trains ``parallel`` 3 with ``auto`` by default."""
     parallel_tokens: int = 16
