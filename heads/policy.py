@@ -24,8 +24,9 @@ steps that measure a bucket's plain cost stay in the loop):
   larger one, where it can only lose more): in a bucket whose plain cost is unknown the call starts with
   :data:`PLAIN_STEPS` plain steps, and a drafting call takes its second and third steps plain while
   the plain cost has few samples or none recent (:data:`REFRESH_PLAIN`), since every size is judged
-  against it (a call's first step costs more than later ones and is left out of plain costs); a tree size whose cost is unknown in the bucket is tried (the largest that could pay first)
-  on the call's own traffic.
+  against it (a call's first step costs more than later ones and is left out of plain costs); a tree
+  size whose cost is unknown in the bucket is tried (the largest that could pay first) on the call's
+  own traffic.
 - **tau(n)** is the tokens per drafted step of each call's *slowest* row (a batch call lasts until
   its slowest row is done, so at batch 16 the mean row's tau overstates what drafting buys), kept
   per tree size, batch bucket, acceptance rule and sampling settings (acceptance falls with

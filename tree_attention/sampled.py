@@ -27,6 +27,7 @@ import torch
 
 from .dynamic import Expansion, _check_dynamic_shape, _tree_from_candidates, best_nodes, expansion_request
 from .tree import Tree
+from .verify import inverse_cdf
 
 
 TRIES = 2
@@ -54,10 +55,7 @@ def _draw_row(weights: np.ndarray, count: int, uniforms: np.ndarray) -> list[int
             if rest is None:
                 rest = weights.astype(np.float64)
             rest[drawn] = 0.0
-            cumulative = np.cumsum(rest)
-            token = int(np.searchsorted(cumulative, uniforms[base + TRIES] * cumulative[-1], side="right"))
-            if token > last or rest[token] <= 0:  # rounding at the top end: the last token with mass left
-                token = int(np.flatnonzero(rest)[-1])
+            token = inverse_cdf(rest, float(uniforms[base + TRIES]))
         drawn.append(token)
     return drawn
 

@@ -148,8 +148,9 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _inverse_cdf(weights: np.ndarray, uniform: float) -> int:
-    """The token a uniform draw picks from ``weights`` ``[V]`` (non-negative, not all zero)."""
+def inverse_cdf(weights: np.ndarray, uniform: float) -> int:
+    """The token a uniform draw in [0, 1) picks from ``weights`` ``[V]`` (non-negative, not all zero;
+    never one without weight)."""
     cdf = np.cumsum(weights)
     index = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
     if index >= len(weights) or weights[index] <= 0:  # rounding at the top end: the last token with mass
@@ -190,7 +191,7 @@ def _accept_row(parents: list[int], tokens: list[int], p, q: np.ndarray | None,
             total = residual.sum()
             residual = target if total <= 0.0 else residual / total  # <= 0: cannot happen after a rejection
         if accepted is None:
-            return path, _inverse_cdf(residual if use_residual else target, float(uniforms[draw]))
+            return path, inverse_cdf(residual if use_residual else target, float(uniforms[draw]))
         node = accepted
         path.append(node)
 

@@ -29,7 +29,7 @@ gives each call the mode that committed more tokens per second, trying the other
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -207,6 +207,23 @@ class CallModeChoice:
         self.calls[mode] += 1
 
 
+@dataclass
+class SampledCall:
+    """One sampled call's mode and what its measured steps (all but the first) committed."""
+
+    choice: CallModeChoice
+    mode: str
+    started: float  # when its first step's propose began
+    last: float = 0.0  # when its latest step's propose began
+    tokens: float = 0.0
+    steps: int = 0
+
+    def close(self) -> None:
+        """Report the call to its choice (a warm-up call's few steps say little: not reported)."""
+        if self.steps >= CALL_MIN_STEPS:
+            self.choice.observe(self.mode, self.tokens, self.last - self.started)
+
+
 def parallel_tree_config(config: EagleConfig, accuracy) -> EagleConfig:
     """The parallel mode's config under ``drafting="auto"``: every one of the ``parallel`` depths, the
     ranks of the accuracy table (the prior's without one), ``parallel_tokens`` nodes best-first."""
@@ -234,7 +251,7 @@ class SwitchingEagleDrafter:
         self.choosing = False
         self.call_choice: CallModeChoice | None = None  # a sampled call's mode choice (set by bind_rule)
         self._key = key
-        self._call: list | None = None  # this sampled call: [choice, mode, tokens, first and last propose, steps]
+        self._call: SampledCall | None = None  # the sampled call in progress
         self._last: tuple[str, bool] | None = None  # the last step's mode, and whether it goes unmeasured
         self._started: float | None = None  # when the last step's propose began
         self.reset(1)
@@ -257,13 +274,10 @@ class SwitchingEagleDrafter:
         self.call_choice = None if rule_key is None else self.heads.drafting_choices.setdefault(
             (self._key, "sampled", rule_key), CallModeChoice())
 
-    def _close_call(self) -> None:
-        call, self._call = self._call, None
-        if call is not None and call[5] >= CALL_MIN_STEPS:  # a warm-up call's few steps say little
-            call[0].observe(call[1], call[2], call[4] - call[3])
-
     def reset(self, batch_size: int) -> None:
-        self._close_call()
+        if self._call is not None:
+            self._call.close()
+            self._call = None
         self.sequential.reset(batch_size)
         self._share(self.sequential, self.parallel)
         self._last = self._started = None
@@ -276,13 +290,14 @@ class SwitchingEagleDrafter:
     def _mode(self, batch: DraftBatch) -> str:
         if not self.choosing and self.call_choice is not None and self.sequential.total_tokens:
             now = time.perf_counter()
-            if self._call is None:  # the call's first step (it also commits the prompt): not measured
-                self._call = [self.call_choice, self.call_choice.choose(), 0.0, now, now, 0]
+            call = self._call
+            if call is None:  # the call's first step (it also commits the prompt): not measured
+                call = self._call = SampledCall(self.call_choice, self.call_choice.choose(), now)
             else:
-                self._call[2] += float(batch.lengths.sum())
-                self._call[4] = now
-                self._call[5] += 1
-            return self._call[1]
+                call.tokens += float(batch.lengths.sum())
+                call.last = now
+                call.steps += 1
+            return call.mode
         if not self.choosing or self.sequential.total_tokens == 0:
             self._last = None
             return "sequential"
