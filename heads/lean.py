@@ -26,11 +26,14 @@ from tree_attention.mask import AttentionMask
 
 def _norm(module: nn.Module, states: torch.Tensor) -> torch.Tensor:
     """An RMS norm module (``weight``, ``variance_epsilon``: normalise in float32, scale by
-    ``weight``) or an identity. (``F.rms_norm`` is not fused on CPU and costs more.)"""
+    ``weight``) or an identity. ``F.rms_norm`` is one dispatched op against five for the written-out
+    form (10.7 against 14.7 us at [1, 5, 64] in float32 on the CPU)."""
     if isinstance(module, nn.Identity):
         return states
-    wide = states.float()
-    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    shape = states.shape[-1:]
+    if states.dtype == torch.float32 and module.weight.dtype == torch.float32:
+        return F.rms_norm(states, shape, module.weight, module.variance_epsilon)
+    wide = F.rms_norm(states.float(), shape, None, module.variance_epsilon)
     return module.weight * wide.to(states.dtype)
 
 

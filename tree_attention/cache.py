@@ -196,6 +196,16 @@ class RaggedCache:
         self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
 
     @property
+    def visible(self) -> torch.Tensor:
+        """``[R, S]`` bool: which slots each row attends to."""
+        return self._visible
+
+    @visible.setter
+    def visible(self, value: torch.Tensor) -> None:
+        self._visible = value
+        self._dense: bool | None = None  # dense(), read from the tensor at most once per change
+
+    @property
     def width(self) -> int:
         """Slots per row that the bookkeeping covers (the cache may hold more, see :meth:`crop`)."""
         return int(self.visible.shape[1])
@@ -212,9 +222,16 @@ class RaggedCache:
         keys = torch.cat([self.positions, query_positions if new_key_positions is None else new_key_positions], dim=1)
         return layout_masks(visible, query_positions, keys, layout, dtype)
 
-    def extend(self, visible: torch.Tensor, positions: torch.Tensor) -> None:
-        """Account for ``[R, n]`` slots a forward appended: which stay visible, their positions."""
+    def extend(self, visible: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """Account for ``[R, n]`` slots a forward appended: which stay visible (None: all of them),
+        their positions ``[R, n]``."""
+        dense = self._dense
+        if visible is None:
+            visible = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+        else:
+            dense = None
         self.visible = torch.cat([self.visible, visible], dim=1)
+        self._dense = dense
         self.positions = torch.cat([self.positions, positions], dim=1)
 
     def keep(self, index: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor) -> None:
@@ -230,7 +247,9 @@ class RaggedCache:
         """Drop slots from ``width`` on (default: everything the bookkeeping does not cover)."""
         width = self.width if width is None else width
         crop(self.cache, width)
+        dense = True if self._dense else None  # dropping slots keeps a cache without holes so
         self.visible, self.positions = self.visible[:, :width], self.positions[:, :width]
+        self._dense = dense
 
     def select_rows(self, rows: torch.Tensor) -> None:
         select_rows(self.cache, rows)
@@ -238,7 +257,9 @@ class RaggedCache:
 
     def dense(self) -> bool:
         """True when no row has a hole (every slot the bookkeeping covers is visible)."""
-        return bool(self.visible.all())
+        if self._dense is None:
+            self._dense = bool(self._visible.all())
+        return self._dense
 
     def compact(self) -> bool:
         """Squeeze the holes out (each row's live slots right-aligned) once they fill half the

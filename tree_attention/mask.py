@@ -62,25 +62,26 @@ def causal_visibility(length: int, device: torch.device | str) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool, device=device).tril_().unsqueeze(0)
 
 
-_CAUSAL_BLOCKS: dict[tuple, torch.Tensor] = {}
+_CAUSAL_EXTENSIONS: dict[tuple, torch.Tensor] = {}
 
 
 def causal_extension_mask(cache_width: int, queries: int, dtype: torch.dtype,
                           device: torch.device | str) -> torch.Tensor:
     """``[1, 1, Q, W + Q]`` additive mask of ``Q`` new tokens appended causally after ``W`` cached
-    slots that all stay visible (no holes, no sliding window): the same mask as
-    ``additive_mask`` of the causal visibility, from two operations (the ``Q x Q`` triangle is
-    cached per size, dtype and device)."""
+    slots that all stay visible (no holes, no sliding window): the same mask as ``additive_mask``
+    of the causal visibility, as a read-only view of a buffer kept per ``Q``, dtype and device
+    (``[Q, C]``: query ``q`` sees columns up to ``C - Q + q``; the mask is its last ``W + Q`` columns)."""
     key = (queries, dtype, torch.device(device))
-    block = _CAUSAL_BLOCKS.get(key)
-    if block is None:
-        block = torch.zeros(queries, queries, dtype=dtype, device=device)
-        block.masked_fill_(~torch.ones(queries, queries, dtype=torch.bool, device=device).tril_(),
-                           torch.finfo(dtype).min)
-        block = _CAUSAL_BLOCKS.setdefault(key, block)
-    mask = torch.zeros(1, 1, queries, cache_width + queries, dtype=dtype, device=device)
-    mask[0, 0, :, cache_width:] = block
-    return mask
+    buffer = _CAUSAL_EXTENSIONS.get(key)
+    needed = cache_width + queries
+    if buffer is None or buffer.shape[1] < needed:
+        capacity = max(256, 2 * needed)
+        columns = torch.arange(capacity, device=device)
+        limits = capacity - queries + torch.arange(queries, device=device)
+        buffer = torch.zeros(queries, capacity, dtype=dtype, device=device)
+        buffer.masked_fill_(columns[None, :] > limits[:, None], torch.finfo(dtype).min)
+        _CAUSAL_EXTENSIONS[key] = buffer
+    return buffer[None, None, :, buffer.shape[1] - needed:]
 
 
 def tree_visibility(prefix_length: int, ancestors: torch.Tensor) -> torch.Tensor:

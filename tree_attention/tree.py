@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Generator, Iterable, Sequence
 
 import torch
@@ -86,11 +87,11 @@ class TreeTemplate:
     def size(self) -> int:
         return int(self.parents.numel())
 
-    @property
+    @cached_property
     def max_depth(self) -> int:
-        return int(self.depths.max())
+        return int(self.depths.max())  # read once: a template never changes
 
-    @property
+    @cached_property
     def max_rank(self) -> int:
         """Highest candidate rank used at any depth (top-k needed is ``max_rank + 1``)."""
         return int(self.ranks.max())

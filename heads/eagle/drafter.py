@@ -57,7 +57,7 @@ def dense_forward(heads: EagleHeads, target, cache: cache_ops.RaggedCache, commi
     positions = committed[:, None] + torch.arange(queries, device=device)[None, :]
     mask = causal_extension_mask(cache.width, queries, dtype, device).expand(rows, -1, -1, -1)
     predicted = heads.step(features, embeddings, positions, mask, cache.cache)
-    cache.extend(torch.ones(rows, width, dtype=torch.bool, device=device), positions[:, :width])
+    cache.extend(None, positions[:, :width])  # every pair stays visible
     return predicted, committed + width
 
 

@@ -327,3 +327,38 @@ def test_speculate_auto_and_lookup_hybrid_stay_lossless():
         assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto"), expected)
         assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=20), expected)
     assert sum(choice.steps["parallel"] for choice in spec.heads.drafting_choices.values()) > 0
+
+
+def test_checks_that_change_nothing_back_off(monkeypatch):
+    """stories260K: the 3-deep parallel tree saturates on easy text and wins every window that the
+    saturation check opens. Each such window doubles the steps before the next check (up to PATIENCE),
+    so the slower chain is measured less and less often; a window that changes the mode resets it."""
+    stories = {"sequential": (6.0, 0.015), "parallel": (3.9, 0.006)}  # 400 and 650 tokens/s
+
+    def sequential_share(patience: int) -> tuple[float, DraftingChoice]:
+        monkeypatch.setattr(switch, "PATIENCE", patience)
+        choice = DraftingChoice({"parallel": 4.0})
+        modes = _feed_steps(choice, stories, 3000)
+        return modes.count("sequential") / len(modes), choice
+
+    eager, _ = sequential_share(1)
+    patient, choice = sequential_share(16)
+    assert choice.patience == 16 and choice.faster() == "parallel"
+    assert patient < eager / 2, (patient, eager)
+    # the text turns easy enough for the chain to win: the next check's window switches and resets
+    easy = {"sequential": (9.0, 0.012), "parallel": (3.9, 0.006)}  # 750 against 650 tokens/s
+    modes = _feed_steps(choice, easy, 16 * switch.SATURATION_STEPS + switch.EXPLORE + 50)
+    assert choice.faster() == "sequential" and choice.patience == 1 and modes[-20:] == ["sequential"] * 20
+
+
+def test_a_decisive_window_closes_early():
+    """A gap over EARLY_GAP after EARLY steps closes the window (half the slower mode's steps); a
+    narrower one is measured for the whole window."""
+    wide = DraftingChoice()
+    modes = _feed(wide, {"sequential": 100.0, "parallel": 150.0}, switch.WARMUP + switch.EXPLORE)
+    window = modes[switch.WARMUP:]
+    assert window[:switch.EARLY].count("sequential") == switch.EARLY // 2
+    assert window[switch.EARLY:] == ["parallel"] * (switch.EXPLORE - switch.EARLY) and wide.windows == 1
+    narrow = DraftingChoice()
+    modes = _feed(narrow, {"sequential": 100.0, "parallel": 130.0}, switch.WARMUP + switch.EXPLORE)
+    assert modes[switch.WARMUP:].count("sequential") == switch.EXPLORE // 2 and narrow.windows == 0
