@@ -239,7 +239,8 @@ class RaggedCache:
         :attr:`width`, row ``b`` keeps slots ``index[b]`` (``[R, L]``) of them, moved to the front
         of that region; ``kept`` ``[R, L]`` marks the real ones (the rest are holes)."""
         start = self.width
-        keep_path(self.cache, start, index)
+        if positions.shape[1] > 1:  # one appended slot (a plain step) is its own path: nothing moves
+            keep_path(self.cache, start, index)
         self.visible = torch.cat([self.visible, kept], dim=1)
         self.positions = torch.cat([self.positions, positions.gather(1, index)], dim=1)
 
