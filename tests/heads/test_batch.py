@@ -586,3 +586,31 @@ def test_auto_measures_the_best_size_again_after_plain_choices_in_a_row():
     assert policy.choose(ids, rule, MIN_LEARN_TOKENS - 1)["tree"] == 0  # a short call neither counts nor retries
     policy.observed[(4, "greedy", 1)] = Observed(tokens=400, row_steps=100)  # it pays now: chosen, interval reset
     assert policy.choose(ids, rule, 40)["tree"] == 4 and key + ("greedy",) not in policy.retry_interval
+
+
+def test_auto_tries_another_size_only_if_it_could_beat_the_winner():
+    """Once a measured size beats plain decoding, a smaller one is tried only if it could beat that
+    size's predicted speedup by IMPROVE, with the drafting part of the larger size's cost kept whole
+    (only verification shrinks with the tree)."""
+    from types import SimpleNamespace
+
+    from heads.policy import IMPROVE, Observed, SpeculationPolicy
+
+    ids, _ = padded_batch(seed=10)
+    rule = SimpleNamespace(key="sample T=0.7")
+    policy = SpeculationPolicy((4, 8))
+    key = policy.key(ids)
+    policy.record_cost(key, 0, 3.3)
+    policy.record_cost(key, 8, 4.5)
+    policy.observed[(8, rule.key, 4)] = Observed(tokens=200, row_steps=100)  # tau 2: predicted 1.47x
+    # no drafting cost known: size 4 interpolated to 3.9 (1.69x > 1.47 x 1.1): tried
+    assert policy.choose(ids, rule, 40)["tree"] == 4
+    # drafting costs 0.6 of size 8's 4.5: size 4 at most 3.3 + 0.6 + 0.3 = 4.2 (1.57x < 1.62x): not tried
+    policy.record_draft_cost(key, 8, 0.6)
+    choice = policy.choose(ids, rule, 40)
+    assert choice["tree"] == 8 and not choice["exploring"]
+    assert 1.57 < 1.47 * (1 + IMPROVE)
+    # when no measured size beats plain decoding, any size that could is tried
+    policy.record_cost(key, 8, 6.5)
+    policy.record_cost(key, 8, 6.5)  # median 6.5: size 8 predicted 1.02x; size 4 at most 5.2 (1.27x)
+    assert policy.choose(ids, rule, 40)["tree"] == 4
