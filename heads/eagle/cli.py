@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..draft_vocab import DRAFT_VOCAB_FROM, auto_draft_vocab, draft_vocab
 from .config import DRAFTING_MODES, LAYOUTS
 
 LEARNING_RATE = 1e-2
@@ -22,33 +23,6 @@ learns two mask queries, and greedy serving drafts each step sequentially or in 
 commits more tokens per second on the machine and traffic (:mod:`heads.eagle.switch`). The
 teacher-forced pairs are trained exactly as a sequential drafter's (``--parallel 1``), but they share
 the layer with the mask queries (see ``--mask-query-weight``)."""
-
-
-DRAFT_VOCAB_SHARE = 4
-DRAFT_VOCAB_FROM = 8192
-"""``--draft-vocab-size auto`` (the default): targets with at least :data:`DRAFT_VOCAB_FROM` tokens draft
-over their ``1 / DRAFT_VOCAB_SHARE`` most frequent training tokens (EAGLE-3's 32k of Llama 3's 128k),
-smaller vocabularies over all of them. Every drafting level runs the output head over the draft
-vocabulary, so on demo-llama (8192 tokens, width 256) a quarter of the head makes a level cheaper;
-the tokens left out are rare in the target's own text, and the target verifies every draft anyway."""
-
-
-def draft_vocab(text: str):
-    """``"auto"``, ``"full"`` or a positive count (an argparse type)."""
-    if text in ("auto", "full"):
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected auto, full or a positive token count; got {text!r}")
-    return value
-
-
-def auto_draft_vocab(vocab_size: int) -> int | None:
-    """The draft vocabulary ``--draft-vocab-size auto`` gives a target of ``vocab_size`` tokens (None: all)."""
-    return vocab_size // DRAFT_VOCAB_SHARE if vocab_size >= DRAFT_VOCAB_FROM else None
 
 
 def layer_list(text: str) -> list[int]:

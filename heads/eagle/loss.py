@@ -42,17 +42,7 @@ from typing import Sequence
 
 import torch
 
-
-def frequent_tokens(sequences: Sequence[torch.Tensor], vocab_size: int, count: int) -> torch.Tensor:
-    """The ``count`` most frequent token ids among the predicted tokens (positions >= 1) of
-    ``sequences``, most frequent first; ties and unseen ids go by increasing id. ``[count]`` long."""
-    if count > vocab_size:
-        raise ValueError(f"draft vocabulary of {count} tokens exceeds the vocabulary ({vocab_size})")
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for sequence in sequences:
-        counts += torch.bincount(sequence[1:].long().cpu(), minlength=vocab_size)[:vocab_size]
-    order = torch.sort(-counts, stable=True).indices
-    return order[:count].clone()
+from ..draft_vocab import frequent_tokens
 
 
 FIT_SEQUENCES = 64

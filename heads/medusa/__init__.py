@@ -19,16 +19,18 @@ from .modules import MedusaHeads, ResidualBlock
 
 __all__ = ["KIND", "MedusaConfig", "MedusaDrafter", "MedusaHeads", "ResidualBlock", "resolve_tree", "bind_rule"]
 
-OPTIONS = ("num_heads", "num_layers", "share_lm_head", "tree", "sample")
+OPTIONS = ("num_heads", "num_layers", "share_lm_head", "tree", "sample", "draft_vocab_size")
 
 
 def make_config(num_heads: int | None = None, num_layers: int | None = None, share_lm_head: bool | None = None,
-                tree=None, sample: str | None = None, **others) -> MedusaConfig:
-    """The config ``attach_heads(kind="medusa", ...)`` builds (defaults: 4 heads of 1 block)."""
+                tree=None, sample: str | None = None, draft_vocab_size: int | None = None, **others) -> MedusaConfig:
+    """The config ``attach_heads(kind="medusa", ...)`` builds (defaults: 4 heads of 1 block over the
+    whole vocabulary)."""
     refuse_options("medusa", OPTIONS, others)
     return MedusaConfig(num_heads=4 if num_heads is None else num_heads,
                         num_layers=1 if num_layers is None else num_layers,
-                        share_lm_head=bool(share_lm_head), tree=tree, sample=sample or "auto")
+                        share_lm_head=bool(share_lm_head), tree=tree, sample=sample or "auto",
+                        draft_vocab_size=draft_vocab_size)
 
 
 def build_heads(target, config: MedusaConfig) -> MedusaHeads:

@@ -90,6 +90,10 @@ def _medusa_export_tensors(config: dict, tensors: dict[str, torch.Tensor], layou
     """External tensors for a Medusa adapter, and whether the projection is shared (vLLM)."""
     drafter = config["drafter"]
     num_heads, num_layers, shared = drafter["num_heads"], drafter["num_layers"], drafter["share_lm_head"]
+    if drafter.get("draft_vocab_size") is not None:
+        raise AdapterError(f"{directory}: these heads score a draft vocabulary of {drafter['draft_vocab_size']} "
+                           f"tokens, which {layout} checkpoints are not exported with here: train with "
+                           "--draft-vocab-size full to export")
     if layout == "medusa":
         family = config["target"].get("model_type")
         if not medusa_exportable(family):

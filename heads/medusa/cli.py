@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .. import lora_flags
+from ..draft_vocab import DRAFT_VOCAB_FROM, auto_draft_vocab, draft_vocab
 
 LEARNING_RATE = 1e-2
 """``selfdraft train --kind medusa``'s default ``--lr``. At 1e-3 the heads were still far from
@@ -22,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-layers", type=int, default=None, help="residual blocks per Medusa head (default 1)")
     group.add_argument("--share-lm-head", action="store_true",
                        help="Medusa: reuse the frozen output head in every head")
+    group.add_argument("--draft-vocab-size", type=draft_vocab, default="auto",
+                       help="Medusa: heads score only the most frequent target tokens in the data: a count, full, or "
+                            f"auto (default: a quarter of the vocabulary from {DRAFT_VOCAB_FROM} tokens up, all of it "
+                            "below; full with --share-lm-head)")
     group.add_argument("--hard-label-weight", type=float, default=0.0,
                        help="weight of plain cross-entropy to the target's tokens, added to the divergence")
     joint = parser.add_argument_group(
@@ -41,7 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options(args: argparse.Namespace) -> dict:
     """The ``attach_heads(kind="medusa", ...)`` options; None where a flag was not given."""
-    return {"num_heads": args.num_heads, "num_layers": args.num_layers, "share_lm_head": args.share_lm_head or None}
+    size = getattr(args, "draft_vocab_size", None)
+    return {"num_heads": args.num_heads, "num_layers": args.num_layers, "share_lm_head": args.share_lm_head or None,
+            "draft_vocab_size": size if isinstance(size, int) else None}
+
+
+def target_options(args: argparse.Namespace, vocab_size: int) -> dict:
+    """``--draft-vocab-size auto`` resolved for a target of ``vocab_size`` tokens (the whole vocabulary
+    with ``--share-lm-head``, whose heads read the output head itself)."""
+    if getattr(args, "kind", None) != "medusa" or args.draft_vocab_size != "auto" or args.share_lm_head:
+        return {}
+    size = auto_draft_vocab(vocab_size)
+    return {} if size is None else {"draft_vocab_size": size}
 
 
 JOINT_FLAGS = ("lora_lr", "joint_heads_only_steps", "joint_lambda", "joint_lambda_warmup")

@@ -18,6 +18,9 @@ class MedusaConfig:
     """Residual blocks per head."""
     share_lm_head: bool = False
     """Use the backbone's frozen output head instead of one trainable projection per head."""
+    draft_vocab_size: int | None = None
+    """Heads score only this many tokens, the most frequent of the training data (``token_map`` in the
+    adapter; :mod:`heads.draft_vocab`); None: the whole vocabulary. Not with ``share_lm_head``."""
     tree: Sequence[Sequence[int]] | int | None = None
     """Verification tree: a choice list of rank paths, or a node count for a default tree (None: 16)."""
     sample: str = "auto"
@@ -33,6 +36,14 @@ class MedusaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MedusaConfig.{name} must be a positive int; got {value!r}")
+        if self.draft_vocab_size is not None:
+            if not isinstance(self.draft_vocab_size, int) or isinstance(self.draft_vocab_size, bool) \
+                    or self.draft_vocab_size < 1:
+                raise ValueError(f"MedusaConfig.draft_vocab_size must be a positive int or None; got "
+                                 f"{self.draft_vocab_size!r}")
+            if self.share_lm_head:
+                raise ValueError("MedusaConfig.draft_vocab_size needs the heads' own projections; it cannot be "
+                                 "combined with share_lm_head=True")
         if self.sample not in SAMPLE_MODES:
             raise ValueError(f"MedusaConfig.sample must be one of {SAMPLE_MODES}; got {self.sample!r}")
         if self.tree is not None and not isinstance(self.tree, int):

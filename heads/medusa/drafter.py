@@ -60,9 +60,10 @@ class MedusaDrafter:
     def set_template(self, template: TreeTemplate) -> None:
         """Use ``template``; InvalidTreeError when a node's rank needs more candidates than the
         vocabulary has (rank ``r`` is the ``r + 1``-th most likely token)."""
-        if template.size > 1 and template.max_rank >= self.heads.vocab_size:
+        vocab = self.heads.draft_vocab_size
+        if template.size > 1 and template.max_rank >= vocab:
             raise InvalidTreeError(f"tree rank {template.max_rank} needs the top {template.max_rank + 1} candidates "
-                                   f"of a head, but the vocabulary has {self.heads.vocab_size} tokens")
+                                   f"of a head, but the heads score {vocab} tokens")
         device = next(self.heads.parameters()).device
         self.template = template.to(device)
         self.top_k = template.max_rank + 1
@@ -79,9 +80,8 @@ class MedusaDrafter:
         self._family = torch.tensor(family, dtype=torch.long, device=device)  # (N - 1,)
         self._sibling = torch.tensor(sibling, dtype=torch.long, device=device)  # (N - 1,)
         self._children = max(sibling, default=-1) + 1  # the most children of one node
-        if self._children > self.heads.vocab_size:
-            raise InvalidTreeError(f"a tree node has {self._children} children, but the vocabulary has "
-                                   f"{self.heads.vocab_size} tokens")
+        if self._children > vocab:
+            raise InvalidTreeError(f"a tree node has {self._children} children, but the heads score {vocab} tokens")
 
     def reset(self, batch_size: int) -> None:
         """Medusa heads keep no state between steps."""
@@ -98,18 +98,20 @@ class MedusaDrafter:
             return TreeBatch.from_template(template, roots)
         rows = torch.arange(batch.rows, device=batch.features.device)
         last = batch.features[rows, batch.lengths - 1]  # (R, d)
-        logits = self.heads(last, self.shared_logits, count=template.max_depth)  # (depth, R, V)
+        logits = self.heads(last, self.shared_logits, count=template.max_depth)  # (depth, R, V')
         if self.sampling:
             return self._sampled(roots, logits)
-        candidates = torch.topk(logits, self.top_k, dim=-1).indices.transpose(0, 1)  # (R, depth, top_k)
+        best = torch.topk(logits, self.top_k, dim=-1).indices
+        candidates = self.heads.target_ids(best).transpose(0, 1)  # (R, depth, top_k) target ids
         drafted = candidates.reshape(batch.rows, -1)[:, self._candidate_index]  # (R, N - 1)
         return TreeBatch.from_template(template, torch.cat([roots.to(drafted.device), drafted], dim=1))
 
     def _sampled(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
         """Every node's children drawn without replacement from its depth's head (``logits``
-        ``[depth, R, V]``), with the rows they were drawn from as ``draft_probs``."""
-        _, count, vocab = logits.shape
-        family_logits = logits[self.template.depths[self._families]].transpose(0, 1).float()  # (R, P, V)
+        ``[depth, R, V']``), with the rows they were drawn from as ``draft_probs`` (no probability
+        outside a draft vocabulary)."""
+        family_logits = self.heads.full_logits(logits[self.template.depths[self._families]].transpose(0, 1).float())
+        count, vocab = family_logits.shape[0], family_logits.shape[-1]  # (R, P, V)
         q = torch.softmax(self.warp(family_logits.reshape(-1, vocab)), dim=-1).view_as(family_logits)
         drawn = draw_without_replacement(family_logits, q, self._children, self.generator)  # (R, P, children)
         tokens = drawn[:, self._family, self._sibling]  # (R, N - 1)

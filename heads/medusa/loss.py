@@ -31,21 +31,29 @@ from __future__ import annotations
 import torch
 
 from .. import lora
+from ..draft_vocab import frequent_tokens
 from ..backbone import target_fingerprint
 
 
 def head_losses(head_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor,
-                attention_mask: torch.Tensor, config, *, losses) -> tuple[torch.Tensor, list[float]]:
+                attention_mask: torch.Tensor, config, token_map: torch.Tensor | None = None, *,
+                losses) -> tuple[torch.Tensor, list[float]]:
     """Weighted loss over heads and each head's top-1 agreement with the target.
 
-    ``head_logits`` ``[K, B, T, V]``, ``teacher_logits`` ``[B, T, V]``: head k at t against the
-    target at t + k + 1 (both predict token t + k + 2). ``config``: the trainer's ``TrainConfig``;
-    ``losses``: the namespace of divergences (``training.losses``).
+    ``head_logits`` ``[K, B, T, V']``, ``teacher_logits`` ``[B, T, V]``: head k at t against the
+    target at t + k + 1 (both predict token t + k + 2). ``token_map`` ``[V']``: the target ids the
+    heads score (None: the whole vocabulary); the teacher is then restricted to them and positions
+    whose target token lies outside are left out, as EAGLE's draft vocabulary does. ``config``: the
+    trainer's ``TrainConfig``; ``losses``: the namespace of divergences (``training.losses``).
     """
     weights = losses.head_loss_weights(head_logits.shape[0], config.head_decay)
     total = head_logits.new_zeros((), dtype=torch.float32)
     agreement = []
     length = input_ids.shape[1]
+    draft_ids = None
+    if token_map is not None:  # target id -> draft id, -100 outside the draft vocabulary
+        draft_ids = torch.full((teacher_logits.shape[-1],), -100, dtype=torch.long, device=teacher_logits.device)
+        draft_ids[token_map] = torch.arange(token_map.numel(), device=teacher_logits.device)
     for k, weight in enumerate(weights):
         shift = k + 1
         if length <= shift:
@@ -54,9 +62,14 @@ def head_losses(head_logits: torch.Tensor, teacher_logits: torch.Tensor, input_i
         student = head_logits[k][:, : length - shift]
         teacher = teacher_logits[:, shift:]
         valid = attention_mask[:, shift:].bool()
+        if draft_ids is not None:
+            valid = valid & (draft_ids[teacher.argmax(-1)] >= 0)
+            teacher = teacher[..., token_map]
         loss = losses.divergence(config.divergence, student, teacher, config.temperature, config.jsd_beta, valid)
         if config.hard_label_weight and length > shift + 1:
             labels = input_ids[:, shift + 1:].masked_fill(~attention_mask[:, shift + 1:].bool(), -100)
+            if draft_ids is not None:
+                labels = torch.where(labels >= 0, draft_ids[labels.clamp(min=0)], labels)
             hard = losses.hard_cross_entropy(student[:, :-1], labels)
             loss = loss + config.hard_label_weight * losses.masked_mean(hard, labels != -100)
         total = total + weight * loss
@@ -89,7 +102,12 @@ class MedusaLoss:
                                     else config.joint_lambda_warmup_steps)
 
     def prepare(self) -> None:
-        """Nothing to set up from the data."""
+        """With a draft vocabulary, choose it (the most frequent target tokens in the training data)
+        and restart the projections from the output head's rows of those tokens."""
+        heads = self.spec.heads
+        if heads.token_map is not None:
+            heads.set_token_map(frequent_tokens(self.context.train_sequences, self.spec.target.vocab_size,
+                                                heads.draft_vocab_size), self.spec.target.output_head)
 
     def joint_weight(self, step: int) -> float | None:
         """Lambda at optimizer step ``step``: None while the heads train alone, then rising linearly
@@ -133,7 +151,7 @@ class MedusaLoss:
         with self.context.accelerator.autocast():
             head_logits = heads(features, self._shared_logits())
         return head_losses(head_logits.float(), teacher, input_ids, attention_mask, self.config,
-                           losses=self.context.losses)
+                           self.spec.heads.token_map, losses=self.context.losses)
 
     def _joint_loss(self, heads, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     weight: float) -> tuple[torch.Tensor, list[float]]:
@@ -152,7 +170,7 @@ class MedusaLoss:
         with autocast():
             head_logits = heads(scaled, self._shared_logits())
         head_loss, agreement = head_losses(head_logits.float(), tuned.detach(), input_ids, attention_mask,
-                                           self.config, losses=self.context.losses)
+                                           self.config, self.spec.heads.token_map, losses=self.context.losses)
         return head_loss + backbone_loss, agreement
 
     def finish(self, accuracy: list[list[float]]) -> None:
@@ -170,6 +188,7 @@ class MedusaLoss:
         """On held-out sequences: per head, the share of positions where the target's token is
         the head's rank-r candidate, r < ``max_rank`` (the table default trees are built from)."""
         heads = self.spec.heads
+        max_rank = min(max_rank, heads.draft_vocab_size)
         counts = None
         total = 0
         shared = self._shared_logits()
@@ -187,7 +206,7 @@ class MedusaLoss:
                 if T <= shift:
                     continue
                 valid = attention_mask[:, shift:].bool()
-                top = logits[k][:, : T - shift].topk(max_rank, dim=-1).indices  # (B, T', R)
+                top = heads.target_ids(logits[k][:, : T - shift].topk(max_rank, dim=-1).indices)  # (B, T', R)
                 hits = top == target_token[:, shift:, None]
                 counts[k] += hits[valid].float().sum(0).cpu()
                 if k == 0:

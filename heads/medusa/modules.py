@@ -5,7 +5,9 @@ Head ``k`` (0-based) reads the feature at position ``t`` and predicts the token 
 ``x + SiLU(W x + b)`` followed by a vocabulary projection. The blocks start at zero and the
 projection starts as a copy of the backbone's output head, so an untrained head predicts what the
 backbone predicts for the next token. With ``share_lm_head=True`` the heads use the backbone's
-frozen output head instead of ``K`` trainable copies (``K x V x d`` fewer parameters).
+frozen output head instead of ``K`` trainable copies (``K x V x d`` fewer parameters). With
+``draft_vocab_size`` ``V'`` the projections score only the ``V'`` tokens of ``token_map`` (a buffer
+that travels in the adapter), started from those rows of the output head (:mod:`heads.draft_vocab`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..draft_vocab import check_token_map
 from .config import MedusaConfig
 
 
@@ -44,21 +47,60 @@ class MedusaHeads(nn.Module):
             nn.Sequential(*[ResidualBlock(hidden_size) for _ in range(config.num_layers)])
             for _ in range(config.num_heads)
         )
+        draft = config.draft_vocab_size
+        if draft is not None and draft > vocab_size:
+            raise ValueError(f"MedusaConfig.draft_vocab_size ({draft}) exceeds the backbone's vocabulary ({vocab_size})")
+        if draft is not None:
+            self.register_buffer("token_map", torch.arange(draft))
+        else:
+            self.token_map = None
         if config.share_lm_head:
             self.projections = None
         else:
             self.projections = nn.ModuleList(
-                nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(config.num_heads)
+                nn.Linear(hidden_size, draft or vocab_size, bias=False) for _ in range(config.num_heads)
             )
             if output_head is not None:
-                with torch.no_grad():
-                    for projection in self.projections:
-                        projection.weight.copy_(output_head.weight)
+                self.copy_output_rows(output_head)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the heads score (the whole vocabulary without a draft vocabulary)."""
+        return self.vocab_size if self.token_map is None else int(self.token_map.numel())
+
+    @torch.no_grad()
+    def copy_output_rows(self, output_head: nn.Module) -> None:
+        """Start every projection as the output head's rows of the tokens the heads score."""
+        rows = output_head.weight if self.token_map is None else output_head.weight[self.token_map]
+        for projection in self.projections:
+            projection.weight.copy_(rows)
+
+    def set_token_map(self, token_ids: torch.Tensor, output_head: nn.Module | None = None) -> None:
+        """Score the tokens ``token_ids`` ``[V']`` (distinct target ids); with ``output_head``, the
+        projections restart from its rows of those tokens (before training)."""
+        if self.token_map is None:
+            raise ValueError("set_token_map: these Medusa heads have no draft vocabulary (draft_vocab_size=None)")
+        self.token_map.copy_(check_token_map(token_ids, self.draft_vocab_size))
+        if output_head is not None and self.projections is not None:
+            self.copy_output_rows(output_head)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft-vocabulary ids (the identity without a draft vocabulary)."""
+        return draft_ids if self.token_map is None else self.token_map[draft_ids]
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., V']`` over the whole vocabulary ``[..., V]``, ``-inf`` outside the draft
+        vocabulary (a distribution with no probability there); unchanged without one."""
+        if self.token_map is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), -torch.inf)
+        return full.index_copy_(-1, self.token_map, logits)
 
     def forward(self, features: torch.Tensor,
                 shared_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
                 count: int | None = None) -> torch.Tensor:
-        """Logits ``[K, ..., V]`` from features ``[..., d]`` (only the first ``count`` heads if given).
+        """Logits ``[K, ..., V']`` from features ``[..., d]`` (only the first ``count`` heads if given;
+        ``V'``: the draft vocabulary, ids in ``token_map``).
 
         ``shared_logits`` maps a head's hidden state to logits when ``share_lm_head`` is set (the
         backbone's own output head, with its post-processing); it is required then.

@@ -526,7 +526,12 @@ def test_medusa_export_refusals(model, tmp_path):
     qwen.save_pretrained(tmp_path / "qwen")
     with pytest.raises(heads.AdapterError, match="llama.*mistral.*export --format medusa-vllm"):
         interop.export_adapter(tmp_path / "qwen", "medusa", tmp_path / "e")
-    assert not any((tmp_path / name).exists() for name in "abcde")
+    reduced = heads.attach_heads(model, num_heads=2, draft_vocab_size=20)
+    reduced.save_pretrained(tmp_path / "reduced")
+    for fmt, name in (("medusa", "f"), ("medusa-vllm", "g")):
+        with pytest.raises(heads.AdapterError, match="draft vocabulary of 20 tokens.*--draft-vocab-size full"):
+            interop.export_adapter(tmp_path / "reduced", fmt, tmp_path / name)
+    assert not any((tmp_path / name).exists() for name in "abcdefg")
 
 
 def test_export_never_replaces_a_foreign_directory(model, tmp_path):

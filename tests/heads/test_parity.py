@@ -110,3 +110,35 @@ def test_attach_freezes_backbone_and_keeps_outputs():
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
     assert spec.backbone is model
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "phi3"])
+def test_draft_vocabulary_parity_and_token_map(name):
+    """Heads that score a draft vocabulary draft only its tokens (mapped back to target ids) and stay
+    token-identical to the backbone; the projections restart from the output head's rows."""
+    model = build_model(name, seed=2)
+    spec = heads.attach_heads(model, num_heads=3, tree=16, draft_vocab_size=30)
+    token_map = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:30]
+    spec.heads.set_token_map(token_map, model.get_output_embeddings())
+    torch.testing.assert_close(spec.heads.projections[1].weight, model.get_output_embeddings().weight[token_map])
+    proposed = []
+    original = spec.drafter.propose
+
+    def watch(batch):
+        trees = original(batch)
+        proposed.extend(token for tree in trees.trees() for token in tree.tokens[1:].tolist())
+        return trees
+
+    spec.drafter.propose = watch
+    for seed, length in enumerate(PROMPT_LENGTHS):
+        prompt = random_prompt(length, seed)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=24), greedy_reference(model, prompt, 24))
+    assert proposed and set(proposed) <= set(token_map.tolist())
+    with pytest.raises(ValueError, match="30 distinct ids"):
+        spec.heads.set_token_map(torch.zeros(30, dtype=torch.long))
+    with pytest.raises(ValueError, match="share_lm_head"):
+        heads.attach_heads(model, draft_vocab_size=30, share_lm_head=True)
+    with pytest.raises(ValueError, match="exceeds the backbone's vocabulary"):
+        heads.attach_heads(model, draft_vocab_size=10 ** 6)
+    with pytest.raises(ValueError, match="positive int"):
+        heads.attach_heads(model, draft_vocab_size=0)

@@ -54,6 +54,14 @@ def medusa(model):
 
 
 @pytest.fixture(scope="module")
+def medusa_draft_vocab(model):
+    """Medusa heads scoring a draft vocabulary of half the tokens (chosen from the training data):
+    q has no probability elsewhere, which the rule must handle (the target's p does)."""
+    torch.manual_seed(4)
+    return trained(heads.attach_heads(model, num_heads=2, tree=WIDE, draft_vocab_size=VOCAB // 2), 40, 1e-2, 7)
+
+
+@pytest.fixture(scope="module")
 def eagle(model):
     torch.manual_seed(3)
     return trained(heads.attach_heads(model, kind="eagle", depth=3, top_k=2, total_tokens=4), 60, 3e-3, 8)
@@ -93,6 +101,7 @@ CASES = [
     pytest.param("medusa", CHAIN, dict(temperature=1.0, top_k=0), id="medusa-chain-T1"),
     pytest.param("medusa", WIDE, dict(temperature=1.0, top_k=0), id="medusa-tree-T1"),
     pytest.param("medusa", "hybrid", dict(temperature=1.0, top_k=0), id="medusa-lookup-hybrid-T1"),
+    pytest.param("medusa_draft_vocab", WIDE, dict(temperature=1.0, top_k=0), id="medusa-draft-vocab-tree-T1"),
     pytest.param("eagle", dict(depth=3, top_k=1, total_tokens=3), dict(temperature=1.0, top_k=0),
                  id="eagle-chain-T1"),
     pytest.param("eagle", dict(depth=3, top_k=2, total_tokens=4), dict(temperature=1.0, top_k=0),
@@ -117,8 +126,8 @@ def hot_drafts(monkeypatch):
 
 
 @pytest.mark.parametrize("kind, shape, settings", CASES)
-def test_sampled_candidates_keep_the_target_law(model, medusa, eagle, hot_drafts, kind, shape, settings):
-    spec = configure(medusa if kind == "medusa" else eagle, shape)
+def test_sampled_candidates_keep_the_target_law(model, hot_drafts, kind, shape, settings, request):
+    spec = configure(request.getfixturevalue(kind), shape)
     proposed, propose = [], spec.drafter.propose
     spec.drafter.propose = lambda batch: proposed.append(propose(batch)) or proposed[-1]
     pvalue = chi_square_pvalue(samples(spec, settings), exact_joint(model, **settings))
@@ -151,14 +160,14 @@ def wrong_q(monkeypatch):
 
 
 WRONG_CASES = [pytest.param(no_residual, *case.values, id=f"no-residual-{case.id}") for case in CASES]
-WRONG_CASES += [pytest.param(wrong_q, *CASES[index].values, id=f"wrong-q-{CASES[index].id}") for index in (1, 3, 4, 5)]
+WRONG_CASES += [pytest.param(wrong_q, *CASES[index].values, id=f"wrong-q-{CASES[index].id}") for index in (1, 3, 4, 5, 6)]
 
 
 @pytest.mark.parametrize("wrong, kind, shape, settings", WRONG_CASES)
-def test_a_wrong_rule_is_caught(model, medusa, eagle, hot_drafts, wrong, kind, shape, settings, monkeypatch):
+def test_a_wrong_rule_is_caught(model, hot_drafts, wrong, kind, shape, settings, monkeypatch, request):
     """Note that verifying sampled candidates as point masses (accept with r(x)) is *not* wrong:
     a candidate drawn independently of the target is a fixed token given the drafter's draws."""
-    spec = configure(medusa if kind == "medusa" else eagle, shape)
+    spec = configure(request.getfixturevalue(kind), shape)
     wrong(monkeypatch)  # twice the samples: some wrong rules here are only a little off the target law
     pvalue = chi_square_pvalue(samples(spec, settings, runs=2 * RUNS), exact_joint(model, **settings))
     assert pvalue < FALSE_ALARM, pvalue

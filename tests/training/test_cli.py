@@ -302,10 +302,10 @@ def test_corpus_of_the_targets_own_outputs(model_dir, toy_target, tmp_path, caps
 def test_eagle_resume_with_the_automatic_draft_vocabulary(model_dir, tmp_path, capsys, monkeypatch):
     """``--draft-vocab-size auto`` is resolved against the target before the resume check, so a
     resumed run compares the same drafter; the adapter records the resolved size."""
-    from heads.eagle import cli as eagle_cli
+    from heads import draft_vocab
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    monkeypatch.setattr(eagle_cli, "DRAFT_VOCAB_FROM", 2)  # the toy vocabulary counts as large
+    monkeypatch.setattr(draft_vocab, "DRAFT_VOCAB_FROM", 2)  # the toy vocabulary counts as large
     data = _write_prompts(tmp_path / "prompts.jsonl", 12, seed=5)
     checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
     args = _train_args(model_dir, data, tmp_path / "adapter", tmp_path / "cache", tmp_path / "s.json", steps=4)
@@ -314,8 +314,37 @@ def test_eagle_resume_with_the_automatic_draft_vocabulary(model_dir, tmp_path, c
     args[args.index("--eval-prompts") + 1] = "0"
     assert main(args + checkpoints) == 0
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["drafter"]["draft_vocab_size"] == vocab // eagle_cli.DRAFT_VOCAB_SHARE
+    assert config["drafter"]["draft_vocab_size"] == vocab // draft_vocab.DRAFT_VOCAB_SHARE
     assert main(args + checkpoints + ["--resume"]) == 0
     assert "(the checkpoint had finished the run: no step trained)" in capsys.readouterr().out
     assert main(args + checkpoints + ["--resume", "--draft-vocab-size", "full"]) == 2
     assert "draft_vocab_size" in _one_line_error(capsys, "train")
+
+
+def test_medusa_draft_vocabulary_flag(model_dir, tmp_path, capsys, monkeypatch):
+    """``--draft-vocab-size`` (shared with EAGLE) gives Medusa heads a draft vocabulary: ``auto``
+    from the target's size, ``full`` or ``--share-lm-head`` the whole vocabulary, a count that
+    size; a count with ``--share-lm-head`` is refused before training."""
+    from heads import draft_vocab
+
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    data = _write_prompts(tmp_path / "prompts.jsonl", 12, seed=6)
+
+    def trained(name: str, *extra: str):
+        args = _train_args(model_dir, data, tmp_path / name, tmp_path / "cache", tmp_path / f"{name}.json", steps=2)
+        args[args.index("--eval-prompts") + 1] = "0"
+        code = main(args + list(extra))
+        if code:
+            return code
+        return json.loads((tmp_path / name / "adapter_config.json").read_text())["drafter"]["draft_vocab_size"]
+
+    assert trained("default") is None  # a small vocabulary: all of it
+    monkeypatch.setattr(draft_vocab, "DRAFT_VOCAB_FROM", 2)  # the toy vocabulary counts as large
+    assert trained("auto") == vocab // draft_vocab.DRAFT_VOCAB_SHARE
+    assert trained("full", "--draft-vocab-size", "full") is None
+    assert trained("shared", "--share-lm-head") is None
+    assert trained("count", "--draft-vocab-size", "20") == 20
+    capsys.readouterr()
+    assert trained("refused", "--draft-vocab-size", "20", "--share-lm-head") == 2
+    assert "share_lm_head" in _one_line_error(capsys, "train")
+    assert not (tmp_path / "refused").exists()

@@ -12,7 +12,7 @@ import torch
 
 import heads
 from heads.eagle.loss import eagle_losses as _eagle_losses
-from heads.eagle.loss import frequent_tokens
+from heads.draft_vocab import frequent_tokens
 from tests.conftest import VOCAB, greedy_reference, progression_batch
 from training import losses as training_losses
 from training.cli import main
