@@ -46,12 +46,15 @@ MODES = ("sequential", "parallel")
 WARMUP = 4
 """Unmeasured sequential steps before the first exploration (its chains start long, till their
 calibration has seen a few outcomes)."""
-EXPLORE = 32
-"""Steps of an exploration window: the modes alternate every :data:`BLOCK` steps, so both are
-measured on the same stretch of text (how many tokens a step commits varies far more between
-stretches of text than between the modes)."""
+EXPLORE = 16
+FIRST_EXPLORE = 32
+"""Steps of an exploration window (the first one: :data:`FIRST_EXPLORE`, with no earlier windows to
+weigh against): the modes alternate every :data:`BLOCK` steps, so both are measured on the same
+stretch of text (how many tokens a step commits varies far more between stretches of text than
+between the modes). Later windows are short: on easy text a 96-token reply is a dozen steps, and a
+32-step window on demo code spanned three replies, half of them in the slower mode."""
 BLOCK = 2
-EARLY = 16
+EARLY = 8
 EARLY_GAP = 0.4
 """A window closes after :data:`EARLY` steps (each mode measured over half of them, on the same text)
 when one mode's rate already beats the other's by more than this: on stories260K the parallel tree
@@ -73,6 +76,11 @@ DRIFT = 0.2
 passing load misled the window) ends it, and a window measures both modes on the new text. Which
 mode is faster changes with the text: on demo-llama the modes tie on a hard prompt and the chain
 commits twice as much per second on an easy one."""
+WINDOW_DECAY = 0.25
+"""A window chooses on its own measurements plus the earlier windows', each window's weighted by this
+factor per later window (together a third of the newest's at most): on a hard prompt the modes tie
+within the noise, and a short window there should not undo what windows on other text showed, while
+a clear reversal still switches within one window."""
 PATIENCE = 16
 """A window that a drift or saturation check opened and that chose the same mode again doubles the
 steps the next stretch runs before either check may end it (up to this factor; a window that
@@ -102,6 +110,7 @@ class DraftingChoice:
         self._stretch = [0.0, 0.0, 0]  # the current stretch's measured tokens, seconds and steps
         self.rechecks = 0  # stretches ended early because their rate drifted (statistics)
         self.patience = 1  # the checks wait this many times CHECK / SATURATION_STEPS stretch steps (PATIENCE)
+        self._history = {mode: (0.0, 0.0) for mode in MODES}  # decayed tokens and seconds of all windows
         self._rechecked: str | None = None  # the mode whose stretch a check ended, until the window closes
 
     def observe(self, mode: str, tokens: float, seconds: float, rows: int = 1) -> None:
@@ -153,7 +162,10 @@ class DraftingChoice:
         return self.chosen
 
     def _close_window(self) -> None:
-        rates = {mode: self.rate(mode) or 0.0 for mode in MODES}
+        for mode in MODES:  # earlier windows still count, decayed (WINDOW_DECAY)
+            self._history[mode] = (WINDOW_DECAY * self._history[mode][0] + self.tokens[mode],
+                                   WINDOW_DECAY * self._history[mode][1] + self.seconds[mode])
+        rates = {mode: tokens / seconds if seconds > 0 else 0.0 for mode, (tokens, seconds) in self._history.items()}
         best = max(MODES, key=rates.get)
         other = MODES[1 - MODES.index(best)]
         gap = rates[best] / rates[other] - 1.0 if rates[other] > 0 else 1.0
@@ -168,7 +180,8 @@ class DraftingChoice:
     def choose(self) -> tuple[str, bool]:
         """The next step's mode, and whether that step is left unmeasured (the warm-up steps; window
         and stretch steps are measured). Call after :meth:`observe` of the step before it."""
-        if self._exploring == EXPLORE or (self._exploring == EARLY and self._decided()):  # choose
+        length = FIRST_EXPLORE if not self.windows else EXPLORE
+        if self._exploring == length or (self._exploring == EARLY and self._decided()):  # choose
             self._exploring = 0
             self._close_window()
         if self._warm:

@@ -155,7 +155,7 @@ def test_choice_explores_in_windows_then_keeps_the_faster(faster):
     choice = DraftingChoice()
     slower = "parallel" if faster == "sequential" else "sequential"
     modes = _feed(choice, {faster: 130.0, slower: 100.0}, 2000)
-    warm, window = switch.WARMUP, switch.EXPLORE
+    warm, window = switch.WARMUP, switch.FIRST_EXPLORE
     assert modes[:warm] == ["sequential"] * warm
     explored = modes[warm:warm + window]  # the modes alternate in blocks, on the same stretch of text
     assert explored[:2 * switch.BLOCK] == ["sequential"] * switch.BLOCK + ["parallel"] * switch.BLOCK
@@ -181,10 +181,11 @@ def test_a_stretch_whose_rate_drifts_is_measured_again():
     and the faster mode takes over, long before the stretch would have ended."""
     for first in ({"sequential": 100.0, "parallel": 101.0}, {"sequential": 100.0, "parallel": 150.0}):
         choice = DraftingChoice()
-        _feed(choice, first, switch.WARMUP + switch.EXPLORE)
+        while not choice.windows:  # the window closes (after EARLY steps on a wide gap) and the stretch starts
+            _feed(choice, first, 1)
         easy = {"sequential": 400.0, "parallel": 200.0}
-        modes = _feed(choice, easy, switch.CHECK + switch.EXPLORE + 20)  # its first step closes the window
-        assert modes[:switch.CHECK] == ["parallel"] * switch.CHECK
+        modes = _feed(choice, easy, switch.CHECK + switch.EXPLORE + 20)  # the stretch's first step ran above
+        assert modes[:switch.CHECK - 1] == ["parallel"] * (switch.CHECK - 1) and modes[switch.CHECK - 1] == "sequential"
         assert choice.rechecks == 1 and choice.faster() == "sequential"
         assert modes[-20:] == ["sequential"] * 20
     # a stretch that keeps its window's rate runs to its end
@@ -205,18 +206,18 @@ def _feed_steps(choice: DraftingChoice, per_step: dict, steps: int) -> list[str]
 
 
 def test_a_saturated_shallow_stretch_is_measured_again():
-    """A window on hard text picks the 3-deep parallel tree (a tie); on easy text it commits nearly its
-    most (4 tokens a step) at an unchanged rate, so the drift check cannot fire, while the chain commits
-    twice as much. Saturation ends the stretch after SATURATION_STEPS steps and the chain takes over;
-    a saturated sequential chain (the deeper mode) or a mode without a ceiling keeps its stretch."""
+    """A window on hard text picks the 3-deep parallel tree (15% ahead); on easy text it commits nearly
+    its most (4 tokens a step) at an unchanged rate, so the drift check cannot fire, while the chain
+    commits twice as much. Saturation ends the stretch after SATURATION_STEPS steps and the chain takes
+    over; a saturated sequential chain (the deeper mode) or a mode without a ceiling keeps its stretch."""
     choice = DraftingChoice({"parallel": 4.0})
-    _feed_steps(choice, {"sequential": (2.4, 0.024), "parallel": (2.45, 0.024)}, switch.WARMUP + switch.EXPLORE)
+    _feed_steps(choice, {"sequential": (2.4, 0.024), "parallel": (2.76, 0.024)}, switch.WARMUP + switch.FIRST_EXPLORE)
     easy = {"sequential": (8.0, 0.040), "parallel": (3.9, 0.037)}  # rates 200 and 105 tokens/s
     modes = _feed_steps(choice, easy, switch.SATURATION_STEPS + switch.EXPLORE + 20)
     assert modes[:switch.SATURATION_STEPS] == ["parallel"] * switch.SATURATION_STEPS
     assert choice.rechecks == 1 and choice.faster() == "sequential" and modes[-20:] == ["sequential"] * 20
     unbounded = DraftingChoice()
-    _feed_steps(unbounded, {"sequential": (2.4, 0.024), "parallel": (2.45, 0.024)}, switch.WARMUP + switch.EXPLORE)
+    _feed_steps(unbounded, {"sequential": (2.4, 0.024), "parallel": (2.45, 0.024)}, switch.WARMUP + switch.FIRST_EXPLORE)
     assert _feed_steps(unbounded, {"sequential": (8.0, 0.040), "parallel": (3.9, 0.037)}, 40) == ["parallel"] * 40
 
 
@@ -346,7 +347,7 @@ def test_checks_that_change_nothing_back_off(monkeypatch):
     assert choice.patience == 16 and choice.faster() == "parallel"
     assert patient < eager / 2, (patient, eager)
     # the text turns easy enough for the chain to win: the next check's window switches and resets
-    easy = {"sequential": (9.0, 0.012), "parallel": (3.9, 0.006)}  # 750 against 650 tokens/s
+    easy = {"sequential": (12.0, 0.012), "parallel": (3.9, 0.006)}  # 1000 against 650 tokens/s
     modes = _feed_steps(choice, easy, 16 * switch.SATURATION_STEPS + switch.EXPLORE + 50)
     assert choice.faster() == "sequential" and choice.patience == 1 and modes[-20:] == ["sequential"] * 20
 
@@ -355,10 +356,26 @@ def test_a_decisive_window_closes_early():
     """A gap over EARLY_GAP after EARLY steps closes the window (half the slower mode's steps); a
     narrower one is measured for the whole window."""
     wide = DraftingChoice()
-    modes = _feed(wide, {"sequential": 100.0, "parallel": 150.0}, switch.WARMUP + switch.EXPLORE)
+    modes = _feed(wide, {"sequential": 100.0, "parallel": 150.0}, switch.WARMUP + switch.FIRST_EXPLORE)
     window = modes[switch.WARMUP:]
     assert window[:switch.EARLY].count("sequential") == switch.EARLY // 2
-    assert window[switch.EARLY:] == ["parallel"] * (switch.EXPLORE - switch.EARLY) and wide.windows == 1
+    assert window[switch.EARLY:] == ["parallel"] * (switch.FIRST_EXPLORE - switch.EARLY) and wide.windows == 1
     narrow = DraftingChoice()
-    modes = _feed(narrow, {"sequential": 100.0, "parallel": 130.0}, switch.WARMUP + switch.EXPLORE)
-    assert modes[switch.WARMUP:].count("sequential") == switch.EXPLORE // 2 and narrow.windows == 0
+    modes = _feed(narrow, {"sequential": 100.0, "parallel": 130.0}, switch.WARMUP + switch.FIRST_EXPLORE)
+    assert modes[switch.WARMUP:].count("sequential") == switch.FIRST_EXPLORE // 2 and narrow.windows == 0
+
+
+
+def test_a_near_tie_on_hard_text_keeps_the_mode_that_won_before():
+    """Earlier windows count, decayed: after windows on easy text where the chain was twice as fast,
+    a window on a hard prompt where the parallel tree is 2% ahead (a tie within the noise) keeps the
+    chain; a clear reversal still switches within one window."""
+    choice = DraftingChoice()
+    _feed(choice, {"sequential": 200.0, "parallel": 100.0}, switch.WARMUP + switch.FIRST_EXPLORE)
+    assert choice.faster() == "sequential"
+    choice._left = 0  # the stretch ends: the next step opens a window on the hard prompt
+    _feed(choice, {"sequential": 100.0, "parallel": 102.0}, switch.EXPLORE + 1)
+    assert choice.faster() == "sequential" and choice.windows == 2
+    choice._left = 0
+    _feed(choice, {"sequential": 100.0, "parallel": 250.0}, switch.EXPLORE + 1)
+    assert choice.faster() == "parallel"
