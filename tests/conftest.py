@@ -66,6 +66,21 @@ def left_pad(prompts, width: int | None = None, pad: int = 0) -> tuple[torch.Ten
     return ids, mask
 
 
+def record_drafted_tokens(spec) -> list[int]:
+    """Wrap ``spec``'s drafter so that every drafted (non-root) token it proposes is appended to the
+    returned list."""
+    proposed: list[int] = []
+    original = spec.drafter.propose
+
+    def watch(batch):
+        trees = original(batch)
+        proposed.extend(token for tree in trees.trees() for token in tree.tokens[1:].tolist())
+        return trees
+
+    spec.drafter.propose = watch
+    return proposed
+
+
 def greedy_reference(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,

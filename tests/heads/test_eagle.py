@@ -15,6 +15,7 @@ from heads.eagle import EagleConfig, unrolled_attention_mask
 from tree_attention.decode import DraftBatch
 from tests.conftest import (
     ARCHITECTURES, VOCAB, build_model, greedy_reference, left_pad, progression_batch, random_prompt,
+    record_drafted_tokens,
 )
 from training.trainer import TrainConfig, make_trainer
 from tree_attention import cache as cache_ops
@@ -263,15 +264,7 @@ def test_draft_vocabulary_parity_and_token_map():
     token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:30]
     spec.heads.set_token_map(token_map)
     prompt = random_prompt(8, seed=5)
-    proposed = []
-    original = spec.drafter.propose
-
-    def watch(batch):
-        trees = original(batch)
-        proposed.extend(token for tree in trees.trees() for token in tree.tokens[1:].tolist())
-        return trees
-
-    spec.drafter.propose = watch
+    proposed = record_drafted_tokens(spec)
     _check_parity(spec, model, [prompt])
     assert proposed and set(proposed) <= set(token_map.tolist())
     with pytest.raises(ValueError, match="30 distinct ids"):

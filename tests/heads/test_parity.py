@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import heads
-from tests.conftest import ARCHITECTURES, build_model, greedy_reference, random_prompt
+from tests.conftest import ARCHITECTURES, build_model, greedy_reference, random_prompt, record_drafted_tokens
 from tree_attention.tree import DEFAULT_TREE_SIZES
 
 PROMPT_LENGTHS = (1, 7, 19)
@@ -121,15 +121,7 @@ def test_draft_vocabulary_parity_and_token_map(name):
     token_map = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:30]
     spec.heads.set_token_map(token_map, model.get_output_embeddings())
     torch.testing.assert_close(spec.heads.projections[1].weight, model.get_output_embeddings().weight[token_map])
-    proposed = []
-    original = spec.drafter.propose
-
-    def watch(batch):
-        trees = original(batch)
-        proposed.extend(token for tree in trees.trees() for token in tree.tokens[1:].tolist())
-        return trees
-
-    spec.drafter.propose = watch
+    proposed = record_drafted_tokens(spec)
     for seed, length in enumerate(PROMPT_LENGTHS):
         prompt = random_prompt(length, seed)
         assert torch.equal(spec.generate(prompt, max_new_tokens=24), greedy_reference(model, prompt, 24))
