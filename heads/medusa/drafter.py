@@ -61,9 +61,10 @@ class MedusaDrafter:
         """Use ``template``; InvalidTreeError when a node's rank needs more candidates than the
         vocabulary has (rank ``r`` is the ``r + 1``-th most likely token)."""
         vocab = self.heads.draft_vocab_size
+        scored = "the vocabulary" if self.heads.token_map is None else "the draft vocabulary"
         if template.size > 1 and template.max_rank >= vocab:
             raise InvalidTreeError(f"tree rank {template.max_rank} needs the top {template.max_rank + 1} candidates "
-                                   f"of a head, but the heads score {vocab} tokens")
+                                   f"of a head, but {scored} has {vocab} tokens")
         device = next(self.heads.parameters()).device
         self.template = template.to(device)
         self.top_k = template.max_rank + 1
@@ -81,7 +82,7 @@ class MedusaDrafter:
         self._sibling = torch.tensor(sibling, dtype=torch.long, device=device)  # (N - 1,)
         self._children = max(sibling, default=-1) + 1  # the most children of one node
         if self._children > vocab:
-            raise InvalidTreeError(f"a tree node has {self._children} children, but the heads score {vocab} tokens")
+            raise InvalidTreeError(f"a tree node has {self._children} children, but {scored} has {vocab} tokens")
 
     def reset(self, batch_size: int) -> None:
         """Medusa heads keep no state between steps."""

@@ -128,6 +128,8 @@ def test_draft_vocabulary_parity_and_token_map(name):
     assert proposed and set(proposed) <= set(token_map.tolist())
     with pytest.raises(ValueError, match="30 distinct ids"):
         spec.heads.set_token_map(torch.zeros(30, dtype=torch.long))
+    with pytest.raises(heads.InvalidTreeError, match="tree rank 30 .* the draft vocabulary has 30 tokens"):
+        spec.set_tree([[0], [30]])
     with pytest.raises(ValueError, match="share_lm_head"):
         heads.attach_heads(model, draft_vocab_size=30, share_lm_head=True)
     with pytest.raises(ValueError, match="exceeds the backbone's vocabulary"):
