@@ -23,7 +23,10 @@ Formats and the loader versions they were matched against (read at these commits
   ``medusa_heads.`` prefix.
 
 Medusa heads map one to one onto both layouts (the features they read, the top layer after the
-final norm, are the same in all three implementations).
+final norm, are the same in all three implementations). A draft vocabulary (``draft_vocab_size``,
+``token_map``) is vLLM's truncated vocabulary: ``truncated_vocab_size`` rows per ``lm_heads.{h}``
+and ``token_map`` holding their target ids, into which vLLM scatters the logits (``-inf``
+elsewhere), as selfdraft does; FasterDecoding's layout has none and refuses it.
 """
 
 from __future__ import annotations
@@ -90,10 +93,10 @@ def _medusa_export_tensors(config: dict, tensors: dict[str, torch.Tensor], layou
     """External tensors for a Medusa adapter, and whether the projection is shared (vLLM)."""
     drafter = config["drafter"]
     num_heads, num_layers, shared = drafter["num_heads"], drafter["num_layers"], drafter["share_lm_head"]
-    if drafter.get("draft_vocab_size") is not None:
+    if drafter.get("draft_vocab_size") is not None and layout == "medusa":
         raise AdapterError(f"{directory}: these heads score a draft vocabulary of {drafter['draft_vocab_size']} "
-                           f"tokens, which {layout} checkpoints are not exported with here: train with "
-                           "--draft-vocab-size full to export")
+                           "tokens, which FasterDecoding's MedusaModel cannot load: export --format medusa-vllm "
+                           "(truncated_vocab_size and token_map), or train with --draft-vocab-size full")
     if layout == "medusa":
         family = config["target"].get("model_type")
         if not medusa_exportable(family):
@@ -110,7 +113,10 @@ def _medusa_export_tensors(config: dict, tensors: dict[str, torch.Tensor], layou
         for index in range(1 if layout == "medusa-vllm" else num_heads):
             tensors[f"projections.{index}.weight"] = head.clone()
     names = medusa_name_map(num_heads, num_layers, layout, shared_projection=shared and layout == "medusa-vllm")
-    return {theirs: tensors[ours].contiguous() for ours, theirs in names.items()}, shared
+    external = {theirs: tensors[ours].contiguous() for ours, theirs in names.items()}
+    if "token_map" in tensors:  # vLLM: lm_heads of truncated_vocab_size rows, logits scattered by token_map
+        external["token_map"] = tensors["token_map"].to(torch.long).contiguous()
+    return external, shared
 
 
 def _export_medusa(config: dict, tensors: dict, fmt: str, model, adapter_dir) -> dict[str, Callable[[Path], None]]:
@@ -132,7 +138,8 @@ def _export_medusa(config: dict, tensors: dict, fmt: str, model, adapter_dir) ->
         files["config.json"] = json_writer({
             "architectures": ["MedusaModel"], "model_type": "medusa",
             "hidden_size": target["hidden_size"], "vocab_size": target["vocab_size"],
-            "truncated_vocab_size": target["vocab_size"], "num_heads": drafter["num_heads"],
+            "truncated_vocab_size": drafter.get("draft_vocab_size") or target["vocab_size"],
+            "num_heads": drafter["num_heads"],
             "num_hidden_layers": drafter["num_layers"], "original_lm_head": shared, "medusa_fc_bias": True,
             "max_paths": 64, "topk": 10,
         })
@@ -147,10 +154,12 @@ def _positive(config: dict, key: str, where: Path, default: int | None = None) -
     return value
 
 
-def _external_config(num_heads: int, num_layers: int, name: str, vocab: int, hidden: int) -> dict:
+def _external_config(num_heads: int, num_layers: int, name: str, vocab: int, hidden: int,
+                     draft_vocab: int | None = None) -> dict:
     return {
         "format_version": FORMAT_VERSION, "library": "selfdraft", "kind": "medusa",
-        "drafter": {"num_heads": num_heads, "num_layers": num_layers, "share_lm_head": False, "tree": None},
+        "drafter": {"num_heads": num_heads, "num_layers": num_layers, "share_lm_head": False, "tree": None,
+                    "draft_vocab_size": draft_vocab},
         "target": {"name_or_path": name, "config_sha256": None, "weights_sha256": None,
                    "vocab_size": vocab, "hidden_size": hidden},
         "tree_accuracy": None, "training": {}, "acceptance": {},
@@ -213,9 +222,21 @@ def _read_medusa_vllm(directory: Path, config: dict) -> tuple[dict, dict]:
     for path in sorted(directory.glob("*.safetensors")):
         for name, tensor in read_safetensors(path).items():
             tensors[name.removeprefix("medusa_heads.")] = tensor
-    if "token_map" in tensors or config.get("truncated_vocab_size", vocab) != vocab:
-        raise AdapterError(f"{directory}: a truncated draft vocabulary (token_map, truncated_vocab_size "
-                           f"{config.get('truncated_vocab_size')}) is not supported by selfdraft's Medusa heads")
+    truncated = config.get("truncated_vocab_size", vocab)
+    if truncated is None:
+        truncated = vocab
+    if isinstance(truncated, bool) or not isinstance(truncated, int) or not 1 <= truncated <= vocab:
+        raise AdapterError(f"{where}: truncated_vocab_size must be an int in 1..vocab_size ({vocab}); got {truncated!r}")
+    token_map = tensors.pop("token_map", None)
+    if truncated < vocab:  # vLLM's truncated vocabulary: our draft vocabulary
+        if token_map is None or tuple(token_map.shape) != (truncated,):
+            raise AdapterError(f"{directory}: truncated_vocab_size {truncated} needs a token_map tensor of "
+                               f"{truncated} target ids; got {None if token_map is None else tuple(token_map.shape)}")
+        token_map = token_map.to(torch.long)
+        if int(token_map.min()) < 0 or int(token_map.max()) >= vocab or token_map.unique().numel() != truncated:
+            raise AdapterError(f"{directory}: token_map must hold {truncated} distinct ids below vocab_size {vocab}")
+    else:
+        token_map = None  # vLLM ignores a token_map without truncation, and so does this import
     bias = bool(config.get("medusa_fc_bias", False))
     if not bias and any(name.endswith(".bias") for name in tensors):
         raise AdapterError(f"{where}: medusa_fc_bias is false (vLLM's default) but the weights hold block biases, "
@@ -226,10 +247,19 @@ def _read_medusa_vllm(directory: Path, config: dict) -> tuple[dict, dict]:
     if shared:  # vLLM uses lm_heads.0 for every head: one copy per head here
         for head in range(1, num_heads):
             ours[f"projections.{head}.weight"] = ours["projections.0.weight"]
-    if tuple(ours["projections.0.weight"].shape) != (vocab, hidden):
+    if token_map is not None:
+        if shared:
+            raise AdapterError(f"{directory}: original_lm_head with a truncated vocabulary is not supported")
+        for head in range(num_heads):  # vLLM slices full-vocabulary lm_heads by token_map when loading
+            name = f"projections.{head}.weight"
+            if ours[name].shape[0] == vocab and truncated < vocab:
+                ours[name] = ours[name][token_map]
+        ours["token_map"] = token_map
+    if tuple(ours["projections.0.weight"].shape) != (truncated, hidden):
         raise AdapterError(f"{directory}: lm_heads have shape {tuple(ours['projections.0.weight'].shape)}, "
-                           f"config.json says vocab_size {vocab} x hidden_size {hidden}")
-    return _external_config(num_heads, num_layers, "", vocab, hidden), ours
+                           f"config.json says {truncated} scored tokens x hidden_size {hidden}")
+    return _external_config(num_heads, num_layers, "", vocab, hidden,
+                            truncated if token_map is not None else None), ours
 
 
 def restore_sidecar(own: dict, tensors: dict, model, path: Path) -> dict:

@@ -528,10 +528,45 @@ def test_medusa_export_refusals(model, tmp_path):
         interop.export_adapter(tmp_path / "qwen", "medusa", tmp_path / "e")
     reduced = heads.attach_heads(model, num_heads=2, draft_vocab_size=20)
     reduced.save_pretrained(tmp_path / "reduced")
-    for fmt, name in (("medusa", "f"), ("medusa-vllm", "g")):
-        with pytest.raises(heads.AdapterError, match="draft vocabulary of 20 tokens.*--draft-vocab-size full"):
-            interop.export_adapter(tmp_path / "reduced", fmt, tmp_path / name)
-    assert not any((tmp_path / name).exists() for name in "abcdefg")
+    with pytest.raises(heads.AdapterError, match="draft vocabulary of 20 tokens.*--format medusa-vllm"):
+        interop.export_adapter(tmp_path / "reduced", "medusa", tmp_path / "f")
+    assert not any((tmp_path / name).exists() for name in "abcdef")
+
+
+def test_medusa_draft_vocabulary_round_trip_through_vllm(model, tmp_path):
+    """A draft vocabulary exports as vLLM's truncated vocabulary (``truncated_vocab_size``, a
+    ``token_map`` of target ids, lm_heads of that many rows) and imports back, with or without the
+    sidecar; vLLM's full-size lm_heads are sliced by the token map as vLLM slices them."""
+    spec = _perturbed(heads.attach_heads(model, num_heads=2, tree=8, draft_vocab_size=20))
+    spec.heads.set_token_map(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:20])
+    spec.save_pretrained(tmp_path / "adapter")
+    out = interop.export_adapter(tmp_path / "adapter", "medusa-vllm", tmp_path / "vllm")
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    assert config["truncated_vocab_size"] == 20 and config["vocab_size"] == VOCAB
+    assert torch.equal(tensors["token_map"], spec.heads.token_map) and tensors["lm_heads.0.weight"].shape[0] == 20
+    for directory in (out, tmp_path / "bare"):
+        if directory != out:  # vLLM's own files only, the full lm_heads vLLM also accepts
+            directory.mkdir()
+            (directory / "config.json").write_text(json.dumps(config))
+            full = dict(tensors)
+            for head in range(2):
+                rows = torch.zeros(VOCAB, HIDDEN)
+                rows[spec.heads.token_map] = tensors[f"lm_heads.{head}.weight"]
+                full[f"lm_heads.{head}.weight"] = rows
+            save_file(full, str(directory / "model.safetensors"))
+        loaded = heads.load_heads(model, directory)
+        assert loaded.config.draft_vocab_size == 20 and torch.equal(loaded.heads.token_map, spec.heads.token_map)
+        _same_drafter(spec, loaded)
+        prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+        assert torch.equal(loaded.generate(prompt, max_new_tokens=12), spec.generate(prompt, max_new_tokens=12))
+    broken = dict(tensors)
+    del broken["token_map"]
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text(json.dumps(config))
+    save_file(broken, str(tmp_path / "broken" / "model.safetensors"))
+    with pytest.raises(heads.AdapterError, match="truncated_vocab_size 20 needs a token_map"):
+        heads.load_heads(model, tmp_path / "broken")
 
 
 def test_export_never_replaces_a_foreign_directory(model, tmp_path):
@@ -555,7 +590,10 @@ def test_import_refusals(model, tmp_path):
     truncated.mkdir()
     (truncated / "config.json").write_text(json.dumps(_vllm_config(truncated_vocab_size=32)))
     save_file({"token_map": torch.arange(32)}, str(truncated / "model.safetensors"))
-    with pytest.raises(heads.AdapterError, match="truncated draft vocabulary"):
+    with pytest.raises(heads.AdapterError, match="tensors do not match its config: missing"):
+        heads.load_heads(model, truncated)  # a truncated vocabulary imports (see the round trip), not without heads
+    (truncated / "config.json").write_text(json.dumps(_vllm_config(truncated_vocab_size=VOCAB + 5)))
+    with pytest.raises(heads.AdapterError, match="truncated_vocab_size must be an int in 1..vocab_size"):
         heads.load_heads(model, truncated)
     biased = tmp_path / "biased"
     biased.mkdir()
