@@ -57,3 +57,13 @@ def check_token_map(token_ids: torch.Tensor, size: int) -> torch.Tensor:
     if token_ids.shape != (size,) or token_ids.unique().numel() != token_ids.numel():
         raise ValueError(f"token_map must hold {size} distinct ids; got shape {tuple(token_ids.shape)}")
     return token_ids
+
+
+def full_vocabulary_logits(logits: torch.Tensor, token_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary logits ``[..., V']`` (ids ``token_map``) as logits over the whole vocabulary
+    ``[..., vocab_size]``, ``-inf`` elsewhere: a distribution with no probability outside the draft
+    vocabulary, as the lossless sampling rule needs q. Unchanged without a draft vocabulary."""
+    if token_map is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], vocab_size), -torch.inf)
+    return full.index_copy_(-1, token_map, logits)

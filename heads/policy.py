@@ -176,21 +176,23 @@ class SpeculationPolicy:
     def key(input_ids: torch.Tensor) -> tuple[int, int]:
         return _bucket(input_ids.shape[0]), _bucket(input_ids.shape[1])
 
+    @staticmethod
+    def _record(samples: dict, estimates: dict, entry: tuple, seconds: float) -> None:
+        """Add ``seconds`` to ``samples[entry]``; ``estimates[entry]`` is the median of its last
+        :data:`COST_SAMPLES`."""
+        kept = samples.setdefault(entry, [])
+        kept.append(seconds)
+        del kept[:-COST_SAMPLES]
+        estimates[entry] = statistics.median(kept)
+
     def record_cost(self, key: tuple[int, int], size: int, seconds: float) -> None:
-        """A measured cost per step of ``size`` drafted nodes (0: plain) in bucket ``key``; the
-        estimate is the median of the last :data:`COST_SAMPLES`."""
-        samples = self.cost_samples.setdefault((key, size), [])
-        samples.append(seconds)
-        del samples[:-COST_SAMPLES]
-        self.step_costs[(key, size)] = statistics.median(samples)
+        """A measured cost per step of ``size`` drafted nodes (0: plain) in bucket ``key``."""
+        self._record(self.cost_samples, self.step_costs, (key, size), seconds)
 
     def record_draft_cost(self, key: tuple[int, int], size: int, seconds: float) -> None:
         """The drafting part (propose and tree handling) of a drafted step of ``size`` nodes in bucket
-        ``key``; the estimate is the median of the last :data:`COST_SAMPLES`."""
-        samples = self.draft_samples.setdefault((key, size), [])
-        samples.append(seconds)
-        del samples[:-COST_SAMPLES]
-        self.draft_costs[(key, size)] = statistics.median(samples)
+        ``key``."""
+        self._record(self.draft_samples, self.draft_costs, (key, size), seconds)
 
     def _borrow_costs(self, key: tuple[int, int]) -> None:
         """Start a new bucket from the measured costs of the nearest one with the same batch bucket
@@ -202,14 +204,11 @@ class SpeculationPolicy:
         if not near:
             return
         source = min(near, key=lambda other: abs(other[1].bit_length() - key[1].bit_length()))
-        for (other, size), samples in list(self.cost_samples.items()):
-            if other == source:
-                self.cost_samples[(key, size)] = list(samples)
-                self.step_costs[(key, size)] = self.step_costs[(other, size)]
-        for (other, size), samples in list(self.draft_samples.items()):
-            if other == source:
-                self.draft_samples[(key, size)] = list(samples)
-                self.draft_costs[(key, size)] = self.draft_costs[(other, size)]
+        for samples, estimates in ((self.cost_samples, self.step_costs), (self.draft_samples, self.draft_costs)):
+            for (other, size), kept in list(samples.items()):
+                if other == source:
+                    samples[(key, size)] = list(kept)
+                    estimates[(key, size)] = estimates[(other, size)]
 
     def taus(self, rule_key: str, batch: int) -> dict[int, float]:
         """Tokens per drafted step of a call's slowest row, by size, at batch bucket ``batch``: the

@@ -16,6 +16,7 @@ from tree_attention.sampled import draw_without_replacement, drawn_from, grow_sa
 from tree_attention.tree import Tree, TreeBatch, chain_batch
 
 from ..backbone import Backbone
+from ..draft_vocab import full_vocabulary_logits
 from ..families import position_limit
 from .config import EagleConfig
 from .calibration import ChainCalibration
@@ -133,9 +134,7 @@ class EagleDrafter:
         rows of the target vocabulary ``[m, top_k, V]`` they were drawn from."""
         logits = self.target.logits(hidden, rows).float()  # (m, V')
         if self.sampling:
-            if self.heads.token_map is not None:  # a reduced draft vocabulary: no probability elsewhere
-                full = logits.new_full((logits.shape[0], self.target.vocab_size), -torch.inf)
-                logits = full.index_copy_(1, self.heads.token_map, logits)
+            logits = full_vocabulary_logits(logits, self.heads.token_map, self.target.vocab_size)
             q = torch.softmax(self.warp(logits), dim=-1)  # (m, V)
             tokens = draw_without_replacement(logits, q, self.top_k, self.generator)
             return tokens, drawn_from(q, tokens)

@@ -56,6 +56,7 @@ from tree_attention import cache as cache_ops
 from tree_attention.mask import AttentionMask, layout_masks
 
 from ..backbone import Backbone, attention_layout
+from ..draft_vocab import check_token_map
 from ..families import check_eagle_layout, decoder_copy, eagle3_parts, lean_decoder_ok, rotary_attention
 from ..lean import LeanDecoder, weights_state
 from .calibration import ChainCalibration
@@ -185,11 +186,7 @@ class EagleHeads(nn.Module):
         """Use ``token_ids`` ``[V']`` (distinct target ids) as the draft vocabulary."""
         if self.token_map is None:
             raise ValueError("set_token_map: this drafter has no reduced vocabulary (draft_vocab_size=None)")
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long)
-        if token_ids.shape != self.token_map.shape or token_ids.unique().numel() != token_ids.numel():
-            raise ValueError(f"token_map must hold {self.token_map.numel()} distinct ids; got shape "
-                             f"{tuple(token_ids.shape)}")
-        self.token_map.copy_(token_ids)
+        self.token_map.copy_(check_token_map(token_ids, self.token_map.numel()))
 
     def draft_rows(self, target: Backbone):
         """What ``target.logits`` turns predicted features into logits with: the output-head rows

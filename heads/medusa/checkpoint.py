@@ -252,7 +252,7 @@ def _read_medusa_vllm(directory: Path, config: dict) -> tuple[dict, dict]:
             raise AdapterError(f"{directory}: original_lm_head with a truncated vocabulary is not supported")
         for head in range(num_heads):  # vLLM slices full-vocabulary lm_heads by token_map when loading
             name = f"projections.{head}.weight"
-            if ours[name].shape[0] == vocab and truncated < vocab:
+            if ours[name].shape[0] == vocab:
                 ours[name] = ours[name][token_map]
         ours["token_map"] = token_map
     if tuple(ours["projections.0.weight"].shape) != (truncated, hidden):

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..draft_vocab import check_token_map
+from ..draft_vocab import check_token_map, full_vocabulary_logits
 from .config import MedusaConfig
 
 
@@ -91,10 +91,7 @@ class MedusaHeads(nn.Module):
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits ``[..., V']`` over the whole vocabulary ``[..., V]``, ``-inf`` outside the draft
         vocabulary (a distribution with no probability there); unchanged without one."""
-        if self.token_map is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), -torch.inf)
-        return full.index_copy_(-1, self.token_map, logits)
+        return full_vocabulary_logits(logits, self.token_map, self.vocab_size)
 
     def forward(self, features: torch.Tensor,
                 shared_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
