@@ -427,3 +427,55 @@ def chain_batch(tokens: torch.Tensor, sizes: torch.Tensor, draws: list[torch.Ten
         probs = torch.cat([drawn.new_zeros(rows, 1, drawn.shape[-1]), drawn], dim=1) * real[..., None]
     return TreeBatch(tokens.masked_fill(~real, 0), parents, depths, visibility, sizes, probs,
                      uniform=bool((sizes == width).all()))
+
+
+_SIBLING_SHAPES: dict[tuple[int, int, torch.device], tuple[torch.Tensor, ...]] = {}
+
+
+def _sibling_shape(width: int, side: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Parents, depths and ancestry ``[T, T]`` of a chain of ``width`` nodes (the root included)
+    followed by ``side`` leaves below each of its first ``width - 1`` nodes, cached."""
+    key = (width, side, torch.device(device))
+    shape = _SIBLING_SHAPES.get(key)
+    if shape is None:
+        columns = torch.arange(width, device=device)
+        levels = torch.arange(1, width, device=device).repeat_interleave(side)  # the leaves' depths
+        parents = torch.cat([columns - 1, levels - 1])
+        depths = torch.cat([columns, levels])
+        total = depths.numel()
+        deepest = torch.cat([columns, levels - 1])  # the deepest chain node each node sees
+        chain_node = torch.arange(total, device=device) < width
+        ancestry = (chain_node[None, :] & (depths[None, :] <= deepest[:, None])) | \
+            torch.eye(total, dtype=torch.bool, device=device)
+        shape = _SIBLING_SHAPES.setdefault(key, (parents, depths, ancestry))
+    return shape
+
+
+def chain_with_siblings(tokens: torch.Tensor, sizes: torch.Tensor, siblings: torch.Tensor,
+                        real_siblings: torch.Tensor) -> TreeBatch:
+    """Chains with alternative leaves as a :class:`TreeBatch`.
+
+    ``tokens`` ``[R, N]`` (roots first) and ``sizes`` ``[R]`` are the chains as for
+    :func:`chain_batch`; ``siblings`` ``[R, (N - 1) * s]`` holds ``s`` alternatives per level, those
+    of level ``d`` (columns ``(d - 1) * s ..``) children of chain node ``d - 1``; ``real_siblings``
+    (same shape, bool) says which exist (only where the chain has a node at that level). Each row
+    is its chain, then its real alternatives in level order, then padding."""
+    rows, width = tokens.shape
+    side = siblings.shape[1] // max(1, width - 1)
+    parents, depths, ancestry = _sibling_shape(width, side, tokens.device)
+    columns = torch.arange(width, device=tokens.device)
+    real = torch.cat([columns[None, :] < sizes[:, None], real_siblings], dim=1)  # (R, T)
+    full_order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices  # real nodes first, in order
+    inverse = torch.argsort(full_order, dim=1)  # old index -> new index
+    new_sizes = real.sum(dim=1)
+    keep = int(new_sizes.max())
+    order = full_order[:, :keep]
+    kept = torch.gather(real, 1, order)  # (R, keep)
+    old_parents = parents[order]
+    new_parents = torch.where(kept & (old_parents >= 0), torch.gather(inverse, 1, old_parents.clamp(min=0)), -1)
+    visibility = ancestry[order[:, :, None], order[:, None, :]] & kept[:, :, None] & kept[:, None, :]
+    visibility |= torch.eye(keep, dtype=torch.bool, device=tokens.device)
+    all_tokens = torch.cat([tokens, siblings], dim=1)
+    return TreeBatch(torch.where(kept, torch.gather(all_tokens, 1, order), 0), new_parents,
+                     torch.where(kept, depths[order], 0), visibility, new_sizes,
+                     uniform=bool((new_sizes == keep).all()))

@@ -28,14 +28,14 @@ __all__ = ["KIND", "EagleConfig", "EagleDrafter", "EagleHeads", "Eagle3Midlayer"
            "DEFAULT_TOTAL_TOKENS", "LAYOUTS"]
 
 OPTIONS = ("num_layers", "depth", "top_k", "total_tokens", "feature_layers", "draft_vocab_size", "layout", "parallel",
-           "sample", "confidence", "min_acceptance", "drafting", "parallel_tokens")
+           "sample", "confidence", "min_acceptance", "drafting", "parallel_tokens", "siblings")
 
 
 def make_config(num_layers: int | None = None, depth: int | None = None, top_k: int | None = None,
                 total_tokens: int | None = None, feature_layers=None, draft_vocab_size: int | None = None,
                 layout: str | None = None, parallel: int | None = None, sample: str | None = None,
                 confidence: float | None = None, min_acceptance: float | None = None, drafting: str | None = None,
-                parallel_tokens: int | None = None, **others) -> EagleConfig:
+                parallel_tokens: int | None = None, siblings: int | None = None, **others) -> EagleConfig:
     """The config ``attach_heads(kind="eagle", ...)`` builds; a lone ``total_tokens`` lowers the
     default depth to fit it."""
     refuse_options("eagle", OPTIONS, others)
@@ -48,6 +48,7 @@ def make_config(num_layers: int | None = None, depth: int | None = None, top_k: 
                        min_acceptance=EagleConfig.min_acceptance if min_acceptance is None else min_acceptance,
                        drafting=drafting,
                        parallel_tokens=EagleConfig.parallel_tokens if parallel_tokens is None else parallel_tokens,
+                       siblings=EagleConfig.siblings if siblings is None else siblings,
                        **EagleConfig().with_tree(shape).tree)
 
 

@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-acceptance", type=float, default=None,
                        help="chains (--top-k 1): stop drafting once the calibrated probability that every node so "
                             "far is accepted falls below this (default 0.5; 0: always --depth nodes)")
+    group.add_argument("--siblings", type=int, default=None,
+                       help="chains (--top-k 1), greedy and typical acceptance: the next best tokens added as leaves "
+                            "beside each unsure chain node, with no extra drafter forward (default 1; 0: plain chains)")
     group.add_argument("--feature-weight", type=float, default=1.0,
                        help="weight of the smooth-L1 next-feature regression (default 1.0)")
     group.add_argument("--token-weight", type=float, default=TOKEN_WEIGHT,
@@ -100,7 +103,7 @@ def options(args: argparse.Namespace) -> dict:
             "draft_vocab_size": args.draft_vocab_size if isinstance(args.draft_vocab_size, int) else None,
             "layout": args.eagle_layout,
             "parallel": parallel, "confidence": getattr(args, "confidence", None),
-            "min_acceptance": args.min_acceptance}
+            "min_acceptance": args.min_acceptance, "siblings": getattr(args, "siblings", None)}
 
 
 def train_options(args: argparse.Namespace) -> dict:

@@ -13,7 +13,7 @@ from tree_attention.decode import DraftBatch
 from tree_attention.mask import causal_extension_mask, causal_visibility
 from tree_attention.dynamic import advance_growth, grow_dynamic_tree
 from tree_attention.sampled import draw_without_replacement, drawn_from, grow_sampled_tree
-from tree_attention.tree import Tree, TreeBatch, chain_batch
+from tree_attention.tree import Tree, TreeBatch, chain_batch, chain_with_siblings
 
 from ..backbone import Backbone
 from ..draft_vocab import full_vocabulary_logits
@@ -62,6 +62,12 @@ def dense_forward(heads: EagleHeads, target, cache: cache_ops.RaggedCache, commi
     return predicted, committed + width
 
 
+SIBLING_GAIN = 0.125
+"""A chain level gets its ``siblings`` when the estimated chance that the chain reaches the level and
+its node there is rejected exceeds this (then a sibling is accepted about half the time on the
+demo target: an expected 0.06 tokens a step for a verified node that costs about 1-2% of a step)."""
+
+
 SAMPLED_PRIOR_RATE = 0.6
 """The acceptance a sampled call's fresh calibration assumes of a chain node before evidence (greedy
 calls share one calibration across calls and start optimistic, at 1). A sampled call learns within
@@ -95,6 +101,7 @@ class EagleDrafter:
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
         self.confidence, self.min_acceptance = config.confidence, config.min_acceptance
         self.sample = config.sample
+        self.siblings = config.siblings
         self.warp = self.generator = None
         self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
         self.reset(1)
@@ -128,10 +135,10 @@ class EagleDrafter:
         self.calibration = (ChainCalibration(SAMPLED_PRIOR_RATE) if self.sampling
                             else self.heads.chain_calibration)
 
-    def _children(self, hidden: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k next tokens (target ids) and their log-probabilities ``[m, top_k]`` from predicted
-        features ``[m, d]``; when sampling, ``top_k`` draws without replacement (target ids) and the
-        rows of the target vocabulary ``[m, top_k, V]`` they were drawn from."""
+    def _children(self, hidden: torch.Tensor, rows, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k next tokens (target ids) and their log-probabilities ``[m, count]`` (None: ``top_k``)
+        from predicted features ``[m, d]``; when sampling, ``top_k`` draws without replacement
+        (target ids) and the rows of the target vocabulary ``[m, top_k, V]`` they were drawn from."""
         logits = self.target.logits(hidden, rows).float()  # (m, V')
         if self.sampling:
             logits = full_vocabulary_logits(logits, self.heads.token_map, self.target.vocab_size)
@@ -139,7 +146,7 @@ class EagleDrafter:
             tokens = draw_without_replacement(logits, q, self.top_k, self.generator)
             return tokens, drawn_from(q, tokens)
         log_probs = torch.log_softmax(logits, dim=-1)  # (m, V')
-        best = torch.topk(log_probs, self.top_k, dim=-1)
+        best = torch.topk(log_probs, count or self.top_k, dim=-1)
         return self.heads.target_ids(best.indices), best.values
 
     def retire(self, keep: torch.Tensor) -> None:
@@ -200,7 +207,8 @@ class EagleDrafter:
     def _chain(self, roots: torch.Tensor, features: torch.Tensor, draft_rows) -> TreeBatch:
         """Every row's chain, one drafter forward per level for all rows, with no tree bookkeeping:
         the same tokens as the dynamic tree of ``top_k`` 1 (its candidates, its draws), and a row
-        stops growing below a node whose drafter distribution is less sure than ``confidence``."""
+        stops growing below a node whose drafter distribution is less sure than ``confidence``.
+        Unsure levels of top-k chains also get the next ``siblings`` candidates as leaves."""
         rows, device = roots.shape[0], roots.device
         limits = torch.tensor(self._row_depths(), device=device) if self.total_tokens else roots.new_zeros(rows)
         depth = int(limits.max()) if rows else 0
@@ -212,9 +220,12 @@ class EagleDrafter:
         # a chain node sees every committed slot and the chain above it: with no holes (and no
         # sliding window) that is every key, and no mask is needed
         unmasked = self.heads.layout is None and self.cache.dense()
+        side = 0 if self.sampling else self.siblings
+        siblings, real_siblings = [], []
         for level in range(1, depth + 1):
-            children, scores = self._children(features, draft_rows)  # (R, 1), (R, 1) or (R, 1, V)
+            children, scores = self._children(features, draft_rows, 1 + side)  # (R, 1 + s), or (R, 1), (R, 1, V)
             token = children[:, 0]
+            present = growing  # rows with a node at this level
             if self.sampling:
                 draws.append(scores[:, 0])
                 sure = scores[:, 0].max(dim=-1).values
@@ -223,10 +234,19 @@ class EagleDrafter:
             tokens.append(token)
             sizes = sizes + growing.long()
             growing = growing & (sure >= self.confidence) & (limits > level)
+            before = reach
             if self.min_acceptance > 0:
                 bins.append(self.calibration.bins(sure))
-                reach = reach * self.calibration.rates(bins[-1])
+                rate = self.calibration.rates(bins[-1])
+                reach = reach * rate
                 growing = growing & (reach >= self.min_acceptance).to(growing.device)
+            else:
+                rate = sure.detach().to("cpu", torch.float64)
+                reach = reach * rate
+            if side:  # alternatives where the chain reaches this level and may well be rejected there
+                wanted = (before * (1.0 - rate) > SIBLING_GAIN).to(present.device)
+                siblings.append(children[:, 1:])
+                real_siblings.append((present & wanted)[:, None].expand(-1, side))
             if level == depth or not bool(growing.any()):
                 break
             positions = (start + level)[:, None]  # (R, 1)
@@ -240,6 +260,12 @@ class EagleDrafter:
         chains = torch.stack(tokens, dim=1)
         if self.min_acceptance > 0:
             self._pending = (chains, sizes, torch.stack(bins, dim=1) if bins else torch.zeros(rows, 0, dtype=torch.long))
+        if siblings:
+            real = torch.cat(real_siblings, dim=1)
+            room = self.total_tokens - (sizes - 1)  # the budget counts siblings too, shallower ones first
+            real = real & (real.long().cumsum(dim=1) <= room[:, None])
+            if bool(real.any()):
+                return chain_with_siblings(chains, sizes, torch.cat(siblings, dim=1), real)
         return chain_batch(chains, sizes, draws if self.sampling else None)
 
     def _tree(self, roots: list[int], root_features: torch.Tensor, draft_rows) -> TreeBatch:

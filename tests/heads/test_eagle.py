@@ -315,6 +315,8 @@ def test_set_tree_on_an_eagle_spec():
     ("feature_layers", "012", "list of layer indices"),
     ("draft_vocab_size", 0, "EagleConfig.draft_vocab_size must be an int >= 1"),
     ("layout", "eagle2", "EagleConfig.layout must be one of"),
+    ("siblings", -1, "EagleConfig.siblings must be an int >= 0"),
+    ("siblings", True, "EagleConfig.siblings must be an int >= 0"),
     ("layout", "eagle3", "'eagle3' fuses exactly three backbone layers"),
 ])
 def test_bad_eagle_config(field, value, message):
@@ -325,6 +327,9 @@ def test_bad_eagle_config(field, value, message):
 def test_draft_vocabulary_smaller_than_top_k():
     with pytest.raises(ValueError, match=r"draft_vocab_size \(1\) must be >= top_k \(2\)"):
         EagleConfig(top_k=2, draft_vocab_size=1)
+    with pytest.raises(ValueError, match=r"draft_vocab_size \(2\) must exceed siblings \(2\)"):
+        EagleConfig(siblings=2, draft_vocab_size=2)
+    EagleConfig(siblings=0, draft_vocab_size=1)
 
 
 def test_tree_budget_smaller_than_the_depth():
@@ -480,39 +485,52 @@ class TreePathDrafter(heads.eagle.EagleDrafter):
 
 
 class ChainVsTree:
-    """Runs the chain path and the tree path side by side on the same batches (ragged rows)."""
+    """Runs the chain path and the tree path side by side on the same batches (ragged rows), and the
+    chain path with siblings, whose trees are verified: its chain is the plain chain, and every other
+    node is a leaf beside a chain node with another token."""
 
     def __init__(self, spec, shape) -> None:
-        config = dataclasses.replace(spec.config.with_tree(shape), min_acceptance=0.0)  # full chains, as the tree
+        config = dataclasses.replace(spec.config.with_tree(shape), min_acceptance=0.0, siblings=0)  # full chains
         self.chain = heads.eagle.EagleDrafter(spec.heads, spec.target, config)
         self.tree = TreePathDrafter(spec.heads, spec.target, config)
-        self.compared = 0
+        self.sided = heads.eagle.EagleDrafter(spec.heads, spec.target, dataclasses.replace(config, siblings=2))
+        self.compared = self.siblings = 0
 
     def reset(self, batch_size):
-        self.chain.reset(batch_size), self.tree.reset(batch_size)
+        self.chain.reset(batch_size), self.tree.reset(batch_size), self.sided.reset(batch_size)
 
     def retire(self, keep):
-        self.chain.retire(keep), self.tree.retire(keep)
+        self.chain.retire(keep), self.tree.retire(keep), self.sided.retire(keep)
 
     def propose(self, batch):
-        chains, trees = self.chain.propose(batch), self.tree.propose(batch)
-        for chain, tree in zip(chains.trees(), trees.trees()):
+        chains, trees, sided = self.chain.propose(batch), self.tree.propose(batch), self.sided.propose(batch)
+        for chain, tree, with_siblings in zip(chains.trees(), trees.trees(), sided.trees()):
             assert torch.equal(chain.tokens, tree.tokens) and torch.equal(chain.parents, tree.parents)
+            size = chain.size
+            assert torch.equal(with_siblings.tokens[:size], chain.tokens)
+            assert torch.equal(with_siblings.parents[:size], chain.parents)
+            for node in range(size, with_siblings.size):
+                parent = int(with_siblings.parents[node])
+                assert 0 <= parent < size - 1 and int(with_siblings.depths[node]) == parent + 1
+                assert int(with_siblings.tokens[node]) != int(chain.tokens[parent + 1])
+                assert node not in with_siblings.parents.tolist()  # a leaf
+            self.siblings += with_siblings.size - size
             self.compared += 1
-        return chains
+        return sided
 
 
 def test_chains_take_the_dynamic_trees_tokens(trained):
     """The chain path (top_k 1: no tree bookkeeping) proposes what EAGLE-2's growth of a top-1 tree
-    proposes, row by row in a ragged batch, and decoding with it stays identical to generate."""
+    proposes, row by row in a ragged batch, and decoding with siblings beside its nodes stays
+    identical to generate."""
     generator = torch.Generator().manual_seed(5)
     prompts = [progression_batch(1, length, generator)[0] for length in (6, 3, 8)]
     ids, mask = left_pad(prompts)
-    checker = ChainVsTree(trained, dict(depth=5, top_k=1, total_tokens=5))
+    checker = ChainVsTree(trained, dict(depth=5, top_k=1, total_tokens=9))  # room for siblings
     output, _ = speculative_generate(trained.target, checker, ids, 30, attention_mask=mask, pad_token_id=0)
     with torch.no_grad():
         expected = trained.backbone.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
-    assert torch.equal(output, expected) and checker.compared > 10
+    assert torch.equal(output, expected) and checker.compared > 10 and checker.siblings > 0
 
 
 def test_a_chain_stops_where_the_drafter_is_unsure(trained):
@@ -523,7 +541,7 @@ def test_a_chain_stops_where_the_drafter_is_unsure(trained):
     with torch.no_grad():
         expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
     trained.set_tree(dict(depth=6, top_k=1, total_tokens=6))
-    trained.drafter.min_acceptance = 0.0  # the raw threshold alone
+    trained.drafter.min_acceptance, trained.drafter.siblings = 0.0, 0  # the raw threshold alone, plain chains
     sizes = {}
     for confidence in (0.0, 0.9, 0.999999):
         trained.drafter.confidence = confidence
@@ -566,7 +584,7 @@ def test_min_acceptance_stops_chains_on_evidence_only(trained):
         expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
     trained.set_tree(dict(depth=6, top_k=1, total_tokens=6))
     drafter = trained.drafter
-    drafter.min_acceptance, saved = 0.5, trained.heads.chain_calibration
+    drafter.min_acceptance, drafter.siblings, saved = 0.5, 0, trained.heads.chain_calibration
     sizes = {}
     for evidence in ("none", "rejected"):
         calibration = trained.heads.chain_calibration = drafter.calibration = ChainCalibration()

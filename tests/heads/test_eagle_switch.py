@@ -293,6 +293,10 @@ def test_command_line_defaults():
     for flags in (dict(unroll_steps="2"), dict(eagle_layout="eagle1"), dict(drafting="sequential")):
         assert eagle_cli.options(_cli_args(**flags))["parallel"] is None, flags
     assert eagle_cli.options(_cli_args(parallel="1"))["drafting"] is None
+    assert options["siblings"] is None and eagle_cli.options(_cli_args(siblings="0"))["siblings"] == 0
+    assert heads.eagle.make_config(**{k: v for k, v in eagle_cli.options(_cli_args(siblings="0")).items()
+                                      if v is not None}).siblings == 0
+    assert heads.eagle.make_config().siblings == heads.eagle.config.DEFAULT_SIBLINGS == 1
     other = _cli_args()
     other.kind = "medusa"  # another kind's run: EAGLE's options stay unset
     assert eagle_cli.options(other)["parallel"] is None and eagle_cli.options(other)["drafting"] is None

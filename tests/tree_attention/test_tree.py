@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from tree_attention.tree import (
     DEFAULT_TREE_SIZES, PRIOR_ACCURACY, InvalidTreeError, Tree, best_first_choices, chain, default_tree,
-    from_choices, truncate_depth,
+    from_choices, truncate_depth, chain_with_siblings,
 )
 from tree_attention.verify import greedy_accept
 
@@ -129,3 +129,32 @@ def test_greedy_accept_nothing():
 def test_prior_accuracy_is_decreasing():
     for level in PRIOR_ACCURACY:
         assert list(level) == sorted(level, reverse=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(2, 7), st.integers(1, 3), st.integers(0, 2 ** 31 - 1))
+def test_chain_with_siblings_against_trees_built_node_by_node(rows, width, side, seed):
+    """Each row: its chain (``sizes`` nodes), then the real siblings in level order (a sibling of level
+    d is a child of chain node d - 1, only where the chain has a node at level d), then padding."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50, (rows, width), generator=generator)
+    sizes = torch.randint(1, width + 1, (rows,), generator=generator)
+    siblings = torch.randint(50, 100, (rows, (width - 1) * side), generator=generator)
+    levels = torch.arange(1, width).repeat_interleave(side)
+    real = (torch.rand(rows, (width - 1) * side, generator=generator) < 0.6) & (levels[None, :] < sizes[:, None])
+    batch = chain_with_siblings(tokens, sizes, siblings, real)
+    for row in range(rows):
+        size = int(sizes[row])
+        node_tokens, parents = tokens[row, :size].tolist(), list(range(-1, size - 1))
+        for column in torch.nonzero(real[row]).flatten().tolist():
+            node_tokens.append(int(siblings[row, column]))
+            parents.append(int(levels[column]) - 1)
+        expected = Tree.from_parents(torch.tensor(node_tokens), parents)
+        got = batch.row(row)
+        assert int(batch.sizes[row]) == expected.size
+        assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.parents, expected.parents)
+        assert torch.equal(got.depths, expected.depths) and torch.equal(got.ancestors, expected.ancestors)
+        padding = batch.visibility[row, expected.size:]
+        assert torch.equal(padding, torch.eye(batch.width, dtype=torch.bool)[expected.size:])  # padding sees itself
+        assert not batch.visibility[row, :expected.size, expected.size:].any()
+    assert batch.width == int(batch.sizes.max()) and batch.uniform == bool((batch.sizes == batch.width).all())
