@@ -36,7 +36,11 @@ steps that measure a bucket's plain cost stay in the loop):
   scaled by ``1 + EXPLORE / sqrt(row steps seen)`` (an upper confidence bound: a size seen for only
   a few steps, e.g. prompt lookup measured at the start of a reply before anything repeats, is
   tried again until its estimate is backed by evidence); plain decoding unless that beats 1 by
-  ``margin``. After :data:`RETRY_AFTER` plain choices in a row (then twice as many, and so on), a call
+  ``margin``. The size seen drafting for the most steps keeps its place (if it pays) unless another
+  is :data:`IMPROVE` faster: each size's tau comes from the calls it ran, so sizes explored on other
+  text are not comparable within a few percent (on demo code, lookup sizes 4 and 2 measured on easy
+  prompts at tau 4.2 and 2.9 displaced size 10 measured on a hard one at 2.7, and auto then ran at
+  1.9x where size 10 alone ran at 3.9x). After :data:`RETRY_AFTER` plain choices in a row (then twice as many, and so on), a call
   measures the best size again, judged as a first measurement (the lenient thresholds below, no prior
   tau): one call's few drafted steps can misjudge a size badly (the first steps of a reply accept
   less and cost more), and plain calls would never correct it.
@@ -280,6 +284,9 @@ class SpeculationPolicy:
         predicted = {size: taus[size] * plain / self.step_costs[(key, size)] for size in measured}
         bound = {size: predicted[size] * (1 + EXPLORE / max(1, evidence[size]) ** 0.5) for size in measured}
         best = max(bound, key=bound.get)
+        incumbent = max(measured, key=lambda size: (evidence[size], size))  # the size seen drafting most
+        if best != incumbent and bound[incumbent] >= self.margin and bound[best] < bound[incumbent] * (1 + IMPROVE):
+            best = incumbent  # sizes measured on different calls saw different text: a small lead is not enough
         chosen = best if bound[best] >= self.margin else 0
         retry = self._retry(key + (rule.key,), chosen, max_new_tokens)
         if retry:
@@ -339,8 +346,8 @@ class SpeculationPolicy:
         """The largest size not yet ``measured`` (a step cost in bucket ``key`` and tau seen under
         this rule and batch bucket) that could beat plain decoding by ``margin``, or None. Without a
         plain cost, the largest such size. Otherwise each is judged optimistically: its tau as the
-        next larger measured size's (a nested smaller tree accepts no more), or ``n + 1`` (every node
-        accepted) above every measured one; its cost as measured, or interpolated between plain
+        next larger measured size's (a nested smaller tree accepts no more) but at most ``n + 1`` (a
+        tree of ``n`` drafted nodes commits no more per step), or ``n + 1`` above every measured one; its cost as measured, or interpolated between plain
         decoding and the next larger size with a cost (drafting costs do not shrink with ``n``, so
         that underestimates); a size with neither a cost nor a larger one with a cost is worth trying.
 
@@ -369,7 +376,7 @@ class SpeculationPolicy:
                 total = self.step_costs[(key, other)]
                 drafting = min(self.draft_costs.get((key, other), 0.0), max(0.0, total - plain))
                 cost = plain + drafting + (total - plain - drafting) * size / other
-            tau = taus[min(larger)] if larger else size + 1
+            tau = min(taus[min(larger)], size + 1) if larger else size + 1  # n nodes commit at most n + 1
             if tau * plain / max(cost, 1e-12) >= need:
                 return size
         return None

@@ -614,3 +614,28 @@ def test_auto_tries_another_size_only_if_it_could_beat_the_winner():
     policy.record_cost(key, 8, 6.5)
     policy.record_cost(key, 8, 6.5)  # median 6.5: size 8 predicted 1.02x; size 4 at most 5.2 (1.27x)
     assert policy.choose(ids, rule, 40)["tree"] == 4
+
+
+def test_the_most_measured_size_keeps_its_place_unless_another_is_clearly_faster():
+    """Sizes measured on different calls saw different text: a size explored on easy prompts does not
+    displace the size seen drafting most for a lead under IMPROVE; a clear lead does."""
+    from types import SimpleNamespace
+
+    from heads.policy import IMPROVE, Observed, SpeculationPolicy
+
+    ids, _ = padded_batch(seed=10)
+    rule = SimpleNamespace(key="greedy")
+    policy = SpeculationPolicy((4, 10))
+    key = policy.key(ids)
+    for size, cost in ((0, 1.0), (4, 1.55), (10, 1.6)):
+        policy.record_cost(key, size, cost)
+    policy.observed[(10, "greedy", 4)] = Observed(tokens=300, row_steps=100)  # tau 3.0: predicted 1.875x
+    policy.observed[(4, "greedy", 4)] = Observed(tokens=3.0 * 25, row_steps=25)  # tau 3.0 too: predicted 1.94x
+    choice = policy.choose(ids, rule, 40)
+    predicted, bound = choice["predicted_speedup"], choice["upper_bound"]
+    assert predicted[4] > predicted[10] and bound[4] < bound[10] * (1 + IMPROVE)
+    assert choice["tree"] == 10  # the most measured size keeps its place
+    for _ in range(2):
+        policy.record_cost(key, 10, 2.5)  # size 10 measured dearer (median 2.5): predicted 1.2x against 1.94x
+    choice = policy.choose(ids, rule, 40)
+    assert choice["upper_bound"][4] > choice["upper_bound"][10] * (1 + IMPROVE) and choice["tree"] == 4
