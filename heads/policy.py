@@ -284,8 +284,9 @@ class SpeculationPolicy:
         predicted = {size: taus[size] * plain / self.step_costs[(key, size)] for size in measured}
         bound = {size: predicted[size] * (1 + EXPLORE / max(1, evidence[size]) ** 0.5) for size in measured}
         best = max(bound, key=bound.get)
-        incumbent = max(measured, key=lambda size: (evidence[size], size))  # the size seen drafting most
-        if best != incumbent and bound[incumbent] >= self.margin and bound[best] < bound[incumbent] * (1 + IMPROVE):
+        incumbent = max(measured, key=lambda size: evidence[size])  # the size seen drafting most
+        if evidence[incumbent] > evidence[best] and bound[incumbent] >= self.margin and \
+                bound[best] < bound[incumbent] * (1 + IMPROVE):
             best = incumbent  # sizes measured on different calls saw different text: a small lead is not enough
         chosen = best if bound[best] >= self.margin else 0
         retry = self._retry(key + (rule.key,), chosen, max_new_tokens)
