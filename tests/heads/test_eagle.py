@@ -602,3 +602,26 @@ def test_min_acceptance_stops_chains_on_evidence_only(trained):
     with pytest.raises(ValueError, match="min_acceptance must be a probability"):
         heads.attach_heads(model, kind="eagle", min_acceptance=-0.1)
     trained.set_tree(None)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_chain_siblings_greedy_parity_every_architecture(name):
+    """Siblings beside unsure chain nodes (a random drafter is unsure everywhere): greedy outputs are
+    identical to generate at batch 1 and in a left-padded batch, with sibling nodes in the verified
+    trees; a lossless sampled call's trees stay chains (its chain is drawn, not a top-k pick)."""
+    model = build_model(name, seed=5)
+    spec = heads.attach_heads(model, kind="eagle", depth=4, top_k=1, total_tokens=8, min_acceptance=0.0)
+    trees, propose = [], spec.drafter.propose
+    spec.drafter.propose = lambda batch: trees.append(propose(batch)) or trees[-1]
+    _check_parity(spec, model, [random_prompt(6, 7), random_prompt(11, 8)], 16)
+    prompts = [random_prompt(length, 20 + length)[0] for length in (3, 9, 6)]
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0)
+    assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), expected)
+    widest = [max(len(tree.parents) - 1 - int(tree.depths.max()) for tree in step.trees()) for step in trees]
+    assert max(widest) > 0  # some verified tree held more nodes than its chain's depth: siblings
+    trees.clear()
+    spec.generate(random_prompt(6, 9), max_new_tokens=16, do_sample=True, temperature=1.0, top_k=0)
+    assert trees and all(torch.equal(tree.parents, torch.arange(tree.size) - 1) for step in trees
+                         for tree in step.trees())
