@@ -40,9 +40,9 @@ steps that measure a bucket's plain cost stay in the loop):
   is :data:`IMPROVE` faster: each size's tau comes from the calls it ran, so sizes explored on other
   text are not comparable within a few percent (on demo code, lookup sizes 4 and 2 measured on easy
   prompts at tau 4.2 and 2.9 displaced size 10 measured on a hard one at 2.7, and auto then ran at
-  1.9x where size 10 alone ran at 3.9x). After :data:`RETRY_AFTER` plain choices in a row (then twice as many, and so on), a call
-  measures the best size again, judged as a first measurement (the lenient thresholds below, no prior
-  tau): one call's few drafted steps can misjudge a size badly (the first steps of a reply accept
+  1.9x where size 10 alone ran at 3.9x). After :data:`RETRY_AFTER` plain choices in a row (then
+  twice as many, and so on), a call measures the best size again, judged as a first measurement
+  (the lenient thresholds below, no prior tau): one call's few drafted steps can misjudge a size badly (the first steps of a reply accept
   less and cost more), and plain calls would never correct it.
 - **Choosing again within the call**: once the call has drafted :data:`SWITCH_STEPS` steps, it
   compares what drafting realised in this call (its slowest row's tau, blended with the policy's
@@ -348,9 +348,9 @@ class SpeculationPolicy:
         this rule and batch bucket) that could beat plain decoding by ``margin``, or None. Without a
         plain cost, the largest such size. Otherwise each is judged optimistically: its tau as the
         next larger measured size's (a nested smaller tree accepts no more) but at most ``n + 1`` (a
-        tree of ``n`` drafted nodes commits no more per step), or ``n + 1`` above every measured one; its cost as measured, or interpolated between plain
-        decoding and the next larger size with a cost (drafting costs do not shrink with ``n``, so
-        that underestimates); a size with neither a cost nor a larger one with a cost is worth trying.
+        tree of ``n`` drafted nodes commits no more per step), or ``n + 1`` above every measured one;
+        its cost as measured, or interpolated between plain decoding and the next larger size with a
+        cost (drafting costs do not shrink with ``n``, so that underestimates); a size with neither a cost nor a larger one with a cost is worth trying.
 
         Interpolation: only the verification part of the larger size's cost shrinks with ``n``; its
         drafting part (Medusa's heads, EAGLE's levels, a lookup) does not, and is kept whole. Once a

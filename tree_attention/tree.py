@@ -442,12 +442,7 @@ def _sibling_shape(width: int, side: int, device: torch.device) -> tuple[torch.T
         levels = torch.arange(1, width, device=device).repeat_interleave(side)  # the leaves' depths
         parents = torch.cat([columns - 1, levels - 1])
         depths = torch.cat([columns, levels])
-        total = depths.numel()
-        deepest = torch.cat([columns, levels - 1])  # the deepest chain node each node sees
-        chain_node = torch.arange(total, device=device) < width
-        ancestry = (chain_node[None, :] & (depths[None, :] <= deepest[:, None])) | \
-            torch.eye(total, dtype=torch.bool, device=device)
-        shape = _SIBLING_SHAPES.setdefault(key, (parents, depths, ancestry))
+        shape = _SIBLING_SHAPES.setdefault(key, (parents, depths, ancestor_matrix(parents)))
     return shape
 
 

@@ -240,8 +240,8 @@ class EagleDrafter:
                 rate = self.calibration.rates(bins[-1])
                 reach = reach * rate
                 growing = growing & (reach >= self.min_acceptance).to(growing.device)
-            else:
-                rate = sure.detach().to("cpu", torch.float64)
+            elif side:  # no calibration: the drafter's own probability stands for the acceptance rate
+                rate = sure.to("cpu", torch.float64)
                 reach = reach * rate
             if side:  # alternatives where the chain reaches this level and may well be rejected there
                 wanted = (before * (1.0 - rate) > SIBLING_GAIN).to(present.device)
