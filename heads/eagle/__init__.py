@@ -28,16 +28,17 @@ __all__ = ["KIND", "EagleConfig", "EagleDrafter", "EagleHeads", "Eagle3Midlayer"
            "DEFAULT_TOTAL_TOKENS", "LAYOUTS"]
 
 OPTIONS = ("num_layers", "depth", "top_k", "total_tokens", "feature_layers", "draft_vocab_size", "layout", "parallel",
-           "sample", "confidence", "min_acceptance", "drafting", "parallel_tokens", "siblings")
+           "sample", "confidence", "min_acceptance", "drafting", "parallel_tokens", "siblings", "parallel_mode")
 
 
 def make_config(num_layers: int | None = None, depth: int | None = None, top_k: int | None = None,
                 total_tokens: int | None = None, feature_layers=None, draft_vocab_size: int | None = None,
                 layout: str | None = None, parallel: int | None = None, sample: str | None = None,
                 confidence: float | None = None, min_acceptance: float | None = None, drafting: str | None = None,
-                parallel_tokens: int | None = None, siblings: int | None = None, **others) -> EagleConfig:
+                parallel_tokens: int | None = None, siblings: int | None = None, parallel_mode: str | None = None,
+                **others) -> EagleConfig:
     """The config ``attach_heads(kind="eagle", ...)`` builds; a lone ``total_tokens`` lowers the
-    default depth to fit it."""
+    default depth to fit it; ``parallel_mode`` defaults to ``heads``."""
     refuse_options("eagle", OPTIONS, others)
     shape = {name: value for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens))
              if value is not None}
@@ -49,6 +50,7 @@ def make_config(num_layers: int | None = None, depth: int | None = None, top_k: 
                        drafting=drafting,
                        parallel_tokens=EagleConfig.parallel_tokens if parallel_tokens is None else parallel_tokens,
                        siblings=EagleConfig.siblings if siblings is None else siblings,
+                       parallel_mode=parallel_mode or "heads",
                        **EagleConfig().with_tree(shape).tree)
 
 

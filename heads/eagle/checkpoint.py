@@ -83,7 +83,7 @@ def eagle_refusals(config: dict, fmt: str, target_layers: int | None = None) -> 
     label, layout = _LABEL[fmt], drafter.get("layout", "native")
     reasons = []
     if drafter.get("parallel", 1) > 1:
-        reasons.append(f"this drafter drafts {drafter['parallel']} depths in parallel with learned mask queries "
+        reasons.append(f"this drafter drafts {drafter['parallel']} depths in parallel (parallel heads or mask queries) "
                        "(parallel > 1), which EAGLE checkpoint layouts cannot hold: train with --parallel 1")
     if not is_llama(family):
         reasons.append(f"{label} loaders build Llama decoder layers; the target is {family!r} "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..draft_vocab import DRAFT_VOCAB_FROM, auto_draft_vocab, draft_vocab
-from .config import DRAFTING_MODES, LAYOUTS
+from .config import DRAFTING_MODES, LAYOUTS, PARALLEL_MODES
 
 LEARNING_RATE = 1e-2
 """``selfdraft train --kind eagle``'s default ``--lr``. The drafter's projection and decoder layer start
@@ -19,10 +19,11 @@ dominates and top-1 agreement, what acceptance counts, lags (stories260K at lr 1
 0.77 at 0.3, 0.78 at 1.0 and 3.0, deeper steps best at 0.3-1.0)."""
 PARALLEL = 3
 """``selfdraft train --kind eagle``'s default ``--parallel``, with ``--drafting auto``: the drafter also
-learns two mask queries, and greedy serving drafts each step sequentially or in parallel, whichever
-commits more tokens per second on the machine and traffic (:mod:`heads.eagle.switch`). The
-teacher-forced pairs are trained exactly as a sequential drafter's (``--parallel 1``), but they share
-the layer with the mask queries (see ``--mask-query-weight``)."""
+learns two Medusa-style heads for depths 2 and 3 (``--parallel-mode heads``), and greedy serving
+drafts each step sequentially or in parallel, whichever commits more tokens per second on the machine
+and traffic (:mod:`heads.eagle.switch`). The drafter itself trains exactly as a sequential drafter's
+(``--parallel 1``): the heads read the input feature with its gradient stopped. (With
+``--parallel-mode mask`` it shares its layer with mask queries, see ``--mask-query-weight``.)"""
 
 
 def layer_list(text: str) -> list[int]:
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "layer, exportable with --format eagle) or eagle3 (the EAGLE-3 midlayer, needs three "
                             "--feature-layers, exportable with --format eagle3); Llama-family targets only")
     group.add_argument("--parallel", type=int, default=None,
-                       help=f"depths drafted in one drafter forward with learned mask queries (P-EAGLE style; "
+                       help=f"depths drafted from one drafter forward per step (see --parallel-mode; "
                             f"default {PARALLEL} with --drafting auto; 1: sequential EAGLE only, one forward per "
                             "tree level). K > 1 drafts a static "
                             "top-k tree of min(depth, K) levels from one forward per step")
@@ -59,8 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how a drafter trained with --parallel > 1 drafts: auto (default with --parallel > 1: "
                             "greedy calls measure both modes while serving and draft with the faster), parallel or "
                             "sequential")
+    group.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
+                       help="--parallel > 1: where depths 2..K come from: heads (default; Medusa-style heads on the "
+                            "root's feature, which leave the drafter's layer to sequential drafting) or mask "
+                            "(learned mask queries in the drafter forward, sharing its layer)")
     group.add_argument("--mask-query-weight", type=float, default=0.2,
-                       help="--parallel > 1: weight of the mask queries' losses against the teacher-forced pairs' "
+                       help="--parallel-mode mask: weight of the mask queries' losses against the teacher-forced pairs' "
                             "(default 0.2; higher favours the parallel mode over the sequential one)")
     group.add_argument("--parallel-tokens", type=int, default=None,
                        help="--drafting auto: drafted nodes of the parallel mode's static tree (default 16)")
@@ -84,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def default_parallel(args: argparse.Namespace) -> bool:
     """Whether ``--parallel`` defaults to :data:`PARALLEL`: not where another flag asks for what parallel
     drafting cannot do (``--unroll-steps`` > 1 trains sequential steps; the ``eagle1``/``eagle3``
-    layouts are for export to formats without mask queries; ``--drafting sequential``)."""
+    layouts are for export to formats without parallel depths; ``--drafting sequential``)."""
     return (args.unroll_steps == 1 and args.eagle_layout in (None, "native")
             and getattr(args, "drafting", None) in (None, "auto", "parallel"))
 
@@ -103,7 +108,8 @@ def options(args: argparse.Namespace) -> dict:
             "draft_vocab_size": args.draft_vocab_size if isinstance(args.draft_vocab_size, int) else None,
             "layout": args.eagle_layout,
             "parallel": parallel, "confidence": getattr(args, "confidence", None),
-            "min_acceptance": args.min_acceptance, "siblings": getattr(args, "siblings", None)}
+            "min_acceptance": args.min_acceptance, "siblings": getattr(args, "siblings", None),
+            "parallel_mode": getattr(args, "parallel_mode", None)}
 
 
 def train_options(args: argparse.Namespace) -> dict:

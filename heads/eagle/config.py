@@ -26,6 +26,7 @@ DEFAULT_SIBLINGS = 1
 _TREE_FIELDS = DYNAMIC_FIELDS
 LAYOUTS = tuple(EAGLE_LAYOUT_FAMILIES)
 DRAFTING_MODES = ("sequential", "parallel", "auto")
+PARALLEL_MODES = ("heads", "mask")
 
 
 def _positive_int(value: object, name: str, low: int = 1) -> None:
@@ -56,17 +57,27 @@ class EagleConfig:
     no first input layernorm, no final norm) or ``eagle3`` (the EAGLE-3 midlayer; needs three
     ``feature_layers``). The last two export to the EAGLE/EAGLE-3 checkpoint layouts."""
     parallel: int = 1
-    """Depths drafted in one drafter forward (parallel drafting, P-EAGLE/PARD style). 1: EAGLE's
+    """Depths drafted from one drafter forward per step (parallel drafting). 1: EAGLE's
     sequential drafting (one drafter forward per tree level, dynamic tree). ``K > 1``: the forward
-    that commits the new pairs also runs ``K - 1`` learned mask queries after each row's last pair,
-    giving the token distributions of depths 1..K at once; the tree is then a static top-k tree
+    that commits the new pairs gives depth 1 and ``parallel_mode``'s heads or mask queries depths
+    2..K, all at once; the tree is then a static top-k tree
     over those depths (:mod:`heads.eagle.parallel`): ``min(depth, K)`` deep, at most ``top_k``
     candidates per depth, ``total_tokens`` nodes chosen best-first by measured (else prior)
-    per-depth, per-rank accuracy. Adds the ``mask_embedding`` and ``mask_feature`` tensors."""
+    per-depth, per-rank accuracy. Where depths 2..K come from: ``parallel_mode``."""
+    parallel_mode: str | None = None
+    """``parallel`` > 1 only: where the one-forward tree's depths 2..K come from. ``heads``
+    (``attach_heads`` and ``selfdraft train``'s default): ``K - 1`` Medusa-style heads
+    (``parallel_heads``: a residual block and their own output rows over the draft vocabulary,
+    started from the output head's) read the root's drafter input feature (the backbone's top
+    feature, or the fused ones) with its gradient stopped; depth 1 is the drafter's own prediction.
+    Nothing they learn touches the drafter's layer, which trains exactly as a sequential drafter's.
+    ``mask``: ``K - 1`` learned mask queries (``mask_feature``, ``mask_embedding``) run in the
+    committing forward after each row's last pair (P-EAGLE/PARD style); they share the layer and
+    pull it their way (``mask_query_weight``). None: ``mask`` (adapters written before this field)."""
     drafting: str | None = None
     """How a drafter trained with ``parallel = K > 1`` drafts: ``parallel`` (one forward per step,
     the static tree above), ``sequential`` (EAGLE's dynamic tree of ``depth``/``top_k``/
-    ``total_tokens``, one forward per level; the mask queries unused) or ``auto``: greedy calls
+    ``total_tokens``, one forward per level; the parallel depths unused) or ``auto``: greedy calls
     measure the tokens per second of each mode on this machine and draft with the faster
     (:mod:`heads.eagle.switch`), the parallel mode with a tree of ``parallel_tokens`` nodes; a
     lossless sampled call drafts in one mode throughout, the one whole calls at its sampling
@@ -122,6 +133,10 @@ class EagleConfig:
         _positive_int(self.parallel, "parallel")
         _positive_int(self.parallel_tokens, "parallel_tokens")
         _positive_int(self.siblings, "siblings", low=0)
+        if self.parallel_mode is None:
+            self.parallel_mode = "mask"
+        if self.parallel_mode not in PARALLEL_MODES:
+            raise ValueError(f"EagleConfig.parallel_mode must be one of {PARALLEL_MODES}; got {self.parallel_mode!r}")
         if self.drafting is None:
             self.drafting = "sequential" if self.parallel == 1 else "parallel"
         if self.drafting not in DRAFTING_MODES:

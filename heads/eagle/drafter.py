@@ -62,6 +62,29 @@ def dense_forward(heads: EagleHeads, target, cache: cache_ops.RaggedCache, commi
     return predicted, committed + width
 
 
+def commit_forward(heads: EagleHeads, target, cache: cache_ops.RaggedCache, committed: torch.Tensor,
+                   batch: DraftBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter forward that appends each row's pairs (features[i], tokens[i + 1]) and
+    (features[-1], root) to ``cache`` (already cropped); ragged rows leave holes. Returns the
+    predicted features at the roots' positions ``[R, d]`` (depth 1) and the new committed counts."""
+    if dense_ok(heads, batch, cache):
+        predicted, committed = dense_forward(heads, target, cache, committed, batch)
+        return predicted[:, -1], committed  # (R, d)
+    rows, width = batch.tokens.shape
+    device, dtype = committed.device, target.dtype
+    counts, next_tokens, valid = committed_pairs(batch, device)
+    last, row_index, columns = counts - 1, torch.arange(rows, device=device), torch.arange(width, device=device)
+    visible = causal_visibility(width, device) & (valid[:, None, :] | torch.eye(width, dtype=torch.bool,
+                                                                                device=device)[None])
+    positions = committed[:, None] + columns[None, :]
+    mask = cache.mask(positions, visible, heads.layout, dtype)
+    embeddings = target.input_embeddings(next_tokens)  # (R, n, d)
+    features = heads.fuse(batch.features.to(device=device, dtype=dtype))
+    predicted = heads.step(features, embeddings, positions, mask, cache.cache)
+    cache.extend(valid, positions)
+    return predicted[row_index, last], committed + counts  # (R, d)
+
+
 SIBLING_GAIN = 0.125
 """A chain level gets its ``siblings`` when the estimated chance that the chain reaches the level and
 its node there is rejected exceeds this (then a sibling is accepted about half the time on the
@@ -176,23 +199,8 @@ class EagleDrafter:
         if self.min_acceptance > 0:
             self._learn(batch)
         self.cache.crop()
-        rows, width = batch.tokens.shape
-        device, dtype = self.committed.device, self.target.dtype
-        if dense_ok(self.heads, batch, self.cache):
-            predicted, self.committed = dense_forward(self.heads, self.target, self.cache, self.committed, batch)
-            return predicted[:, -1]  # (R, d)
-        counts, next_tokens, valid = committed_pairs(batch, self.committed.device)
-        last, row_index, columns = counts - 1, torch.arange(rows, device=device), torch.arange(width, device=device)
-        visible = causal_visibility(width, device) & (valid[:, None, :] | torch.eye(width, dtype=torch.bool,
-                                                                                    device=device)[None])
-        positions = self.committed[:, None] + columns[None, :]
-        mask = self.cache.mask(positions, visible, self.heads.layout, dtype)
-        embeddings = self.target.input_embeddings(next_tokens)  # (R, n, d)
-        features = self.heads.fuse(batch.features.to(device=device, dtype=dtype))
-        predicted = self.heads.step(features, embeddings, positions, mask, self.cache.cache)
-        self.cache.extend(valid, positions)
-        self.committed = self.committed + counts
-        return predicted[row_index, last]  # (R, d)
+        root_features, self.committed = commit_forward(self.heads, self.target, self.cache, self.committed, batch)
+        return root_features
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> TreeBatch:

@@ -24,7 +24,10 @@ identity and a copy of the output head); a random EAGLE drafter does not, and on
 to 0.68 / 0.63 (0.52 -> 0.65 at step 1 with a learning rate of 1e-3); see
 ``benchmarks/bench_eagle_recipe.py``.
 
-Parallel drafting (``EagleConfig.parallel = K > 1``, :mod:`heads.eagle.parallel`): the drafter's
+Parallel drafting (``EagleConfig.parallel = K > 1``, :mod:`heads.eagle.parallel`), ``heads`` mode
+(the default): the drafter trains exactly as a sequential one, and parallel head ``j`` reads the
+anchor's input feature (gradient stopped) and is scored against the target's distribution ``j + 1``
+tokens after the drafter's depth 1 (:func:`depth_head_losses`). ``mask`` mode: the drafter's
 one training forward runs the teacher-forced pairs and ``K - 1`` blocks of mask queries
 (:meth:`~heads.eagle.modules.EagleHeads.parallel_forward`); anchor ``t``'s mask query ``j`` sees the
 pairs ``<= t`` and its own earlier mask queries, as at decode time, and is scored like unrolled
@@ -110,6 +113,38 @@ def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor
     return total, agreement
 
 
+def depth_head_losses(depth_logits: Sequence[torch.Tensor], teacher_logits: torch.Tensor,
+                      attention_mask: torch.Tensor, config, token_map: torch.Tensor | None = None, *,
+                      losses) -> tuple[torch.Tensor, list[float]]:
+    """Parallel heads' loss (``heads`` mode): head ``j`` (``depth_logits[j - 1]`` ``[B, T, V']``, read
+    at anchor ``t``) against the target's distribution for the token at ``t + j + 2``, i.e.
+    ``teacher_logits[:, t + j + 1]``, weighted ``head_decay ** j`` like unrolled step ``j + 1``;
+    and each head's top-1 agreement."""
+    length = teacher_logits.shape[1]
+    in_draft = None
+    if token_map is not None:
+        in_draft = torch.zeros(teacher_logits.shape[-1], dtype=torch.bool, device=teacher_logits.device)
+        in_draft[token_map] = True
+    total = teacher_logits.new_zeros((), dtype=torch.float32)
+    agreement = []
+    for index, logits in enumerate(depth_logits, start=1):
+        shift = index + 1
+        if length <= shift:
+            agreement.append(0.0)
+            continue
+        valid = attention_mask[:, shift:].bool()
+        teacher = teacher_logits[:, shift:]
+        if in_draft is not None:
+            valid = valid & in_draft[teacher.argmax(-1)]
+            teacher = teacher[..., token_map]
+        student = logits[:, :length - shift].float()
+        loss = losses.divergence(config.divergence, student, teacher, config.temperature, config.jsd_beta, valid)
+        total = total + config.head_decay ** index * config.token_weight * loss
+        with torch.no_grad():
+            agreement.append(float(losses.masked_mean((student.argmax(-1) == teacher.argmax(-1)).float(), valid)))
+    return total, agreement
+
+
 class EagleLoss:
     """The EAGLE training hook (``KIND.loss``); ``context``: see :class:`training.trainer.LossContext`.
     Refuses a config it cannot train (``hard_label_weight`` belongs to Medusa)."""
@@ -124,9 +159,11 @@ class EagleLoss:
         self.spec = context.spec
         self.config = context.config
         self.parallel = self.spec.config.parallel
-        if self.parallel > 1 and context.config.unroll_steps > 1:
-            raise ValueError(f"unroll_steps ({context.config.unroll_steps}) trains sequential drafting; a parallel "
-                             f"drafter (parallel={self.parallel}) trains its mask queries instead: use unroll_steps 1")
+        self.mask_queries = self.parallel > 1 and self.spec.heads.mask_feature is not None
+        if self.mask_queries and context.config.unroll_steps > 1:
+            raise ValueError(f"unroll_steps ({context.config.unroll_steps}) trains sequential drafting; a drafter "
+                             f"with mask queries (parallel={self.parallel}, parallel_mode 'mask') trains them "
+                             "instead: use unroll_steps 1, or parallel_mode 'heads'")
 
     def prepare(self) -> None:
         """Fit the projection (:meth:`fit_projection`); with a reduced draft vocabulary, choose it
@@ -134,7 +171,7 @@ class EagleLoss:
         heads = self.spec.heads
         if heads.token_map is not None:
             heads.set_token_map(frequent_tokens(self.context.train_sequences, self.spec.target.vocab_size,
-                                                heads.draft_vocab_size))
+                                                heads.draft_vocab_size), self.spec.target)
         self.fit_projection()
         if heads.mask_feature is not None:
             self.fit_mask_inputs()
@@ -214,9 +251,11 @@ class EagleLoss:
         top, inputs, teacher, embeddings = self._targets(input_ids, attention_mask)
         if noise_indices is not None and self.config.feature_noise:
             inputs = inputs + self._noise(inputs, attention_mask, noise_indices, step)
-        with accelerator.autocast():  # parallel drafting: the K depths of one forward with mask queries
-            predictions = heads(inputs, embeddings, steps, parallel=self.parallel > 1)
         drafter = accelerator.unwrap_model(heads)
+        with accelerator.autocast():  # mask queries: the K depths of one forward
+            predictions = heads(inputs, embeddings, steps, parallel=self.mask_queries)
+            depth_logits = (drafter.depth_logits(self.spec.target, drafter.fuse(inputs))
+                            if drafter.parallel_heads is not None else [])
         rows = drafter.draft_rows(self.spec.target)
 
         def logits(features: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., V') through the frozen head
@@ -224,8 +263,12 @@ class EagleLoss:
 
         loss, agreement = eagle_losses(predictions, top, teacher, attention_mask, logits, self.config,
                                        drafter.token_map, drafter.head_features, losses=self.context.losses,
-                                       parallel=self.parallel > 1)
-        return loss, agreement, predictions, logits, teacher
+                                       parallel=self.mask_queries)
+        if depth_logits:  # heads mode: depth j + 1 at anchor t is the target's token at t + j + 2
+            head_loss, head_agreement = depth_head_losses(depth_logits, teacher, attention_mask, self.config,
+                                                          drafter.token_map, losses=self.context.losses)
+            loss, agreement = loss + head_loss, agreement + head_agreement
+        return loss, agreement, predictions, logits, teacher, depth_logits
 
     def micro_loss(self, heads, input_ids: torch.Tensor, attention_mask: torch.Tensor, indices: list[int],
                    step: int) -> tuple[torch.Tensor, list[float]]:
@@ -246,19 +289,25 @@ class EagleLoss:
         at ``t + j`` is the drafter's rank-r candidate, r < ``max_rank``. Parallel drafting: per
         depth ``j = 1..parallel`` of its one forward (the real pair, then the mask queries)."""
         heads = self.spec.heads
-        steps = self.parallel if self.parallel > 1 else steps or max(self.config.unroll_steps, 3)
+        if self.parallel > 1:  # one forward's depths: sequential step 1 and the heads, or the mask queries
+            steps, forward_steps = self.parallel, (self.parallel if self.mask_queries else 1)
+        else:
+            steps = forward_steps = steps or max(self.config.unroll_steps, 3)
         counts, total = torch.zeros(steps, max_rank), 0
         validation = self.context.validation_sequences
         for start in range(0, len(validation), 4):
             input_ids, attention_mask = self.context.collate(validation[start:start + 4])
-            _, _, predictions, logits, teacher = self._loss(heads, input_ids, attention_mask, steps)
+            _, _, predictions, logits, teacher, depth_logits = self._loss(heads, input_ids, attention_mask,
+                                                                          forward_steps)
             length = input_ids.shape[1]
-            for index, predicted in enumerate(predictions):
+            scored = [(predicted, logits) for predicted in predictions]
+            scored += [(head_logits, lambda values: values) for head_logits in depth_logits]
+            for index, (predicted, to_scores) in enumerate(scored[:steps]):
                 shift = index + 1
                 if length <= shift:
                     continue
                 valid = attention_mask[:, shift:].bool()
-                scores = logits(predicted[:, :length - shift])  # (B, T', V')
+                scores = to_scores(predicted[:, :length - shift])  # (B, T', V')
                 ranked = heads.target_ids(scores.topk(min(max_rank, scores.shape[-1]), dim=-1).indices)
                 hits = ranked == teacher[:, shift:].argmax(-1, keepdim=True)  # (B, T', R)
                 counts[index, :hits.shape[-1]] += hits[valid].float().sum(0).cpu()

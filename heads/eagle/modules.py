@@ -55,7 +55,7 @@ from torch import nn
 from tree_attention import cache as cache_ops
 from tree_attention.mask import AttentionMask, layout_masks
 
-from ..backbone import Backbone, attention_layout
+from ..backbone import Backbone, OutputRows, attention_layout
 from ..draft_vocab import check_token_map
 from ..families import check_eagle_layout, decoder_copy, eagle3_parts, lean_decoder_ok, rotary_attention
 from ..lean import LeanDecoder, weights_state
@@ -137,6 +137,23 @@ class Eagle3Midlayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class DepthHead(nn.Module):
+    """One depth of parallel drafting's ``heads`` mode (a Medusa head): ``x + SiLU(W x + b)`` over the
+    root's drafter input feature, then its own output rows ``[V', d]`` (the draft vocabulary's), read
+    through the backbone's logit post-processing. ``W`` starts at zero and the rows at the output
+    head's, so an untrained head predicts the root's own next token."""
+
+    def __init__(self, hidden: int, rows: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.weight = nn.Parameter(torch.zeros(rows, hidden))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return features + nn.functional.silu(self.linear(features))
+
+
 class EagleHeads(nn.Module):
     """The trainable drafter: fusion (option), projection and decoder copy (``native``/``eagle1``
     layouts) or fusion and :class:`Eagle3Midlayer` (``eagle3``); the only tensors in the adapter
@@ -161,17 +178,20 @@ class EagleHeads(nn.Module):
         self._draft_rows = None  # (source key, OutputRows) of the draft vocabulary, see draft_rows
         self._lean = LeanDecoder(self.decoder) if self.projection is not None and lean_decoder_ok(self.decoder) else None
         self.layout = attention_layout(self.decoder.config)
-        if config.parallel > 1:  # the inputs of parallel drafting's mask queries (set from data by EagleLoss)
+        self.mask_embedding = self.mask_feature = self.parallel_heads = None
+        if config.parallel > 1 and config.parallel_mode == "mask":  # mask queries' inputs (set from data by EagleLoss)
             self.mask_embedding = nn.Parameter(torch.zeros(hidden))
             self.mask_feature = nn.Parameter(torch.zeros(hidden))
-        else:
-            self.mask_embedding = self.mask_feature = None
+        elif config.parallel > 1:  # depths 2..K: Medusa-style heads on the root's input feature
+            rows = config.draft_vocab_size or target.vocab_size
+            self.parallel_heads = nn.ModuleList(DepthHead(hidden, rows) for _ in range(config.parallel - 1))
         self.chain_calibration = ChainCalibration()  # serving statistics, not weights: never saved
         self.drafting_choices: dict = {}  # drafting="auto": per configuration, heads.eagle.switch.DraftingChoice
         if config.draft_vocab_size is not None:
             self.register_buffer("token_map", torch.arange(config.draft_vocab_size))
         else:
             self.token_map = None
+        self.copy_depth_rows(target)
 
     @property
     def output_norm(self) -> nn.Module | None:
@@ -182,11 +202,14 @@ class EagleHeads(nn.Module):
     def draft_vocab_size(self) -> int | None:
         return None if self.token_map is None else int(self.token_map.numel())
 
-    def set_token_map(self, token_ids: torch.Tensor) -> None:
-        """Use ``token_ids`` ``[V']`` (distinct target ids) as the draft vocabulary."""
+    def set_token_map(self, token_ids: torch.Tensor, target: Backbone | None = None) -> None:
+        """Use ``token_ids`` ``[V']`` (distinct target ids) as the draft vocabulary; with ``target``,
+        the parallel heads' output rows restart from its output head's rows of those tokens."""
         if self.token_map is None:
             raise ValueError("set_token_map: this drafter has no reduced vocabulary (draft_vocab_size=None)")
         self.token_map.copy_(check_token_map(token_ids, self.token_map.numel()))
+        if target is not None:
+            self.copy_depth_rows(target)
 
     def draft_rows(self, target: Backbone):
         """What ``target.logits`` turns predicted features into logits with: the output-head rows
@@ -259,6 +282,24 @@ class EagleHeads(nn.Module):
             outputs.append(inputs)
         return outputs
 
+    @torch.no_grad()
+    def copy_depth_rows(self, target: Backbone) -> None:
+        """Start every parallel head's output rows as the output head's rows of the draft vocabulary
+        (``heads`` mode; nothing otherwise). Called at build time and after :meth:`set_token_map`."""
+        if self.parallel_heads is None:
+            return
+        rows = target.output_rows(self.token_map).weight
+        for head in self.parallel_heads:
+            head.weight.copy_(rows)
+
+    def depth_logits(self, target: Backbone, inputs: torch.Tensor) -> list[torch.Tensor]:
+        """``heads`` mode: logits ``[..., V']`` of depths 2..K from the root's drafter input features
+        ``[..., d]`` (:meth:`fuse`'s output; read with the gradient stopped)."""
+        if self.parallel_heads is None:
+            raise ValueError("this EAGLE drafter has no parallel heads (EagleConfig.parallel_mode is not 'heads')")
+        stopped = inputs.detach()
+        return [target.logits(head(stopped), OutputRows(head.weight, None)) for head in self.parallel_heads]
+
     def mask_inputs(self, batch: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs of ``count`` mask queries per row: features and token embeddings ``[batch, count, d]``."""
         if self.mask_feature is None:
@@ -274,6 +315,9 @@ class EagleHeads(nn.Module):
         ``j`` at anchor ``t`` predicts the feature at ``t + j + 1`` (entry 0: the pair at ``t`` itself,
         entry ``j >= 1``: anchor ``t``'s mask query ``j``).
         """
+        if self.mask_feature is None:
+            raise ValueError("parallel_forward trains mask queries (parallel_mode 'mask'); a 'heads' drafter trains "
+                             "its sequential step with forward() and its heads with depth_logits()")
         batch, length, _ = features.shape
         parallel = self.config.parallel
         mask_features, mask_embeddings = self.mask_inputs(batch, (parallel - 1) * length)

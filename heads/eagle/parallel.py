@@ -2,7 +2,15 @@
 
 Sequential EAGLE runs one drafter forward per tree level; on small targets each forward costs
 about as much as a fraction of the whole verification forward, so drafting, not verification,
-bounds the speed. Here the forward that commits each row's new (feature, next token) pairs also
+bounds the speed. Here one drafter forward per step gives the distributions of depths 1..K.
+
+``heads`` mode (``EagleConfig.parallel_mode``, the default): the forward that commits each row's new
+(feature, next token) pairs is the sequential drafter's, and its prediction at the root gives depth 1;
+depths 2..K come from ``K - 1`` Medusa-style heads on the root's input feature (the backbone's feature
+at the position before the root), each with its own output rows. Trained with that feature's
+gradient stopped, the heads leave the drafter's layer to the sequential chain.
+
+``mask`` mode: the forward that commits each row's new (feature, next token) pairs also
 runs ``K - 1`` mask queries after the row's last pair: query ``j`` sits at position
 ``last + j``, reads the learned ``mask_feature`` and ``mask_embedding`` and attends to the row's
 committed entries and its earlier mask queries. The last pair's output gives the depth-1
@@ -34,7 +42,7 @@ from tree_attention.tree import (
 from ..backbone import Backbone
 from ..families import position_limit
 from .config import EagleConfig
-from .drafter import committed_pairs, dense_forward, dense_ok
+from .drafter import commit_forward, committed_pairs, dense_forward, dense_ok
 from .modules import EagleHeads, check_against_target
 
 
@@ -63,7 +71,7 @@ class ParallelEagleDrafter:
     def __init__(self, heads: EagleHeads, target: Backbone, config: EagleConfig,
                  accuracy: Sequence[Sequence[float]] | None = None) -> None:
         check_against_target(config, target)
-        if config.parallel < 2 or heads.mask_feature is None:
+        if config.parallel < 2 or (heads.mask_feature is None and heads.parallel_heads is None):
             raise ValueError(f"ParallelEagleDrafter needs a drafter trained for parallel drafting (parallel >= 2); "
                              f"config.parallel is {config.parallel}")
         self.heads = heads
@@ -121,6 +129,23 @@ class ParallelEagleDrafter:
         self.committed = self.committed + counts
         return torch.cat([predicted[row_index, last][:, None], predicted[:, width:]], dim=1)  # (R, K, d)
 
+    def _logits(self, batch: DraftBatch, depths: int) -> torch.Tensor:
+        """The drafter's logits ``[R, depths, V']`` of depths ``1..depths`` for every row: the commit
+        forward's prediction (depth 1) and the heads (``heads`` mode), or the forward's prediction
+        and its mask queries' (``mask`` mode)."""
+        rows = self.heads.draft_rows(self.target)
+        if self.heads.parallel_heads is None:
+            return self.target.logits(self._draft(batch)[:, :depths], rows)
+        self.cache.crop()
+        first, self.committed = commit_forward(self.heads, self.target, self.cache, self.committed, batch)
+        logits = [self.target.logits(first, rows)]  # (R, V')
+        if depths > 1:
+            device = first.device
+            last = (batch.lengths.to(device) - 1)[:, None, None].expand(-1, 1, batch.features.shape[-1])
+            root = batch.features.to(device=device, dtype=first.dtype).gather(1, last)[:, 0]  # (R, F)
+            logits += self.heads.depth_logits(self.target, self.heads.fuse(root))[:depths - 1]
+        return torch.stack(logits, dim=1)
+
     def _depth_limits(self) -> list[int] | None:
         """Each row's deepest verifiable node near a hard position limit (its root sits at position
         ``committed``); None when no row is near one."""
@@ -138,10 +163,8 @@ class ParallelEagleDrafter:
         roots = batch.roots[:, None]  # (R, 1)
         if template.size == 1:  # total_tokens 0: nothing to draft (the cache is reset by every generate)
             return TreeBatch.from_template(template, roots)
-        depths = template.max_depth
-        predicted = self._draft(batch)[:, :depths]  # (R, depth, d)
+        logits = self._logits(batch, template.max_depth)  # (R, depth, V')
         self.cache.compact()
-        logits = self.target.logits(predicted, self.heads.draft_rows(self.target))  # (R, depth, V')
         candidates = self.heads.target_ids(torch.topk(logits, self.top_k, dim=-1).indices)  # (R, depth, top_k)
         drafted = candidates.reshape(batch.rows, -1)[:, self._candidate_index]  # (R, N - 1)
         trees = TreeBatch.from_template(template, torch.cat([roots.to(drafted.device), drafted], dim=1))

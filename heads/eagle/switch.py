@@ -7,7 +7,7 @@ next to the verification forward: on stories260K (5 layers of width 64, where ev
 Python overhead) a drafter level costs about a seventh of a verification and the parallel tree wins;
 on demo-llama (whose verification grows by about 0.5 ms per node) the sequential chain does. A
 drafter trained with ``parallel = K`` serves both: its teacher-forced pairs are trained exactly as a
-sequential drafter's first step, and its mask queries give the parallel depths.
+sequential drafter's first step, and its parallel heads (or mask queries) give the parallel depths.
 
 :class:`SwitchingEagleDrafter` holds one drafter of each mode over one shared drafter cache (both
 append a step's committed pairs the same way and crop whatever they drafted past them at the next

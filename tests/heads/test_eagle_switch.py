@@ -260,13 +260,15 @@ def test_training_an_auto_drafter_and_the_mask_query_weight(tmp_path):
     model = build_model("llama", seed=4)
     sequences = list(greedy_reference(model, progression_batch(24, 6, torch.Generator().manual_seed(7)), 12))
     losses = {}
-    for weight in (0.0, 1.0):
-        spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto")
-        torch.manual_seed(0)
-        trainer = make_trainer(spec, sequences, TrainConfig(steps=1, batch_size=4, mask_query_weight=weight),
-                               progress=False)
-        losses[weight] = trainer.train().losses[0]
-    assert losses[1.0] > losses[0.0]  # the mask queries' losses count only with their weight
+    for mode in ("mask", "heads"):
+        for weight in (0.0, 1.0):
+            torch.manual_seed(0)
+            spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto", parallel_mode=mode)
+            trainer = make_trainer(spec, sequences, TrainConfig(steps=1, batch_size=4, mask_query_weight=weight),
+                                   progress=False)
+            losses[mode, weight] = trainer.train().losses[0]
+    assert losses["mask", 1.0] > losses["mask", 0.0]  # the mask queries' losses count only with their weight
+    assert losses["heads", 1.0] == losses["heads", 0.0]  # and the heads mode has none
     assert spec.config.drafting == "auto" and isinstance(spec.drafter, SwitchingEagleDrafter)
     spec.save_pretrained(tmp_path / "auto")
     loaded = heads.load_heads(model, tmp_path / "auto")
@@ -288,6 +290,10 @@ def _cli_args(**flags) -> argparse.Namespace:
 def test_command_line_defaults():
     options = eagle_cli.options(_cli_args())
     assert options["parallel"] == eagle_cli.PARALLEL and options["drafting"] == "auto"
+    assert heads.eagle.make_config(**{k: v for k, v in options.items() if v is not None}).parallel_mode == "heads"
+    assert eagle_cli.options(_cli_args(parallel_mode="mask"))["parallel_mode"] == "mask"
+    with pytest.raises(ValueError, match="parallel_mode must be one of"):
+        heads.eagle.EagleConfig(parallel=3, parallel_mode="queries")
     assert eagle_cli.train_options(_cli_args())["mask_query_weight"] == 0.2
     assert eagle_cli.train_options(_cli_args(mask_query_weight="0.5"))["mask_query_weight"] == 0.5
     for flags in (dict(unroll_steps="2"), dict(eagle_layout="eagle1"), dict(drafting="sequential")):
