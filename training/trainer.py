@@ -292,6 +292,7 @@ class DistillationTrainer:
         optimizer = torch.optim.AdamW([{"params": parameters}, *backbone_groups], lr=config.learning_rate,
                                       weight_decay=config.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
+        clip_groups = self._clip_groups(parameters)
         heads, optimizer = accelerator.prepare(self.spec.heads, optimizer)
         result = TrainResult()
         start_step = result.start_step = self._resume(heads, optimizer, scheduler, result) if resume else 0
@@ -306,7 +307,8 @@ class DistillationTrainer:
                 result.on_policy_refreshes.append(step)
             step_loss, step_agreement, count = self._step(heads, self.batch(step), step)
             tokens += count
-            accelerator.clip_grad_norm_(parameters, config.max_grad_norm)
+            for group in clip_groups:
+                accelerator.clip_grad_norm_(group, config.max_grad_norm)
             self._reduce_backbone_gradients(backbone_parameters)
             optimizer.step()
             scheduler.step()
@@ -326,6 +328,16 @@ class DistillationTrainer:
         result.accuracy = self.hook.rank_accuracy()
         self.hook.finish(result.accuracy)
         return result
+
+    def _clip_groups(self, parameters: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+        """The drafter's trainable tensors split into groups whose gradient norms are clipped apart
+        (the hook's ``clip_groups``, e.g. EAGLE's parallel heads apart from the drafter, so that their
+        large early gradients do not shrink the drafter's updates; one group by default)."""
+        declared = getattr(self.hook, "clip_groups", None)
+        groups = [[p for p in group if p.requires_grad] for group in declared()] if declared is not None else []
+        covered = {id(p) for group in groups for p in group}
+        rest = [p for p in parameters if id(p) not in covered]
+        return [group for group in groups + [rest] if group]
 
     def _backbone_groups(self) -> list[dict]:
         """The hook's optimizer groups of backbone tensors (none for most hooks)."""

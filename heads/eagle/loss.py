@@ -270,6 +270,13 @@ class EagleLoss:
             loss, agreement = loss + head_loss, agreement + head_agreement
         return loss, agreement, predictions, logits, teacher, depth_logits
 
+    def clip_groups(self) -> list[list[torch.nn.Parameter]]:
+        """``heads`` mode: the parallel heads' gradient norm is clipped apart from the drafter's (the
+        trainer clips each group to ``max_grad_norm``), so that their losses, which never reach the
+        drafter's tensors, do not scale its updates down through a shared clip either."""
+        heads = self.spec.heads
+        return [list(heads.parallel_heads.parameters())] if heads.parallel_heads is not None else []
+
     def micro_loss(self, heads, input_ids: torch.Tensor, attention_mask: torch.Tensor, indices: list[int],
                    step: int) -> tuple[torch.Tensor, list[float]]:
         loss, agreement, *_ = self._loss(heads, input_ids, attention_mask, self.config.unroll_steps, indices, step)

@@ -62,7 +62,10 @@ wins its windows by 25-80%, and each step of the slower mode costs about 1.6x on
 EXPLOIT = 192
 """Steps of the faster mode after a window whose two rates were 10% apart; the stretch is shorter for
 a closer call (down to a quarter) and longer for a wider gap (up to 4x). Then the next window
-measures both again."""
+measures both again. A window whose cycles split (a block of each mode, on the same text; the loser
+won at least half as many cycles as the winner) counts as a close call whatever the gap of its sums:
+on demo-llama prose, where the modes tie, one unlucky 16-step window put the parallel tree ahead by
+43% and kept it for 513 steps."""
 SATURATION_STEPS = 8
 SATURATION = 0.85
 """A stretch of the shallower mode also ends once its last :data:`SATURATION_STEPS` steps committed
@@ -106,6 +109,8 @@ class DraftingChoice:
         self.chosen: str | None = None  # the faster mode of the last window
         self._warm = WARMUP
         self._exploring = 0  # steps of the current window drafted so far (0: not exploring)
+        self._cycle = {mode: [0.0, 0.0] for mode in MODES}  # the current cycle's tokens and seconds per mode
+        self._votes = dict.fromkeys(MODES, 0)  # cycles of the current window that each mode won
         self._left = 0  # steps left in the current stretch of the chosen mode
         self._stretch = [0.0, 0.0, 0]  # the current stretch's measured tokens, seconds and steps
         self.rechecks = 0  # stretches ended early because their rate drifted (statistics)
@@ -121,6 +126,12 @@ class DraftingChoice:
         if self._exploring:
             self.tokens[mode] += tokens
             self.seconds[mode] += seconds
+            cycle = self._cycle[mode]
+            cycle[0], cycle[1] = cycle[0] + tokens, cycle[1] + seconds
+            if self._exploring % (2 * BLOCK) == 0:  # a cycle (a block of each mode) is complete: its vote
+                rates = {name: sums[0] / sums[1] if sums[1] > 0 else 0.0 for name, sums in self._cycle.items()}
+                self._votes[max(MODES, key=rates.get)] += 1
+                self._cycle = {name: [0.0, 0.0] for name in MODES}
         elif self._left and mode == self.chosen:
             self._stretch[0] += tokens
             self._stretch[1] += seconds
@@ -173,7 +184,10 @@ class DraftingChoice:
             self.patience = min(PATIENCE, 2 * self.patience) if best == self._rechecked else 1
             self._rechecked = None
         self.chosen, self.windows = best, self.windows + 1
-        self._left = int(EXPLOIT * min(4.0, max(0.25, gap / 0.1)))
+        scale = min(4.0, max(0.25, gap / 0.1))
+        if self._votes[other] * 2 >= self._votes[best] > 0:  # a split window: as good as a tie
+            scale = 0.25
+        self._left = int(EXPLOIT * scale)
         self._stretch = [0.0, 0.0, 0]
         self._recent = []
 
@@ -195,6 +209,7 @@ class DraftingChoice:
             mode, skip = self.chosen, False  # measured: the stretch's rate is checked (see CHECK)
         else:
             if not self._exploring:  # a new window
+                self._cycle, self._votes = {name: [0.0, 0.0] for name in MODES}, dict.fromkeys(MODES, 0)
                 self.tokens, self.seconds = dict.fromkeys(MODES, 0.0), dict.fromkeys(MODES, 0.0)
             mode, skip = MODES[(self._exploring // BLOCK) % 2], False
             self._exploring += 1

@@ -169,6 +169,29 @@ def test_heads_mode_drafts_medusa_heads_on_the_root_feature_with_a_stopped_gradi
         drafter(features, embeddings, parallel=True)
 
 
+def test_heads_mode_drafter_trains_exactly_as_a_sequential_drafter():
+    """The parallel heads never touch the drafter's training: same start, same data and steps, the
+    drafter's own tensors end equal to a sequential-only drafter's (their gradients are apart from the
+    heads', clipped apart too: a shared clip would let the heads' large early gradients shrink the
+    drafter's updates); the heads themselves did train."""
+    model = build_model("llama", seed=4)
+    sequences = list(greedy_reference(model, progression_batch(24, 6, torch.Generator().manual_seed(7)), 12))
+    trained = {}
+    for parallel in (1, 3):
+        torch.manual_seed(0)
+        spec = heads.attach_heads(model, kind="eagle", parallel=parallel)
+        start = {key: value.clone() for key, value in spec.heads.state_dict().items()}
+        _train(spec, sequences, steps=4, batch_size=4, max_grad_norm=0.05)
+        trained[parallel] = (start, spec.heads.state_dict())
+    (start_1, end_1), (start_3, end_3) = trained[1], trained[3]
+    for key, value in end_1.items():
+        torch.testing.assert_close(start_3[key], start_1[key])
+        torch.testing.assert_close(end_3[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert sum(not torch.equal(value, start_1[key]) for key, value in end_1.items()) > len(end_1) // 2
+    moved = [key for key in end_3 if key.startswith("parallel_heads") and not torch.equal(end_3[key], start_3[key])]
+    assert moved
+
+
 def test_parallel_mask_blocks():
     mask = parallel_attention_mask(3, 3, None, torch.float32, "cpu")
     seen = (mask[0, 0] == 0).int().tolist()

@@ -376,6 +376,26 @@ def test_a_decisive_window_closes_early():
 
 
 
+def test_a_split_window_gives_a_short_stretch():
+    """A window whose cycles disagree (each mode faster in half of them: text noise, not a gap) keeps
+    its choice for the shortest stretch, whatever the gap of its sums; a window whose every cycle
+    agrees keeps it for a stretch that grows with the gap."""
+    def stretch(per_cycle: list[dict]) -> int:
+        choice = DraftingChoice()
+        _feed_steps(choice, {"sequential": (2.0, 0.01), "parallel": (2.0, 0.01)}, switch.WARMUP)
+        step = 0
+        while not choice.windows:
+            mode, skip = choice.choose()
+            rates = per_cycle[(step // (2 * switch.BLOCK)) % len(per_cycle)]
+            if not skip:
+                choice.observe(mode, rates[mode], 0.01)
+            step += 1
+        return choice._left
+    split = stretch([{"sequential": 2.0, "parallel": 6.0}, {"sequential": 2.2, "parallel": 2.0}])  # 2.5x on sums
+    agreed = stretch([{"sequential": 2.0, "parallel": 2.6}])
+    assert split <= int(switch.EXPLOIT * 0.25) < agreed  # (the first stretch step has run)
+
+
 def test_a_near_tie_on_hard_text_keeps_the_mode_that_won_before():
     """Earlier windows count, decayed: after windows on easy text where the chain was twice as fast,
     a window on a hard prompt where the parallel tree is 2% ahead (a tie within the noise) keeps the
