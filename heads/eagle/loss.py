@@ -65,6 +65,28 @@ def fit_linear(gram: torch.Tensor, cross: torch.Tensor, ridge: float = RIDGE) ->
     return solution[:-1].T, solution[-1]
 
 
+def draft_vocabulary_mask(token_map: torch.Tensor | None, teacher_logits: torch.Tensor) -> torch.Tensor | None:
+    """``[V]`` True at the target ids of the draft vocabulary ``token_map`` (None without one)."""
+    if token_map is None:
+        return None
+    in_draft = torch.zeros(teacher_logits.shape[-1], dtype=torch.bool, device=teacher_logits.device)
+    in_draft[token_map] = True
+    return in_draft
+
+
+def shifted_teacher(teacher_logits: torch.Tensor, attention_mask: torch.Tensor, shift: int,
+                    token_map: torch.Tensor | None, in_draft: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a prediction at anchor ``t`` is scored against ``shift`` positions on: the valid anchors
+    ``[B, T - shift]`` (real tokens whose teacher token lies in the draft vocabulary) and the teacher's
+    logits there ``[B, T - shift, V']`` (restricted to the draft vocabulary)."""
+    valid = attention_mask[:, shift:].bool()
+    teacher = teacher_logits[:, shift:]
+    if in_draft is not None:
+        valid = valid & in_draft[teacher.argmax(-1)]
+        teacher = teacher[..., token_map]
+    return valid, teacher
+
+
 def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor, teacher_logits: torch.Tensor,
                  attention_mask: torch.Tensor, student_logits, config,
                  token_map: torch.Tensor | None = None, head_features=None, *,
@@ -85,21 +107,14 @@ def eagle_losses(predictions: Sequence[torch.Tensor], top_features: torch.Tensor
             mask queries); the mask queries' losses are scaled by ``config.mask_query_weight``.
     """
     length = top_features.shape[1]
-    in_draft = None
-    if token_map is not None:
-        in_draft = torch.zeros(teacher_logits.shape[-1], dtype=torch.bool, device=teacher_logits.device)
-        in_draft[token_map] = True
+    in_draft = draft_vocabulary_mask(token_map, teacher_logits)
     total = top_features.new_zeros((), dtype=torch.float32)
     agreement = []
     for step, predicted in enumerate(predictions, start=1):
         if length <= step:
             agreement.append(0.0)
             continue
-        valid = attention_mask[:, step:].bool()  # (B, T - j)
-        teacher = teacher_logits[:, step:]  # (B, T - j, V)
-        if in_draft is not None:
-            valid = valid & in_draft[teacher.argmax(-1)]
-            teacher = teacher[..., token_map]  # (B, T - j, V')
+        valid, teacher = shifted_teacher(teacher_logits, attention_mask, step, token_map, in_draft)
         features = predicted[:, :length - step].float()
         logits = student_logits(features).float()
         regressed = features if head_features is None else head_features(features)
@@ -121,10 +136,7 @@ def depth_head_losses(depth_logits: Sequence[torch.Tensor], teacher_logits: torc
     ``teacher_logits[:, t + j + 1]``, weighted ``head_decay ** j`` like unrolled step ``j + 1``;
     and each head's top-1 agreement."""
     length = teacher_logits.shape[1]
-    in_draft = None
-    if token_map is not None:
-        in_draft = torch.zeros(teacher_logits.shape[-1], dtype=torch.bool, device=teacher_logits.device)
-        in_draft[token_map] = True
+    in_draft = draft_vocabulary_mask(token_map, teacher_logits)
     total = teacher_logits.new_zeros((), dtype=torch.float32)
     agreement = []
     for index, logits in enumerate(depth_logits, start=1):
@@ -132,11 +144,7 @@ def depth_head_losses(depth_logits: Sequence[torch.Tensor], teacher_logits: torc
         if length <= shift:
             agreement.append(0.0)
             continue
-        valid = attention_mask[:, shift:].bool()
-        teacher = teacher_logits[:, shift:]
-        if in_draft is not None:
-            valid = valid & in_draft[teacher.argmax(-1)]
-            teacher = teacher[..., token_map]
+        valid, teacher = shifted_teacher(teacher_logits, attention_mask, shift, token_map, in_draft)
         student = logits[:, :length - shift].float()
         loss = losses.divergence(config.divergence, student, teacher, config.temperature, config.jsd_beta, valid)
         total = total + config.head_decay ** index * config.token_weight * loss
