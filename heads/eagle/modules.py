@@ -56,6 +56,7 @@ from tree_attention import cache as cache_ops
 from tree_attention.mask import AttentionMask, layout_masks
 
 from ..backbone import Backbone, OutputRows, attention_layout
+from ..blocks import ResidualBlock
 from ..draft_vocab import check_token_map
 from ..families import check_eagle_layout, decoder_copy, eagle3_parts, lean_decoder_ok, rotary_attention
 from ..lean import LeanDecoder, weights_state
@@ -137,21 +138,16 @@ class Eagle3Midlayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class DepthHead(nn.Module):
-    """One depth of parallel drafting's ``heads`` mode (a Medusa head): ``x + SiLU(W x + b)`` over the
-    root's drafter input feature, then its own output rows ``[V', d]`` (the draft vocabulary's), read
-    through the backbone's logit post-processing. ``W`` starts at zero and the rows at the output
-    head's, so an untrained head predicts the root's own next token."""
+class DepthHead(ResidualBlock):
+    """One depth of parallel drafting's ``heads`` mode (a Medusa head): the residual block over the
+    root's drafter input feature, then its own output rows ``weight`` ``[V', d]`` (the draft
+    vocabulary's), read through the backbone's logit post-processing. The block starts as the
+    identity and the rows as the output head's, so an untrained head predicts the root's own next
+    token."""
 
     def __init__(self, hidden: int, rows: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
+        super().__init__(hidden)
         self.weight = nn.Parameter(torch.zeros(rows, hidden))
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return features + nn.functional.silu(self.linear(features))
 
 
 class EagleHeads(nn.Module):
@@ -292,13 +288,15 @@ class EagleHeads(nn.Module):
         for head in self.parallel_heads:
             head.weight.copy_(rows)
 
-    def depth_logits(self, target: Backbone, inputs: torch.Tensor) -> list[torch.Tensor]:
-        """``heads`` mode: logits ``[..., V']`` of depths 2..K from the root's drafter input features
-        ``[..., d]`` (:meth:`fuse`'s output; read with the gradient stopped)."""
+    def depth_logits(self, target: Backbone, inputs: torch.Tensor, count: int | None = None) -> list[torch.Tensor]:
+        """``heads`` mode: logits ``[..., V']`` of depths 2..K (2..``count + 1`` with ``count``) from
+        the root's drafter input features ``[..., d]`` (:meth:`fuse`'s output; read with the gradient
+        stopped)."""
         if self.parallel_heads is None:
             raise ValueError("this EAGLE drafter has no parallel heads (EagleConfig.parallel_mode is not 'heads')")
         stopped = inputs.detach()
-        return [target.logits(head(stopped), OutputRows(head.weight, None)) for head in self.parallel_heads]
+        heads = self.parallel_heads if count is None else self.parallel_heads[:count]
+        return [target.logits(head(stopped), OutputRows(head.weight, None)) for head in heads]
 
     def mask_inputs(self, batch: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs of ``count`` mask queries per row: features and token embeddings ``[batch, count, d]``."""

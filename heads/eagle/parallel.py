@@ -143,7 +143,7 @@ class ParallelEagleDrafter:
             device = first.device
             last = (batch.lengths.to(device) - 1)[:, None, None].expand(-1, 1, batch.features.shape[-1])
             root = batch.features.to(device=device, dtype=first.dtype).gather(1, last)[:, 0]  # (R, F)
-            logits += self.heads.depth_logits(self.target, self.heads.fuse(root))[:depths - 1]
+            logits += self.heads.depth_logits(self.target, self.heads.fuse(root), depths - 1)
         return torch.stack(logits, dim=1)
 
     def _depth_limits(self) -> list[int] | None:

@@ -17,21 +17,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..blocks import ResidualBlock
 from ..draft_vocab import check_token_map, full_vocabulary_logits
 from .config import MedusaConfig
-
-
-class ResidualBlock(nn.Module):
-    """``x + SiLU(W x + b)``, zero-initialised so it starts as the identity."""
-
-    def __init__(self, hidden_size: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., d)
-        return x + nn.functional.silu(self.linear(x))
 
 
 class MedusaHeads(nn.Module):
