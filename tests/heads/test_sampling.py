@@ -278,10 +278,11 @@ def test_a_wrong_plain_step_draw_is_caught(model, spec, monkeypatch):
     assert pvalue < FALSE_ALARM, pvalue
 
 
-@pytest.fixture(scope="module")
-def parallel_eagle_spec(model):
+@pytest.fixture(scope="module", params=["heads", "mask"])
+def parallel_eagle_spec(model, request):
     torch.manual_seed(4)
-    spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto", depth=3, top_k=2, total_tokens=6)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto", depth=3, top_k=2, total_tokens=6,
+                              parallel_mode=request.param)
     generator = torch.Generator().manual_seed(9)
     sequences = [progression_batch(1, 24, generator, VOCAB, 0.2)[0] for _ in range(64)]
     make_trainer(spec, sequences, TrainConfig(steps=60, batch_size=8, learning_rate=3e-3, warmup_steps=5),
