@@ -28,7 +28,8 @@ __all__ = ["KIND", "EagleConfig", "EagleDrafter", "EagleHeads", "Eagle3Midlayer"
            "DEFAULT_TOTAL_TOKENS", "LAYOUTS"]
 
 OPTIONS = ("num_layers", "depth", "top_k", "total_tokens", "feature_layers", "draft_vocab_size", "layout", "parallel",
-           "sample", "confidence", "min_acceptance", "drafting", "parallel_tokens", "siblings", "parallel_mode")
+           "sample", "confidence", "min_acceptance", "drafting", "parallel_tokens", "siblings", "parallel_mode",
+           "head_input")
 
 
 def make_config(num_layers: int | None = None, depth: int | None = None, top_k: int | None = None,
@@ -36,9 +37,10 @@ def make_config(num_layers: int | None = None, depth: int | None = None, top_k: 
                 layout: str | None = None, parallel: int | None = None, sample: str | None = None,
                 confidence: float | None = None, min_acceptance: float | None = None, drafting: str | None = None,
                 parallel_tokens: int | None = None, siblings: int | None = None, parallel_mode: str | None = None,
-                **others) -> EagleConfig:
+                head_input: str | None = None, **others) -> EagleConfig:
     """The config ``attach_heads(kind="eagle", ...)`` builds; a lone ``total_tokens`` lowers the
-    default depth to fit it; ``parallel_mode`` defaults to ``heads``."""
+    default depth to fit it; ``parallel_mode`` defaults to ``heads``
+    and ``head_input`` to ``prediction``."""
     refuse_options("eagle", OPTIONS, others)
     shape = {name: value for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens))
              if value is not None}
@@ -50,7 +52,7 @@ def make_config(num_layers: int | None = None, depth: int | None = None, top_k: 
                        drafting=drafting,
                        parallel_tokens=EagleConfig.parallel_tokens if parallel_tokens is None else parallel_tokens,
                        siblings=EagleConfig.siblings if siblings is None else siblings,
-                       parallel_mode=parallel_mode or "heads",
+                       parallel_mode=parallel_mode or "heads", head_input=head_input or "prediction",
                        **EagleConfig().with_tree(shape).tree)
 
 

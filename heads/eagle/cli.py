@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..draft_vocab import DRAFT_VOCAB_FROM, auto_draft_vocab, draft_vocab
-from .config import DRAFTING_MODES, LAYOUTS, PARALLEL_MODES
+from .config import DRAFTING_MODES, HEAD_INPUTS, LAYOUTS, PARALLEL_MODES
 
 LEARNING_RATE = 1e-2
 """``selfdraft train --kind eagle``'s default ``--lr``. The drafter's projection and decoder layer start
@@ -22,7 +22,7 @@ PARALLEL = 3
 learns two Medusa-style heads for depths 2 and 3 (``--parallel-mode heads``), and greedy serving
 drafts each step sequentially or in parallel, whichever commits more tokens per second on the machine
 and traffic (:mod:`heads.eagle.switch`). The drafter itself trains exactly as a sequential drafter's
-(``--parallel 1``): the heads read the input feature with its gradient stopped. (With
+(``--parallel 1``): the heads read its depth-1 prediction with the gradient stopped. (With
 ``--parallel-mode mask`` it shares its layer with mask queries, see ``--mask-query-weight``.)"""
 
 
@@ -61,9 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "greedy calls measure both modes while serving and draft with the faster), parallel or "
                             "sequential")
     group.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
-                       help="--parallel > 1: where depths 2..K come from: heads (default; Medusa-style heads on the "
-                            "root's feature, which leave the drafter's layer to sequential drafting) or mask "
+                       help="--parallel > 1: where depths 2..K come from: heads (default; Medusa-style heads with their "
+                            "own output rows, see --head-input, which leave the drafter's layer to sequential drafting) or mask "
                             "(learned mask queries in the drafter forward, sharing its layer)")
+    group.add_argument("--head-input", choices=HEAD_INPUTS, default=None,
+                       help="--parallel-mode heads: what the heads read: prediction (default; the drafter's depth-1 "
+                            "prediction at the root, which has seen the context and the root token) or feature (the "
+                            "root's backbone feature, as Medusa's heads)")
     group.add_argument("--mask-query-weight", type=float, default=0.2,
                        help="--parallel-mode mask: weight of the mask queries' losses against the teacher-forced pairs' "
                             "(default 0.2; higher favours the parallel mode over the sequential one)")
@@ -109,7 +113,7 @@ def options(args: argparse.Namespace) -> dict:
             "layout": args.eagle_layout,
             "parallel": parallel, "confidence": getattr(args, "confidence", None),
             "min_acceptance": args.min_acceptance, "siblings": getattr(args, "siblings", None),
-            "parallel_mode": getattr(args, "parallel_mode", None)}
+            "parallel_mode": getattr(args, "parallel_mode", None), "head_input": getattr(args, "head_input", None)}
 
 
 def train_options(args: argparse.Namespace) -> dict:

@@ -262,7 +262,7 @@ class EagleLoss:
         drafter = accelerator.unwrap_model(heads)
         with accelerator.autocast():  # mask queries: the K depths of one forward
             predictions = heads(inputs, embeddings, steps, parallel=self.mask_queries)
-            depth_logits = (drafter.depth_logits(self.spec.target, drafter.fuse(inputs))
+            depth_logits = (drafter.depth_logits(self.spec.target, drafter.head_inputs(predictions[0], inputs))
                             if drafter.parallel_heads is not None else [])
         rows = drafter.draft_rows(self.spec.target)
 

@@ -139,8 +139,8 @@ class Eagle3Midlayer(nn.Module):
 
 
 class DepthHead(ResidualBlock):
-    """One depth of parallel drafting's ``heads`` mode (a Medusa head): the residual block over the
-    root's drafter input feature, then its own output rows ``weight`` ``[V', d]`` (the draft
+    """One depth of parallel drafting's ``heads`` mode (a Medusa head): the residual block over what
+    the heads read at the root (``EagleConfig.head_input``), then its own output rows ``weight`` ``[V', d]`` (the draft
     vocabulary's), read through the backbone's logit post-processing. The block starts as the
     identity and the rows as the output head's, so an untrained head predicts the root's own next
     token."""
@@ -288,9 +288,18 @@ class EagleHeads(nn.Module):
         for head in self.parallel_heads:
             head.weight.copy_(rows)
 
+    def head_inputs(self, predicted: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """``heads`` mode: what the parallel heads read at a root, ``[..., d]``, per
+        ``config.head_input``: the drafter's depth-1 prediction there (``predicted``, its output for
+        the root's pair, as the output head reads it) or the root's drafter input (``features``
+        ``[..., F]``, the backbone's, through :meth:`fuse`)."""
+        if self.config.head_input == "prediction":
+            return self.head_features(predicted)
+        return self.fuse(features)
+
     def depth_logits(self, target: Backbone, inputs: torch.Tensor, count: int | None = None) -> list[torch.Tensor]:
         """``heads`` mode: logits ``[..., V']`` of depths 2..K (2..``count + 1`` with ``count``) from
-        the root's drafter input features ``[..., d]`` (:meth:`fuse`'s output; read with the gradient
+        the heads' inputs ``[..., d]`` at the roots (:meth:`head_inputs`; read with the gradient
         stopped)."""
         if self.parallel_heads is None:
             raise ValueError("this EAGLE drafter has no parallel heads (EagleConfig.parallel_mode is not 'heads')")

@@ -6,9 +6,11 @@ bounds the speed. Here one drafter forward per step gives the distributions of d
 
 ``heads`` mode (``EagleConfig.parallel_mode``, the default): the forward that commits each row's new
 (feature, next token) pairs is the sequential drafter's, and its prediction at the root gives depth 1;
-depths 2..K come from ``K - 1`` Medusa-style heads on the root's input feature (the backbone's feature
-at the position before the root), each with its own output rows. Trained with that feature's
-gradient stopped, the heads leave the drafter's layer to the sequential chain.
+depths 2..K come from ``K - 1`` Medusa-style heads, each with its own output rows, on that prediction
+(``EagleConfig.head_input`` ``prediction``, the default: it has attended over the row's cache and
+seen the root token) or on the root's input feature (``feature``: the backbone's feature at the
+position before the root, as Medusa's heads read it). Trained with their input's gradient stopped,
+the heads leave the drafter's layer to the sequential chain.
 
 ``mask`` mode: the forward that commits each row's new (feature, next token) pairs also
 runs ``K - 1`` mask queries after the row's last pair: query ``j`` sits at position
@@ -140,10 +142,12 @@ class ParallelEagleDrafter:
         first, self.committed = commit_forward(self.heads, self.target, self.cache, self.committed, batch)
         logits = [self.target.logits(first, rows)]  # (R, V')
         if depths > 1:
-            device = first.device
-            last = (batch.lengths.to(device) - 1)[:, None, None].expand(-1, 1, batch.features.shape[-1])
-            root = batch.features.to(device=device, dtype=first.dtype).gather(1, last)[:, 0]  # (R, F)
-            logits += self.heads.depth_logits(self.target, self.heads.fuse(root), depths - 1)
+            root = None
+            if self.heads.config.head_input == "feature":  # the root's backbone feature: each row's last one
+                device = first.device
+                last = (batch.lengths.to(device) - 1)[:, None, None].expand(-1, 1, batch.features.shape[-1])
+                root = batch.features.to(device=device, dtype=first.dtype).gather(1, last)[:, 0]  # (R, F)
+            logits += self.heads.depth_logits(self.target, self.heads.head_inputs(first, root), depths - 1)
         return torch.stack(logits, dim=1)
 
     def _depth_limits(self) -> list[int] | None:

@@ -32,10 +32,10 @@ def _batch_parity(spec, model, prompts, max_new_tokens: int = 20) -> None:
     ("gemma2", dict(top_k=2, total_tokens=4)), ("qwen2", dict(layout="eagle1", draft_vocab_size=40, top_k=2)),
     ("phi3", dict(feature_layers=(0, 1, 2))),
 ])
-@pytest.mark.parametrize("mode", ["heads", "mask"])
-def test_greedy_parity_random_drafter_batch_1_and_padded(name, options, mode):
+@pytest.mark.parametrize("mode, head_input", [("heads", "prediction"), ("heads", "feature"), ("mask", None)])
+def test_greedy_parity_random_drafter_batch_1_and_padded(name, options, mode, head_input):
     model = build_model(name, seed=3)
-    spec = heads.attach_heads(model, kind="eagle", parallel=3, parallel_mode=mode, **options)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, parallel_mode=mode, head_input=head_input, **options)
     assert isinstance(spec.drafter, ParallelEagleDrafter)
     assert (spec.heads.parallel_heads is not None) == (mode == "heads")
     if mode == "heads":  # heads that do not merely repeat the root's next token
@@ -108,15 +108,17 @@ def test_training_forward_equals_naive_and_decode_time_mask_queries(name, option
     ("mistral", {}), ("gpt2", dict(draft_vocab_size=40)), ("gemma2", {}),
     ("llama", dict(layout="eagle3", feature_layers=(0, 1, 2))),
 ])
-def test_heads_mode_drafts_medusa_heads_on_the_root_feature_with_a_stopped_gradient(name, options):
+@pytest.mark.parametrize("head_input", ["prediction", "feature"])
+def test_heads_mode_drafts_medusa_heads_with_a_stopped_gradient(name, options, head_input):
     """``heads`` mode: the drafter's own forward is the sequential one (depth 1), head ``j`` reads the
-    root's input feature and gives depth ``j + 1`` through its own output rows (started as the output
-    head's rows of the draft vocabulary); the decode-time draft for a sequence that ends at anchor t
-    equals the training-time values at t, on the dense and the general path; and the heads' outputs
-    send no gradient into the drafter's layer, projection or fusion."""
+    drafter's depth-1 prediction (``prediction``) or the root's input feature (``feature``) and gives
+    depth ``j + 1`` through its own output rows (started as the output head's rows of the draft
+    vocabulary); the decode-time draft for a sequence that ends at anchor t equals the training-time
+    values at t, on the dense and the general path; and the heads' outputs send no gradient into the
+    drafter's layer, projection or fusion."""
     model = build_model(name, seed=8)
     parallel = 3
-    spec = heads.attach_heads(model, kind="eagle", parallel=parallel, **options)
+    spec = heads.attach_heads(model, kind="eagle", parallel=parallel, head_input=head_input, **options)
     drafter, target = spec.heads, spec.target
     assert drafter.mask_feature is None and len(drafter.parallel_heads) == parallel - 1
     rows = target.output_rows(drafter.token_map).weight
@@ -132,8 +134,12 @@ def test_heads_mode_drafts_medusa_heads_on_the_root_feature_with_a_stopped_gradi
         if target.feature_layers is not None:
             _, features = target.hidden_features(ids, None, torch.ones_like(ids), None, target.feature_layers)
     embeddings = target.input_embeddings(ids)
-    inputs = drafter.fuse(features)
     first = drafter(features, embeddings, 1)[0]  # (1, T, d)
+    inputs = drafter.head_inputs(first, features)
+    if head_input == "feature":
+        torch.testing.assert_close(inputs, drafter.fuse(features))
+    else:
+        torch.testing.assert_close(inputs, drafter.head_features(first))
     depth_logits = drafter.depth_logits(target, inputs)
     assert len(depth_logits) == parallel - 1
     for head, logits in zip(drafter.parallel_heads, depth_logits):
@@ -159,9 +165,15 @@ def test_heads_mode_drafts_medusa_heads_on_the_root_feature_with_a_stopped_gradi
         batch = DraftBatch(padded, tokens, torch.tensor([anchor + 1, 4]), ids[:, anchor + 1].expand(2))
         drafted = live._logits(batch, parallel)
         torch.testing.assert_close(drafted[0], trained[anchor], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(drafted[1, 1:], trained[anchor, 1:], rtol=1e-4, atol=1e-4)  # heads read the root
+        alone = ParallelEagleDrafter(drafter, target, spec.config)  # the padded row's last 4 entries on their own
+        short = DraftBatch(features[:, anchor - 3:anchor + 1], ids[:, anchor - 3:anchor + 1], torch.tensor([4]),
+                           ids[:, anchor + 1])
+        torch.testing.assert_close(drafted[1], alone._logits(short, parallel)[0], rtol=1e-4, atol=1e-4)
+        if head_input == "feature":  # the heads read the root's feature alone
+            torch.testing.assert_close(drafted[1, 1:], trained[anchor, 1:], rtol=1e-4, atol=1e-4)
     drafter.zero_grad()
-    sum(logits.square().sum() for logits in drafter.depth_logits(target, drafter.fuse(features))).backward()
+    first = drafter(features, embeddings, 1)[0]
+    sum(logits.square().sum() for logits in drafter.depth_logits(target, drafter.head_inputs(first, features))).backward()
     shared = [(key, parameter) for key, parameter in drafter.named_parameters() if not key.startswith("parallel_heads")]
     assert shared and all(parameter.grad is None or not parameter.grad.any() for _, parameter in shared)
     assert all(parameter.grad is not None and parameter.grad.any() for parameter in drafter.parallel_heads.parameters())
@@ -265,6 +277,14 @@ def test_adapter_round_trip_and_older_adapters(trained, tmp_path):
     prompt = progression_batch(1, 6, torch.Generator().manual_seed(5))
     expected = spec.generate(prompt, max_new_tokens=16)
     assert torch.equal(loaded.generate(prompt, max_new_tokens=16), expected)
+    if mode == "heads":  # heads written before head_input existed read the root's feature
+        assert config["drafter"]["head_input"] == "prediction" and loaded.config.head_input == "prediction"
+        path = tmp_path / "parallel" / "adapter_config.json"
+        del config["drafter"]["head_input"]
+        path.write_text(json.dumps(config))
+        older = heads.load_heads(spec.backbone, tmp_path / "parallel")
+        assert older.config.head_input == "feature"
+        assert torch.equal(older.generate(prompt, max_new_tokens=16), expected)
     if mode == "mask":  # a parallel adapter written before parallel_mode existed drafts with its mask queries
         path = tmp_path / "parallel" / "adapter_config.json"
         del config["drafter"]["parallel_mode"]

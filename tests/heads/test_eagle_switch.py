@@ -290,7 +290,11 @@ def _cli_args(**flags) -> argparse.Namespace:
 def test_command_line_defaults():
     options = eagle_cli.options(_cli_args())
     assert options["parallel"] == eagle_cli.PARALLEL and options["drafting"] == "auto"
-    assert heads.eagle.make_config(**{k: v for k, v in options.items() if v is not None}).parallel_mode == "heads"
+    config = heads.eagle.make_config(**{k: v for k, v in options.items() if v is not None})
+    assert config.parallel_mode == "heads" and config.head_input == "prediction"
+    assert eagle_cli.options(_cli_args(head_input="feature"))["head_input"] == "feature"
+    with pytest.raises(ValueError, match="head_input must be one of"):
+        heads.eagle.EagleConfig(parallel=3, head_input="root")
     assert eagle_cli.options(_cli_args(parallel_mode="mask"))["parallel_mode"] == "mask"
     with pytest.raises(ValueError, match="parallel_mode must be one of"):
         heads.eagle.EagleConfig(parallel=3, parallel_mode="queries")
