@@ -171,6 +171,11 @@ class Backbone:
             if rows.norm is not None:
                 features = rows.norm(features)
             logits = nn.functional.linear(features, rows.weight, rows.bias)
+        return self.postprocess(logits)
+
+    def postprocess(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's own post-processing of output-head logits (soft-capping, scaling), as
+        :meth:`logits` applies it; for logits a drafter computed from its own output rows."""
         if self._post is None:  # read once: a config attribute read costs microseconds, and this runs per level
             config = self.model.config
             scale = getattr(config, "logit_scale", None)  # Cohere multiplies

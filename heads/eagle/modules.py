@@ -172,6 +172,7 @@ class EagleHeads(nn.Module):
             self.decoder = decoder_copy(target, config.num_layers, config.layout)
             self._cache_keyword = cache_ops.cache_keyword(self.decoder)
         self._draft_rows = None  # (source key, OutputRows) of the draft vocabulary, see draft_rows
+        self._heads_cache = None  # (source key, stacked tensors) of the parallel heads, see _fused_heads
         self._lean = LeanDecoder(self.decoder) if self.projection is not None and lean_decoder_ok(self.decoder) else None
         self.layout = attention_layout(self.decoder.config)
         self.mask_embedding = self.mask_feature = self.parallel_heads = None
@@ -305,7 +306,30 @@ class EagleHeads(nn.Module):
             raise ValueError("this EAGLE drafter has no parallel heads (EagleConfig.parallel_mode is not 'heads')")
         stopped = inputs.detach()
         heads = self.parallel_heads if count is None else self.parallel_heads[:count]
+        if not torch.is_grad_enabled() and len(heads) > 1:  # serving: all heads in three dispatched ops
+            linear, bias, rows = self._fused_heads(len(heads))
+            hidden = stopped.unsqueeze(-2) + nn.functional.silu(nn.functional.linear(stopped, linear, bias)).unflatten(
+                -1, (len(heads), self.hidden_size))  # (..., H, d)
+            flat = hidden.reshape(-1, len(heads), self.hidden_size).transpose(0, 1)  # (H, N, d)
+            logits = target.postprocess(torch.bmm(flat, rows))  # (H, N, V')
+            return [depth.view(*stopped.shape[:-1], -1) for depth in logits.unbind(0)]
         return [target.logits(head(stopped), OutputRows(head.weight, None)) for head in heads]
+
+    def _fused_heads(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first ``count`` parallel heads' tensors stacked for serving: their blocks' weights
+        ``[count * d, d]`` and biases, and their output rows ``[count, d, V']``; rebuilt whenever a
+        source tensor changed (an optimizer step, ``load_state_dict``, ``.to()``)."""
+        sources = [tensor for head in self.parallel_heads[:count]
+                   for tensor in (head.linear.weight, head.linear.bias, head.weight)]
+        key = (count, weights_state(sources))
+        cached = self._heads_cache
+        if cached is None or cached[0] != key:
+            heads = self.parallel_heads[:count]
+            fused = (torch.cat([head.linear.weight for head in heads]).detach(),
+                     torch.cat([head.linear.bias for head in heads]).detach(),
+                     torch.stack([head.weight for head in heads]).transpose(1, 2).contiguous().detach())
+            cached = self._heads_cache = (key, fused)
+        return cached[1]
 
     def mask_inputs(self, batch: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs of ``count`` mask queries per row: features and token embeddings ``[batch, count, d]``."""

@@ -179,6 +179,16 @@ def test_heads_mode_drafts_medusa_heads_with_a_stopped_gradient(name, options, h
     assert all(parameter.grad is not None and parameter.grad.any() for parameter in drafter.parallel_heads.parameters())
     with pytest.raises(ValueError, match="parallel_mode 'mask'"):
         drafter(features, embeddings, parallel=True)
+    # serving stacks the heads' tensors once; an in-place update (an optimizer step) rebuilds them
+    for scale in (1.0, 1.5):
+        with torch.no_grad():
+            for parameter in drafter.parallel_heads.parameters():
+                parameter.mul_(scale)
+            served = drafter.depth_logits(target, inputs)
+        with torch.enable_grad():
+            reference = drafter.depth_logits(target, inputs)
+        for got, want in zip(served, reference):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_heads_mode_drafter_trains_exactly_as_a_sequential_drafter():
