@@ -172,7 +172,7 @@ class EagleHeads(nn.Module):
             self.decoder = decoder_copy(target, config.num_layers, config.layout)
             self._cache_keyword = cache_ops.cache_keyword(self.decoder)
         self._draft_rows = None  # (source key, OutputRows) of the draft vocabulary, see draft_rows
-        self._heads_cache = None  # (source key, stacked tensors) of the parallel heads, see _fused_heads
+        self._heads_cache = None  # (count, sources, their state, stacked tensors) of the parallel heads, see _fused_heads
         self._lean = LeanDecoder(self.decoder) if self.projection is not None and lean_decoder_ok(self.decoder) else None
         self.layout = attention_layout(self.decoder.config)
         self.mask_embedding = self.mask_feature = self.parallel_heads = None
@@ -305,31 +305,36 @@ class EagleHeads(nn.Module):
         if self.parallel_heads is None:
             raise ValueError("this EAGLE drafter has no parallel heads (EagleConfig.parallel_mode is not 'heads')")
         stopped = inputs.detach()
-        heads = self.parallel_heads if count is None else self.parallel_heads[:count]
-        if not torch.is_grad_enabled() and len(heads) > 1:  # serving: all heads in three dispatched ops
-            linear, bias, rows = self._fused_heads(len(heads))
-            hidden = stopped.unsqueeze(-2) + nn.functional.silu(nn.functional.linear(stopped, linear, bias)).unflatten(
-                -1, (len(heads), self.hidden_size))  # (..., H, d)
-            flat = hidden.reshape(-1, len(heads), self.hidden_size).transpose(0, 1)  # (H, N, d)
-            logits = target.postprocess(torch.bmm(flat, rows))  # (H, N, V')
-            return [depth.view(*stopped.shape[:-1], -1) for depth in logits.unbind(0)]
+        heads = list(self.parallel_heads)[:count]
+        if not torch.is_grad_enabled():
+            return list(self.served_depth_logits(target, stopped.reshape(-1, self.hidden_size), len(heads))
+                        .view(*stopped.shape[:-1], len(heads), -1).unbind(-2))
         return [target.logits(head(stopped), OutputRows(head.weight, None)) for head in heads]
+
+    def served_depth_logits(self, target: Backbone, inputs: torch.Tensor, count: int) -> torch.Tensor:
+        """Serving (no gradients): the logits of depths 2..``count + 1`` from the heads' inputs ``[R, d]``
+        as one tensor ``[R, count, V']``, all heads in a few dispatched ops (their tensors stacked
+        once, :meth:`_fused_heads`); equal to :meth:`depth_logits` to float rounding."""
+        linear, bias, rows = self._fused_heads(count)
+        hidden = inputs.unsqueeze(1) + nn.functional.silu(nn.functional.linear(inputs, linear, bias)).view(
+            -1, count, self.hidden_size)  # (R, H, d)
+        return target.postprocess(torch.bmm(hidden.transpose(0, 1), rows)).transpose(0, 1)  # (R, H, V')
 
     def _fused_heads(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first ``count`` parallel heads' tensors stacked for serving: their blocks' weights
         ``[count * d, d]`` and biases, and their output rows ``[count, d, V']``; rebuilt whenever a
-        source tensor changed (an optimizer step, ``load_state_dict``, ``.to()``)."""
-        sources = [tensor for head in self.parallel_heads[:count]
-                   for tensor in (head.linear.weight, head.linear.bias, head.weight)]
-        key = (count, weights_state(sources))
+        source tensor is updated in place or moved (an optimizer step, ``load_state_dict``, ``.to()``;
+        a parameter *replaced* by another object is not noticed, as in :class:`heads.lean.LeanDecoder`)."""
         cached = self._heads_cache
-        if cached is None or cached[0] != key:
-            heads = self.parallel_heads[:count]
-            fused = (torch.cat([head.linear.weight for head in heads]).detach(),
-                     torch.cat([head.linear.bias for head in heads]).detach(),
-                     torch.stack([head.weight for head in heads]).transpose(1, 2).contiguous().detach())
-            cached = self._heads_cache = (key, fused)
-        return cached[1]
+        if cached is not None and cached[0] == count and weights_state(cached[1]) == cached[2]:
+            return cached[3]
+        heads = list(self.parallel_heads)[:count]
+        sources = tuple(tensor for head in heads for tensor in (head.linear.weight, head.linear.bias, head.weight))
+        fused = (torch.cat([head.linear.weight for head in heads]).detach(),
+                 torch.cat([head.linear.bias for head in heads]).detach(),
+                 torch.stack([head.weight for head in heads]).transpose(1, 2).contiguous().detach())
+        self._heads_cache = (count, sources, weights_state(sources), fused)
+        return fused
 
     def mask_inputs(self, batch: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs of ``count`` mask queries per row: features and token embeddings ``[batch, count, d]``."""

@@ -140,15 +140,16 @@ class ParallelEagleDrafter:
             return self.target.logits(self._draft(batch)[:, :depths], rows)
         self.cache.crop()
         first, self.committed = commit_forward(self.heads, self.target, self.cache, self.committed, batch)
-        logits = [self.target.logits(first, rows)]  # (R, V')
-        if depths > 1:
-            root = None
-            if self.heads.config.head_input == "feature":  # the root's backbone feature: each row's last one
-                device = first.device
-                last = (batch.lengths.to(device) - 1)[:, None, None].expand(-1, 1, batch.features.shape[-1])
-                root = batch.features.to(device=device, dtype=first.dtype).gather(1, last)[:, 0]  # (R, F)
-            logits += self.heads.depth_logits(self.target, self.heads.head_inputs(first, root), depths - 1)
-        return torch.stack(logits, dim=1)
+        logits = self.target.logits(first, rows)[:, None]  # (R, 1, V')
+        if depths == 1:
+            return logits
+        root = None
+        if self.heads.config.head_input == "feature":  # the root's backbone feature: each row's last one
+            device = first.device
+            last = (batch.lengths.to(device) - 1)[:, None, None].expand(-1, 1, batch.features.shape[-1])
+            root = batch.features.to(device=device, dtype=first.dtype).gather(1, last)[:, 0]  # (R, F)
+        deeper = self.heads.served_depth_logits(self.target, self.heads.head_inputs(first, root), depths - 1)
+        return torch.cat([logits, deeper.to(logits.dtype)], dim=1)  # (R, depths, V')
 
     def _depth_limits(self) -> list[int] | None:
         """Each row's deepest verifiable node near a hard position limit (its root sits at position
