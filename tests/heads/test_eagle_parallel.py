@@ -287,21 +287,17 @@ def test_adapter_round_trip_and_older_adapters(trained, tmp_path):
     prompt = progression_batch(1, 6, torch.Generator().manual_seed(5))
     expected = spec.generate(prompt, max_new_tokens=16)
     assert torch.equal(loaded.generate(prompt, max_new_tokens=16), expected)
-    if mode == "heads":  # heads written before head_input existed read the root's feature
+    if mode == "heads":
         assert config["drafter"]["head_input"] == "prediction" and loaded.config.head_input == "prediction"
-        path = tmp_path / "parallel" / "adapter_config.json"
-        del config["drafter"]["head_input"]
-        path.write_text(json.dumps(config))
-        older = heads.load_heads(spec.backbone, tmp_path / "parallel")
-        assert older.config.head_input == "feature"
-        assert torch.equal(older.generate(prompt, max_new_tokens=16), expected)
-    if mode == "mask":  # a parallel adapter written before parallel_mode existed drafts with its mask queries
-        path = tmp_path / "parallel" / "adapter_config.json"
-        del config["drafter"]["parallel_mode"]
-        path.write_text(json.dumps(config))
-        older = heads.load_heads(spec.backbone, tmp_path / "parallel")
-        assert older.config.parallel_mode == "mask"
-        assert torch.equal(older.generate(prompt, max_new_tokens=16), expected)
+    # an adapter written before the mode's newest field existed: heads read the root's feature (head_input),
+    # a parallel drafter drafts with its mask queries (parallel_mode)
+    field, older_value = ("head_input", "feature") if mode == "heads" else ("parallel_mode", "mask")
+    path = tmp_path / "parallel" / "adapter_config.json"
+    del config["drafter"][field]
+    path.write_text(json.dumps(config))
+    older = heads.load_heads(spec.backbone, tmp_path / "parallel")
+    assert getattr(older.config, field) == older_value
+    assert torch.equal(older.generate(prompt, max_new_tokens=16), expected)
     sequential = heads.attach_heads(spec.backbone, kind="eagle")
     assert "mask_embedding" not in sequential.heads.state_dict()
     sequential.save_pretrained(tmp_path / "older")
