@@ -352,7 +352,10 @@ class SpeculativeModel:
         if self._policy is None:
             from .policy import SpeculationPolicy
 
-            self._policy = SpeculationPolicy(kinds.get(self.kind).policy_sizes(self))
+            # lookup (alone or in a hybrid) finds repeats only once there is text to repeat, so its
+            # acceptance grows through a reply; a trained drafter's does not (SpeculationPolicy.steady)
+            entry = kinds.get(self.kind)
+            self._policy = SpeculationPolicy(entry.policy_sizes(self), steady=entry.trainable and self.lookup is None)
         return self._policy
 
     def save_pretrained(self, directory: str, **metadata) -> None:

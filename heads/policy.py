@@ -48,8 +48,9 @@ steps that measure a bucket's plain cost stay in the loop):
   compares what drafting realised in this call (its slowest row's tau, blended with the policy's
   estimate, times ``t_plain`` over its median drafted step cost) with plain decoding, and stops
   drafting for the rest of the call when that falls below :data:`SWITCH_BELOW` (while the size's
-  tau is unknown only on a clear loss, :data:`EXPLORE_BELOW`: a first call must see how acceptance
-  grows through a reply). A wrong choice (a size explored at batch 16, an estimate from other
+  tau is unknown only on a clear loss, :data:`EXPLORE_BELOW`: a first call must see how lookup's
+  acceptance grows through a reply; a trained drafter without lookup, whose acceptance does not, is
+  judged by :data:`SWITCH_BELOW` from the start, ``SpeculationPolicy.steady``). A wrong choice (a size explored at batch 16, an estimate from other
   traffic) so costs a few steps, not a call.
 """
 
@@ -112,8 +113,9 @@ class CallController:
     (acceptance differs a lot from prompt to prompt, and a call that drafts badly should stop soon)."""
 
     def __init__(self, plain_cost: float | None, size: int, prior_tau: float | None = None,
-                 refresh: bool = False) -> None:
+                 refresh: bool = False, steady: bool = False) -> None:
         self.plain_cost, self.size, self.prior_tau = plain_cost, size, prior_tau
+        self.steady = steady  # acceptance does not grow through a reply: the strict threshold from the start
         self.plain_first = PLAIN_STEPS if plain_cost is None else 0
         # a refresh measures plain steps 1 and 2: a call's first step costs ~10% more than later ones
         # (measured on stories260K), which made drafting look better than the backbone's generate
@@ -136,7 +138,7 @@ class CallController:
         if len(self.drafted) >= SWITCH_STEPS:
             tau = stats.slowest_row_tau(self.prior_tau, PRIOR_STEPS)
             self.realized = tau * self.plain_cost / step_cost(self.drafted)
-            if self.prior_tau is not None:
+            if self.prior_tau is not None or self.steady:
                 below = SWITCH_BELOW
             else:
                 below = EXPLORE_BELOW[1] if len(self.drafted) >= 2 * SWITCH_STEPS else EXPLORE_BELOW[0]
@@ -169,6 +171,10 @@ class SpeculationPolicy:
     delegate_plain: bool = True  # a call that drafts nothing runs the backbone's own generate
     plain_streak: dict = field(default_factory=dict)  # (B bucket, T bucket, rule key) -> plain choices in a row
     retry_interval: dict = field(default_factory=dict)  # same keys -> plain choices before the next retry
+    steady: bool = False  # acceptance does not grow through a reply (a trained drafter without lookup): an
+    # exploring call is judged by the strict SWITCH_BELOW after SWITCH_STEPS drafted steps, not the lenient
+    # EXPLORE_BELOW, which exists for lookup (on demo-llama at batch 8, where EAGLE's fixed tree ran at
+    # 0.90x, its exploring calls drafted to their end at about 0.9x under the lenient rule)
 
     def __post_init__(self) -> None:
         if not self.sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.sizes):
@@ -274,7 +280,7 @@ class SpeculationPolicy:
             larger = [size for size in measured if size > explore]
             if prior is None and larger:  # a larger nested tree's tau bounds this one's: judge it strictly
                 prior = taus[min(larger)]
-            return {**base, "tree": explore, "controller": CallController(plain, explore, prior, refresh),
+            return {**base, "tree": explore, "controller": CallController(plain, explore, prior, refresh, self.steady),
                     "exploring": True,
                     "plain_step_ms": None if plain is None else 1000 * plain,
                     "reason": f"{explore} drafted nodes not measured yet at this batch size, prompt length and "
@@ -295,7 +301,7 @@ class SpeculationPolicy:
         return {
             **base, "tree": chosen,
             # a retry judges the size afresh, as a first measurement (lenient thresholds, no prior)
-            "controller": CallController(plain, chosen, None if retry else taus.get(chosen), refresh),
+            "controller": CallController(plain, chosen, None if retry else taus.get(chosen), refresh, self.steady),
             "delegate": self.delegate_plain and not chosen,
             "plain_step_ms": 1000 * plain,
             "step_ms": {size: 1000 * self.step_costs[(key, size)] for size in measured},

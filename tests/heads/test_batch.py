@@ -184,6 +184,11 @@ def test_speculate_auto_records_its_choice_and_stays_identical():
 
     model = build_model("llama", seed=9)
     spec = heads.attach_heads(model, tree=8)
+    # a trained drafter's exploring calls are judged strictly; lookup's, alone or in a hybrid, leniently
+    assert spec.policy.steady and not heads.attach_heads(model, kind="lookup").policy.steady
+    hybrid = heads.attach_heads(model, tree=8)
+    hybrid.set_lookup()
+    assert not hybrid.policy.steady
     ids, mask = padded_batch(seed=10)
     expected = reference(model, ids, mask, 20)
     output = spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto")
@@ -447,8 +452,8 @@ def test_call_controller_switches_on_realised_speed():
     from heads.policy import PLAIN_STEPS, PRIOR_STEPS, SWITCH_BELOW, SWITCH_STEPS, CallController
     from tree_attention.decode import DecodeStats
 
-    def run(cost, fast, slow, prior=None, steps=SWITCH_STEPS + 3):
-        controller = CallController(None, 8, prior)
+    def run(cost, fast, slow, prior=None, steps=SWITCH_STEPS + 3, steady=False):
+        controller = CallController(None, 8, prior, steady=steady)
         decoder = SimpleNamespace(stats=DecodeStats(row_drafted=[[0, 0], [0, 0]]), drafting=True)
         decisions = []
         for _ in range(PLAIN_STEPS + steps):
@@ -471,6 +476,9 @@ def test_call_controller_switches_on_realised_speed():
     assert controller.switched_at == 2 * SWITCH_STEPS
     mild, _, decoder = run(1.5, 3, 1.35, prior=1.35)  # ... with it known, 0.9x stops
     assert not decoder.drafting
+    steady, controller, decoder = run(1.5, 3, 1.35, steady=True)  # ... and for a drafter whose acceptance
+    assert not decoder.drafting and controller.switched_at == SWITCH_STEPS  # does not grow through a reply
+    assert steady[PLAIN_STEPS:] == [True] * SWITCH_STEPS + [False] * 3
     decisions, controller, decoder = run(1.5, 3, 0.6)  # the mean row does 1.8, the slow one 0.6: 0.4x, at once
     assert decisions == [False] * PLAIN_STEPS + [True] * SWITCH_STEPS + [False] * 3
     assert not decoder.drafting and controller.switched_at == SWITCH_STEPS
