@@ -173,6 +173,7 @@ def main() -> None:
                         if repeat == 0:  # warm-up (for auto: a 4-token call, its first in this bucket)
                             spec.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=sampled,
                                           speculate=None if speculate == "fixed" else "auto")
+                        torch.manual_seed(repeat)  # the plain sampled call's draws, reproducible per repeat
                         start = time.perf_counter()
                         plain = model.generate(ids, attention_mask=mask, pad_token_id=pad, **options)
                         plain_seconds = time.perf_counter() - start
@@ -193,11 +194,13 @@ def main() -> None:
                             steps=max(1, stats.target_forwards - 1),
                         ))
             for (kind, speculate), runs in results.items():
+                # a sampled call may stop at eos at once (no new token, a rate of 0): left out of the ratios
+                runs = [r for r in runs if r["plain"] > 0 and r["spec"] > 0] or runs
                 rows.append({
                     "batch": batch, "temperature": temperature, "kind": kind, "speculate": speculate,
                     "tok/s plain": statistics.median(r["plain"] for r in runs),
                     "tok/s spec": statistics.median(r["spec"] for r in runs),
-                    "speedup": statistics.median(r["spec"] / r["plain"] for r in runs),
+                    "speedup": statistics.median(r["spec"] / max(r["plain"], 1e-12) for r in runs),
                     "tau": statistics.median(r["tau"] for r in runs),
                     "tree": max(r["tree"] for r in runs),
                     "drafted": statistics.mean(r["drafted"] for r in runs),
