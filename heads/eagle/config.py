@@ -69,8 +69,8 @@ class EagleConfig:
     """``parallel`` > 1 only: where the one-forward tree's depths 2..K come from. ``heads``
     (``attach_heads`` and ``selfdraft train``'s default): ``K - 1`` Medusa-style heads
     (``parallel_heads``: a residual block and their own output rows over the draft vocabulary,
-    started from the output head's) read the root's drafter input feature (the backbone's top
-    feature, or the fused ones) with its gradient stopped; depth 1 is the drafter's own prediction.
+    started from the output head's) read what ``head_input`` names at the root with its gradient
+    stopped; depth 1 is the drafter's own prediction.
     Nothing they learn touches the drafter's layer, which trains exactly as a sequential drafter's.
     ``mask``: ``K - 1`` learned mask queries (``mask_feature``, ``mask_embedding``) run in the
     committing forward after each row's last pair (P-EAGLE/PARD style); they share the layer and

@@ -26,7 +26,8 @@ to 0.68 / 0.63 (0.52 -> 0.65 at step 1 with a learning rate of 1e-3); see
 
 Parallel drafting (``EagleConfig.parallel = K > 1``, :mod:`heads.eagle.parallel`), ``heads`` mode
 (the default): the drafter trains exactly as a sequential one, and parallel head ``j`` reads the
-anchor's input feature (gradient stopped) and is scored against the target's distribution ``j + 1``
+drafter's step-1 prediction at the anchor or the anchor's input feature (``EagleConfig.head_input``;
+gradient stopped) and is scored against the target's distribution ``j + 1``
 tokens after the drafter's depth 1 (:func:`depth_head_losses`). ``mask`` mode: the drafter's
 one training forward runs the teacher-forced pairs and ``K - 1`` blocks of mask queries
 (:meth:`~heads.eagle.modules.EagleHeads.parallel_forward`); anchor ``t``'s mask query ``j`` sees the

@@ -179,7 +179,7 @@ class EagleHeads(nn.Module):
         if config.parallel > 1 and config.parallel_mode == "mask":  # mask queries' inputs (set from data by EagleLoss)
             self.mask_embedding = nn.Parameter(torch.zeros(hidden))
             self.mask_feature = nn.Parameter(torch.zeros(hidden))
-        elif config.parallel > 1:  # depths 2..K: Medusa-style heads on the root's input feature
+        elif config.parallel > 1:  # depths 2..K: Medusa-style heads on what head_input names
             rows = config.draft_vocab_size or target.vocab_size
             self.parallel_heads = nn.ModuleList(DepthHead(hidden, rows) for _ in range(config.parallel - 1))
         self.chain_calibration = ChainCalibration()  # serving statistics, not weights: never saved
