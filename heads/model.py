@@ -286,10 +286,10 @@ class SpeculativeModel:
         criteria = stopping(stopping_criteria, config, input_ids)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        drafter, schedule = self._drafter, None
+        drafter, schedule, nested = self._drafter, None, ()
         with _evaluation(self.backbone), _evaluation(self.heads):
             if choice is not None:
-                schedule = choice["controller"]
+                schedule, nested = choice["controller"], choice.get("nested_sizes", ())
                 if choice["tree"]:
                     drafter = self.drafter_for(choice["tree"])
             drafter = self._bind(drafter, rule)
@@ -297,7 +297,7 @@ class SpeculativeModel:
                                          settings.eos_token_ids, rule, attention_mask, settings.pad_token_id,
                                          stop=criteria, on_commit=None if streamer is None else
                                          (lambda row, tokens: streamer.put(torch.tensor(tokens))), process=process,
-                                         schedule=schedule)
+                                         schedule=schedule, nested_sizes=nested)
             output, stats = decoder.run()
         if streamer is not None:
             streamer.end()

@@ -31,7 +31,10 @@ steps that measure a bucket's plain cost stay in the loop):
   its slowest row is done, so at batch 16 the mean row's tau overstates what drafting buys), kept
   per tree size, batch bucket, acceptance rule and sampling settings (acceptance falls with
   temperature) over every call served; it is non-decreasing in the tree size for nested trees,
-  so a larger size is credited with at least the tau of any smaller one.
+  so a larger size is credited with at least the tau of any smaller one. Where the drafter's trees
+  are nested by node order (prompt lookup; ``nested_counts``), each greedy drafted step also counts
+  what every smaller size would have committed on it, and sizes are compared on those shared steps
+  (:meth:`SpeculationPolicy.nested_taus`), not on whichever calls each size happened to draft.
 - **Choosing** (per call): the size with the best predicted speedup ``tau(n) x t_plain / t_step(n)``,
   scaled by ``1 + EXPLORE / sqrt(row steps seen)`` (an upper confidence bound: a size seen for only
   a few steps, e.g. prompt lookup measured at the start of a reply before anything repeats, is
@@ -77,7 +80,9 @@ MIN_LEARN_TOKENS = PLAIN_STEPS + 2 * SWITCH_STEPS + 1  # a shorter call neither 
 COST_SAMPLES = 8  # a step cost is the median of the last this many calls' measurements
 REFRESH_STEPS = range(1, 3)  # the steps of a drafting call that refresh the plain cost (see below)
 REFRESH_PLAIN = 4  # a drafting call takes plain steps REFRESH_STEPS when the plain cost has fewer samples
-# than COST_SAMPLES or none from the last this many calls (a stale or noisy plain cost misjudges every size)
+# than REFRESH_SAMPLES or none from the last this many calls (a stale or noisy plain cost misjudges every size)
+REFRESH_SAMPLES = 3  # (with COST_SAMPLES, every call of the first eight took two plain steps: on demo code,
+# where lookup commits ~7.7 tokens a step, that cost ~7% of each call)
 BORROW_LENGTHS = 4  # a new prompt-length bucket starts from costs measured within this factor
 RETRY_AFTER = 2  # consecutive plain choices before the best measured size is measured again (then doubling)
 EXPLORE = 0.5  # upper-confidence bonus: predicted x (1 + EXPLORE / sqrt(row steps seen))
@@ -171,6 +176,8 @@ class SpeculationPolicy:
     delegate_plain: bool = True  # a call that drafts nothing runs the backbone's own generate
     plain_streak: dict = field(default_factory=dict)  # (B bucket, T bucket, rule key) -> plain choices in a row
     retry_interval: dict = field(default_factory=dict)  # same keys -> plain choices before the next retry
+    paired: dict = field(default_factory=dict)  # (size, drafted size, rule key, B bucket) -> Observed: what a tree
+    # of `size` would have committed (slowest row) on the steps drafted with `drafted` nodes (nested trees, greedy)
     steady: bool = False  # acceptance does not grow through a reply (a trained drafter without lookup): an
     # exploring call is judged by the strict SWITCH_BELOW after SWITCH_STEPS drafted steps, not the lenient
     # EXPLORE_BELOW, which exists for lookup (on demo-llama at batch 8, where EAGLE's fixed tree ran at
@@ -221,14 +228,44 @@ class SpeculationPolicy:
                     estimates[(key, size)] = estimates[(other, size)]
 
     def taus(self, rule_key: str, batch: int) -> dict[int, float]:
-        """Tokens per drafted step of a call's slowest row, by size, at batch bucket ``batch``: the
-        observed ones, each at least any smaller size's (nested trees accept at least as much),
-        1.0 for sizes never seen."""
+        """Tokens per drafted step of a call's slowest row, by size, at batch bucket ``batch``: from
+        nested counts where there are some (:meth:`nested_taus`), else the observed ones; each at
+        least any smaller size's (nested trees accept at least as much), 1.0 for sizes never seen."""
+        nested = self.nested_taus(rule_key, batch)
         taus, best = {}, 1.0
         for size in sorted(self.sizes):
             record = self.observed.get((size, rule_key, batch))
-            best = max(best, (record.tau if record is not None else None) or 1.0)
+            best = max(best, nested.get(size) or (record.tau if record is not None else None) or 1.0)
             taus[size] = best
+        return taus
+
+    def nested_taus(self, rule_key: str, batch: int) -> dict[int, float]:
+        """Sizes' taus compared on the same steps, for drafters whose trees are nested (greedy): every
+        drafted step of size ``s`` also counts what each size ``m <= s`` would have committed
+        (:attr:`paired`). The smallest size's tau pools every such step; each larger size ``n`` is
+        the next smaller one's times their ratio on the steps drafted at ``n`` or more, where both
+        are known. So a size explored on an easy prompt is not credited with that prompt's ease (on
+        demo code, lookup size 4 measured at tau 4.2 on an easy prompt displaced size 10 measured at
+        2.7 on a hard one; on the same steps 10 accepts more). Sizes above every drafted one are absent."""
+        pairs = {(size, drafted): record for (size, drafted, key, bucket), record in self.paired.items()
+                 if key == rule_key and bucket == batch}
+
+        def pooled(size: int, floor: int) -> tuple[float, int]:
+            records = [record for (other, drafted), record in pairs.items() if other == size and drafted >= floor]
+            return sum(record.tokens for record in records), sum(record.row_steps for record in records)
+
+        taus: dict[int, float] = {}
+        previous = None
+        for size in sorted(self.sizes):
+            tokens, steps = pooled(size, size)
+            if not steps:
+                break
+            if previous is None:
+                taus[size] = tokens / steps
+            else:
+                smaller, _ = pooled(previous, size)
+                taus[size] = taus[previous] * tokens / max(smaller, 1e-12)
+            previous = size
         return taus
 
     def evidence(self, rule_key: str, batch: int) -> dict[int, int]:
@@ -242,7 +279,7 @@ class SpeculationPolicy:
         With room for one new token at most there is nothing to speculate on (``"reason"``)."""
         key = self.key(input_ids)
         base = {"policy": "auto", "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1]}
-        refresh = (len(self.cost_samples.get((key, 0), ())) < COST_SAMPLES
+        refresh = (len(self.cost_samples.get((key, 0), ())) < REFRESH_SAMPLES
                    or self.since_plain.get(key, 0) >= REFRESH_PLAIN)
         self._borrow_costs(key)
         plain = self.step_costs.get((key, 0))
@@ -262,7 +299,8 @@ class SpeculationPolicy:
         measured = [size for size in self.sizes if (key, size) in self.step_costs and evidence[size]]
         ruled_out = {size for size in self.sizes
                      if size not in measured and self._loses_at_smaller_batch(key, size, rule.key)}
-        explore = self._worth_measuring(key, plain, taus, measured, ruled_out)
+        nested = self.nested_taus(rule.key, key[0])
+        explore = self._worth_measuring(key, plain, taus, measured, ruled_out, nested)
         if plain is None and explore is None:  # no plain step yet: this call measures one (and a size, if any may pay)
             hopeful = [size for size in self.sizes if size not in ruled_out]
             explore = max(hopeful) if hopeful else None
@@ -278,10 +316,12 @@ class SpeculationPolicy:
         if explore is not None:  # measured on this call's own steps (the mid-call switch bounds the cost)
             prior = (self.observed.get((explore, rule.key, key[0])) or Observed()).tau
             larger = [size for size in measured if size > explore]
-            if prior is None and larger:  # a larger nested tree's tau bounds this one's: judge it strictly
+            if explore in nested:  # counted on the same steps as larger sizes: judged strictly by that
+                prior = taus[explore]
+            elif prior is None and larger:  # a larger nested tree's tau bounds this one's: judge it strictly
                 prior = taus[min(larger)]
             return {**base, "tree": explore, "controller": CallController(plain, explore, prior, refresh, self.steady),
-                    "exploring": True,
+                    "exploring": True, "nested_sizes": self._nested_sizes(explore),
                     "plain_step_ms": None if plain is None else 1000 * plain,
                     "reason": f"{explore} drafted nodes not measured yet at this batch size, prompt length and "
                               "sampling setting: measured on this call"}
@@ -299,7 +339,7 @@ class SpeculationPolicy:
         if retry:
             chosen = best
         return {
-            **base, "tree": chosen,
+            **base, "tree": chosen, "nested_sizes": self._nested_sizes(chosen),
             # a retry judges the size afresh, as a first measurement (lenient thresholds, no prior)
             "controller": CallController(plain, chosen, None if retry else taus.get(chosen), refresh, self.steady),
             "delegate": self.delegate_plain and not chosen,
@@ -310,6 +350,11 @@ class SpeculationPolicy:
             **({"reason": f"plain decoding chosen {RETRY_AFTER}+ calls running: the best size measured "
                           "again (its estimate may come from a few unlucky steps)"} if retry else {}),
         }
+
+    def _nested_sizes(self, tree: int) -> list[int]:
+        """The sizes whose acceptance a call drafting ``tree`` nodes counts on its own steps (where
+        the drafter nests its trees): every candidate size up to ``tree``."""
+        return [size for size in sorted(self.sizes) if size <= tree] if tree else []
 
     def _retry(self, key, chosen: int, max_new_tokens: int | None) -> bool:
         """Whether a call that would decode plainly measures the best size again instead: after
@@ -349,12 +394,13 @@ class SpeculationPolicy:
         return False
 
     def _worth_measuring(self, key, plain: float | None, taus: dict, measured: list[int],
-                         ruled_out: set = frozenset()) -> int | None:
+                         ruled_out: set = frozenset(), nested: dict = {}) -> int | None:
         """The largest size not yet ``measured`` (a step cost in bucket ``key`` and tau seen under
         this rule and batch bucket) that could beat plain decoding by ``margin``, or None. Without a
         plain cost, the largest such size. Otherwise each is judged optimistically: its tau as the
         next larger measured size's (a nested smaller tree accepts no more) but at most ``n + 1`` (a
         tree of ``n`` drafted nodes commits no more per step), or ``n + 1`` above every measured one;
+        (its tau as counted on larger sizes' steps where the drafter nests its trees, :meth:`nested_taus`);
         its cost as measured, or interpolated between plain decoding and the next larger size with a
         cost (drafting costs do not shrink with ``n``, so that underestimates); a size with neither a cost nor a larger one with a cost is worth trying.
 
@@ -383,10 +429,26 @@ class SpeculationPolicy:
                 total = self.step_costs[(key, other)]
                 drafting = min(self.draft_costs.get((key, other), 0.0), max(0.0, total - plain))
                 cost = plain + drafting + (total - plain - drafting) * size / other
-            tau = min(taus[min(larger)], size + 1) if larger else size + 1  # n nodes commit at most n + 1
+            if size in nested:
+                tau = taus[size]
+            else:
+                tau = min(taus[min(larger)], size + 1) if larger else size + 1  # n nodes commit at most n + 1
             if tau * plain / max(cost, 1e-12) >= need:
                 return size
         return None
+
+    def _observe_nested(self, choice: dict, stats, batch: int) -> None:
+        """Add a call's nested counts (:attr:`DecodeStats.nested`) to :attr:`paired`: per size, the
+        slowest row's tokens per counted step, weighted by the steps counted."""
+        sizes, rows = choice.get("nested_sizes") or [], [row for row in stats.nested if row and row[0]]
+        if not sizes or not rows or len(rows[0]) != len(sizes) + 1:
+            return
+        steps = max(row[0] for row in rows)
+        for index, size in enumerate(sizes, start=1):
+            rate = min(row[index] / row[0] for row in rows)
+            record = self.paired.setdefault((size, choice["tree"], choice["rule"], batch), Observed())
+            record.tokens += rate * steps
+            record.row_steps += steps
 
     def observe(self, choice: dict, stats) -> None:
         """Learn from a finished ``auto`` call: its plain and drafted step costs (medians over the
@@ -409,6 +471,7 @@ class SpeculationPolicy:
             record = self.observed.setdefault((size, choice["rule"], key[0]), Observed())
             record.tokens += tau * len(drafted)
             record.row_steps += len(drafted)
+            self._observe_nested(choice, stats, key[0])
         choice.update({"plain_steps": len(plain_steps), "drafted_steps": len(drafted), "slowest_row_tau": tau})
         if controller is not None and size:
             choice.update({"stopped_drafting_after": controller.switched_at, "realized_speedup": controller.realized})

@@ -173,6 +173,10 @@ class DecodeStats:
     step that drafted nothing is a plain decoding step inside the loop (see ``schedule``)."""
     row_drafted: list[list[int]] = field(default_factory=list)
     """Per batch row: [tokens committed in drafted steps, drafted steps it took part in]."""
+    nested: list[list[float]] = field(default_factory=list)
+    """Per batch row (when the decoder was given ``nested_sizes`` and the drafter nests its trees):
+    [drafted steps counted, then per size the tokens a tree of that size would have committed on
+    those same steps]; see :meth:`SpeculativeDecoder.step`."""
 
     def slowest_row_tau(self, prior: float | None = None, weight: float = 0.0) -> float | None:
         """Tokens per drafted step of the row that advanced slowest (a batch call lasts as long as
@@ -246,7 +250,8 @@ class SpeculativeDecoder:
                  stop: Callable[[int, list[int]], bool] | None = None,
                  on_commit: Callable[[int, list[int]], None] | None = None,
                  process: ContextProcessor | None = None,
-                 schedule: Callable[["SpeculativeDecoder"], bool] | None = None) -> None:
+                 schedule: Callable[["SpeculativeDecoder"], bool] | None = None,
+                 nested_sizes: Sequence[int] = ()) -> None:
         """``stop(row, output)``: checked after every committed token (True ends the row there);
         ``on_commit(row, tokens)``: called with each chunk a row commits (streaming); ``process``:
         logits processors that read each position's sequence (repetition penalty, n-gram bans, ...),
@@ -255,7 +260,14 @@ class SpeculativeDecoder:
         ``schedule(decoder)``: asked before every step whether to draft (None: always). A step
         that does not draft verifies each row's root alone (a plain decoding step) and keeps what
         it committed for the drafter's next call; setting ``decoder.drafting = False`` ends
-        drafting for the rest of the call (nothing more is kept for the drafter)."""
+        drafting for the rest of the call (nothing more is kept for the drafter).
+
+        ``nested_sizes``: tree sizes whose greedy acceptance to count on every drafted step, when the
+        drafter's trees are nested by node order (its ``nested_counts(sizes)`` says how many of each
+        row's drafted nodes a drafter of each size would have proposed): a smaller tree accepts the
+        leading nodes of the accepted path that it holds, so ``speculate="auto"`` compares sizes on
+        the same text (:attr:`DecodeStats.nested`). Greedy only (a sampled smaller tree's draws would
+        differ)."""
         self.target, self.drafter, self.rule = target, drafter, rule or GreedyRule()
         self.stop, self.on_commit = stop, on_commit
         self.input_ids = input_ids
@@ -275,6 +287,10 @@ class SpeculativeDecoder:
         self.holes = 0  # slots appended since the last compaction that no row kept (a bound on any row's holes)
         self.schedule = schedule
         self.drafting = True  # False: plain steps until the end of the call
+        counts = getattr(drafter, "nested_counts", None)
+        self.nested_sizes = list(nested_sizes) if counts is not None and isinstance(self.rule, GreedyRule) else []
+        if self.nested_sizes:
+            self.stats.nested = [[0] + [0] * len(self.nested_sizes) for _ in range(batch)]
 
     # -- state per row ------------------------------------------------------------------------
 
@@ -342,6 +358,7 @@ class SpeculativeDecoder:
             draft = self.drafting and (self.schedule is None or bool(self.schedule(self)))
         trees = self.drafter.propose(self.draft) if draft else TreeBatch.roots_only(self.draft.roots)
         self._lap("draft")
+        drafted = trees
         trees = truncate_batch(trees, [self.max_new_tokens - 1 - len(self.outputs[row]) for row in self.rows])
         self._lap("tree")
         query_positions = self.lengths[:, None] + trees.depths  # (R, N)
@@ -373,6 +390,8 @@ class SpeculativeDecoder:
         chunks = torch.cat([path_tokens, accepted.next_tokens[:, None]], dim=1).tolist()
         done = []
         counts = lengths.tolist()
+        if draft and self.nested_sizes and trees is drafted:  # (a step cut to the token budget is left out)
+            self._count_nested(paths.tolist(), counts)
         self.holes += trees.width * rows - sum(counts)
         for index, (row, length) in enumerate(zip(self.rows, counts)):
             self.stats.accepted_lengths.append(length - 1)
@@ -388,6 +407,23 @@ class SpeculativeDecoder:
             self.holes = 0
         self._lap("cache")
         self.stats.steps.append((draft, self._stamp - started, sum(counts), rows))
+
+    def _count_nested(self, paths: list[list[int]], lengths: list[int]) -> None:
+        """Add to :attr:`DecodeStats.nested` what a tree of each of ``nested_sizes`` would have
+        committed this step: its drafted nodes are each row's first ``count`` (node indices
+        ``1..count``), so it accepts the leading nodes of the accepted path with an index up to
+        ``count``, plus the bonus token."""
+        for row, counts, path, length in zip(self.rows, self.drafter.nested_counts(self.nested_sizes), paths, lengths):
+            record = self.stats.nested[row]
+            record[0] += 1
+            drafted = path[1:length]
+            for index, count in enumerate(counts, start=1):
+                accepted = 0
+                for node in drafted:
+                    if node > count:
+                        break
+                    accepted += 1
+                record[index] += accepted + 1
 
     def result(self) -> torch.Tensor:
         """Prompts plus new tokens, rows that stopped early filled with ``pad_token_id`` (as ``generate``)."""

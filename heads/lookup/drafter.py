@@ -58,6 +58,8 @@ class LookupDrafter:
         self.rows: list[SuffixIndex] = []
         self.expected: list[float] = []  # per row: running mean of drafts accepted per step that proposed
         self.proposed: list[bool] = []  # per row: whether the last step proposed anything
+        self.scales: list[float] = []  # per row: the budget scale of its last proposal (1.0 when not adaptive)
+        self.found: list[int] = []  # per row: nodes its last proposal held
 
     def _new_row(self) -> SuffixIndex:
         return SuffixIndex(self.config.max_ngram, 1, self.config.max_occurrences)
@@ -70,6 +72,7 @@ class LookupDrafter:
             index.add_stream()
         self.expected = [float(self.config.budget)] * batch_size  # optimistic start
         self.proposed = [False] * batch_size
+        self.scales, self.found = [1.0] * batch_size, [0] * batch_size
 
     def _remember(self) -> None:
         if self.memory is not None and self.rows:
@@ -83,16 +86,32 @@ class LookupDrafter:
         self.rows = [self.rows[number] for number in keep.tolist()]
         self.expected = [self.expected[number] for number in keep.tolist()]
         self.proposed = [self.proposed[number] for number in keep.tolist()]
+        self.scales = [self.scales[number] for number in keep.tolist()]
+        self.found = [self.found[number] for number in keep.tolist()]
 
-    def _row_budget(self, row: int, length: int, budget: int) -> int:
-        """The row's budget after the last step accepted ``length - 1`` drafts (adaptive: shrinks
-        to a quarter of ``budget`` while drafts are rejected, back to ``budget`` as they are accepted)."""
+    def _row_scale(self, row: int, length: int) -> float:
+        """The row's budget scale after the last step accepted ``length - 1`` drafts (adaptive:
+        shrinks to a quarter while drafts are rejected, back to 1 as they are accepted)."""
         if not self.config.adaptive:
-            return budget
+            return 1.0
         if self.proposed[row]:
             self.expected[row] = 0.5 * self.expected[row] + 0.5 * (length - 1)
-        scale = min(1.0, 0.25 + self.expected[row] / 2)
+        return min(1.0, 0.25 + self.expected[row] / 2)
+
+    @staticmethod
+    def _scaled(budget: int, scale: float) -> int:
         return max(1, round(budget * scale)) if budget else 0
+
+    def nested_counts(self, sizes) -> list[list[int]]:
+        """For the trees of the last :meth:`propose`: per row, how many of its drafted nodes (in node
+        order, the root not counted) a drafter configured for each tree size in ``sizes`` would have
+        proposed at the same step. Lookup trees are nested: a smaller budget's proposal is the first
+        nodes of a larger one's (best-first selection with a unique order; ``tests/test_lookup.py``),
+        so ``speculate="auto"`` learns every smaller size's acceptance on the same steps
+        (:class:`heads.policy.SpeculationPolicy`). With ``adaptive`` the smaller size is taken at
+        this drafter's budget scale (its own would differ after a few rejected steps)."""
+        return [[min(found, self._scaled(size, scale)) for size in sizes]
+                for scale, found in zip(self.scales, self.found)]
 
     def proposals(self, batch: DraftBatch, budget: int | None = None) -> list[Proposal]:
         """Append each row's newly committed tokens to its index and match its text (root included)."""
@@ -104,7 +123,8 @@ class LookupDrafter:
         history = None if self.memory is None else self.memory.history
         found = []
         for row, (index, row_tokens, length, root) in enumerate(zip(self.rows, tokens, lengths, roots)):
-            row_budget = self._row_budget(row, length, budget)
+            scale = self.scales[row] = self._row_scale(row, length)
+            row_budget = self._scaled(budget, scale)
             index.extend(0, row_tokens[:length])
             sources = [(index, 1.0)]
             if history is not None and len(history):
@@ -112,6 +132,7 @@ class LookupDrafter:
             context = index.tokens(0)[-config.max_ngram:] + [root]
             proposal = propose(context, sources, row_budget, config.max_depth, config.min_match)
             self.proposed[row] = bool(proposal.tokens)
+            self.found[row] = len(proposal.tokens)
             found.append(proposal)
         return found
 

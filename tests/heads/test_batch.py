@@ -493,12 +493,12 @@ def test_call_controller_switches_on_realised_speed():
 
 def test_auto_refreshes_a_thin_or_stale_plain_cost():
     """A drafting call takes its second and third steps plain (its first costs more than later
-    ones) while the bucket's plain cost has fewer than COST_SAMPLES samples, or none from the last
+    ones) while the bucket's plain cost has fewer than REFRESH_SAMPLES samples, or none from the last
     REFRESH_PLAIN calls; otherwise it drafts throughout. A bucket without a plain cost opens with
     PLAIN_STEPS plain steps."""
     from types import SimpleNamespace
 
-    from heads.policy import COST_SAMPLES, PLAIN_STEPS, REFRESH_PLAIN, Observed, SpeculationPolicy
+    from heads.policy import PLAIN_STEPS, REFRESH_PLAIN, REFRESH_SAMPLES, Observed, SpeculationPolicy
     from tree_attention.decode import DecodeStats
 
     ids = torch.ones(1, 8, dtype=torch.long)
@@ -507,7 +507,7 @@ def test_auto_refreshes_a_thin_or_stale_plain_cost():
     policy.record_cost(key, 4, 1.0)
     policy.observed[(4, "greedy", 1)] = Observed(tokens=300, row_steps=100)
     opened = []
-    for call in range(COST_SAMPLES + REFRESH_PLAIN + 2):
+    for call in range(REFRESH_SAMPLES + 2 * REFRESH_PLAIN + 3):
         choice = policy.choose(ids, rule, 20)
         assert choice["tree"] == 4
         controller = choice["controller"]
@@ -521,8 +521,10 @@ def test_auto_refreshes_a_thin_or_stale_plain_cost():
                 for index in range(len(steps))] == [not step[0] for step in steps]
         policy.observe(choice, DecodeStats(steps=steps, row_drafted=[[12, 4]]))
         assert policy.step_costs[(key, 0)] == 0.5  # a call's first step is left out of the plain cost
-    # no plain cost: PLAIN_STEPS; calls 1..7 fill the samples; REFRESH_PLAIN calls draft at once; one refreshes
-    assert opened == [PLAIN_STEPS] + [2] * (COST_SAMPLES - 1) + [0] * REFRESH_PLAIN + [2, 0]
+    # no plain cost: PLAIN_STEPS; calls 1..2 fill the samples; REFRESH_PLAIN calls draft at once; one
+    # refreshes; and so on
+    assert opened == ([PLAIN_STEPS] + [2] * (REFRESH_SAMPLES - 1) + [0] * REFRESH_PLAIN + [2]
+                      + [0] * REFRESH_PLAIN + [2, 0])
 
 
 def test_a_short_call_neither_explores_nor_teaches():
