@@ -53,7 +53,8 @@ steps that measure a bucket's plain cost stay in the loop):
   drafting for the rest of the call when that falls below :data:`SWITCH_BELOW` (while the size's
   tau is unknown only on a clear loss, :data:`EXPLORE_BELOW`: a first call must see how lookup's
   acceptance grows through a reply; a trained drafter without lookup, whose acceptance does not, is
-  judged by :data:`SWITCH_BELOW` from the start, ``SpeculationPolicy.steady``). A wrong choice (a size explored at batch 16, an estimate from other
+  judged by :data:`SWITCH_BELOW` from the start, ``SpeculationPolicy.steady``, and so is every
+  sampled call: sampled text repeats itself far less). A wrong choice (a size explored at batch 16, an estimate from other
   traffic) so costs a few steps, not a call.
 """
 
@@ -278,6 +279,10 @@ class SpeculationPolicy:
 
         With room for one new token at most there is nothing to speculate on (``"reason"``)."""
         key = self.key(input_ids)
+        # sampled text repeats itself far less than greedy text (prompt lookup commits 1.1-1.3 tokens a
+        # step at T=0.7 on both shipped targets), so the lenient thresholds that let a first greedy call
+        # see lookup's acceptance grow would only let a sampled exploring call run at a loss
+        steady = self.steady or not str(rule.key).startswith("greedy")
         base = {"policy": "auto", "rule": rule.key, "batch_bucket": key[0], "length_bucket": key[1]}
         refresh = (len(self.cost_samples.get((key, 0), ())) < REFRESH_SAMPLES
                    or self.since_plain.get(key, 0) >= REFRESH_PLAIN)
@@ -320,7 +325,7 @@ class SpeculationPolicy:
                 prior = taus[explore]
             elif prior is None and larger:  # a larger nested tree's tau bounds this one's: judge it strictly
                 prior = taus[min(larger)]
-            return {**base, "tree": explore, "controller": CallController(plain, explore, prior, refresh, self.steady),
+            return {**base, "tree": explore, "controller": CallController(plain, explore, prior, refresh, steady),
                     "exploring": True, "nested_sizes": self._nested_sizes(explore),
                     "plain_step_ms": None if plain is None else 1000 * plain,
                     "reason": f"{explore} drafted nodes not measured yet at this batch size, prompt length and "
@@ -341,7 +346,7 @@ class SpeculationPolicy:
         return {
             **base, "tree": chosen, "nested_sizes": self._nested_sizes(chosen),
             # a retry judges the size afresh, as a first measurement (lenient thresholds, no prior)
-            "controller": CallController(plain, chosen, None if retry else taus.get(chosen), refresh, self.steady),
+            "controller": CallController(plain, chosen, None if retry else taus.get(chosen), refresh, steady),
             "delegate": self.delegate_plain and not chosen,
             "plain_step_ms": 1000 * plain,
             "step_ms": {size: 1000 * self.step_costs[(key, size)] for size in measured},

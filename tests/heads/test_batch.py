@@ -189,6 +189,13 @@ def test_speculate_auto_records_its_choice_and_stays_identical():
     hybrid = heads.attach_heads(model, tree=8)
     hybrid.set_lookup()
     assert not hybrid.policy.steady
+    # ... and every sampled call strictly, lookup's too (sampled text repeats itself far less)
+    from types import SimpleNamespace
+
+    lookup = heads.attach_heads(model, kind="lookup").policy
+    probe = torch.ones(1, 8, dtype=torch.long)
+    assert not lookup.choose(probe, SimpleNamespace(key="greedy"), 64)["controller"].steady
+    assert lookup.choose(probe, SimpleNamespace(key="sample T=0.7 top_k=0 top_p=1"), 64)["controller"].steady
     ids, mask = padded_batch(seed=10)
     expected = reference(model, ids, mask, 20)
     output = spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto")
