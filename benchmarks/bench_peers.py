@@ -133,6 +133,8 @@ def methods_for(model, target_name: str, adapters: dict, sample: bool, drafts: d
 
 
 args_temperature = [0.7]
+AUTO_FIELDS = ("tree", "exploring", "delegate", "plain_steps", "drafted_steps", "slowest_row_tau",
+               "stopped_drafting_after", "realized_speedup")
 
 
 def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, sample: bool,
@@ -144,6 +146,7 @@ def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, samp
     drafts = {name: [] for name in names}
     sizes = {name: [] for name in names}
     steps = {name: [] for name in names}
+    calls = {name: [] for name in names}  # speculate="auto": what each timed call chose and did
     identical = {name: True for name in names}
     for index, prompt in enumerate(prompts):
         torch.manual_seed(index)
@@ -167,9 +170,12 @@ def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, samp
                 drafts[name].append(stats.draft_seconds / forwards)
                 sizes[name].append(stats.verified_nodes / forwards)  # mean tree width per verify step
                 steps[name].append(forwards)
+                if stats.speculation is not None:
+                    calls[name].append({key: stats.speculation.get(key) for key in AUTO_FIELDS})
         if not sample:  # the reference may have been timed after others: recheck the others against it
             pass
-    return {"times": times, "taus": taus, "drafts": drafts, "sizes": sizes, "steps": steps, "identical": identical}
+    return {"times": times, "taus": taus, "drafts": drafts, "sizes": sizes, "steps": steps, "identical": identical,
+            "calls": calls}
 
 
 def summarise(raw: dict, prompts, max_new: int, verify_costs: dict) -> dict:
@@ -189,6 +195,8 @@ def summarise(raw: dict, prompts, max_new: int, verify_costs: dict) -> dict:
         result["selfdraft"][name] = {"speedup": speedup, "tau": tau, "efficiency": speedup / bound, "bound": bound,
                                      "draft_ms": draft_ms, "verify_bare_ms": verify_ms,
                                      "identical": raw["identical"][name]}
+        if raw.get("calls", {}).get(name):
+            result["selfdraft"][name]["auto_calls"] = raw["calls"][name]
     pld = {name: entry for name, entry in result["peers"].items() if name.startswith("prompt_lookup")}
     best = max(pld, key=lambda name: pld[name]["speedup"])
     result["peers"]["prompt_lookup"] = {**pld[best], "best_of": best}

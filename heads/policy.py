@@ -461,9 +461,9 @@ class SpeculationPolicy:
         the drafted steps), and what the call's controller did (into ``choice``)."""
         key, size = (choice["batch_bucket"], choice["length_bucket"]), choice["tree"]
         controller = choice.pop("controller", None)
-        plain_steps = [step for step in stats.steps if not step[0]]
+        plain_steps = [step for step in stats.steps if step[0] is False]  # (None: proposed nothing, not timed as plain)
         plain = plain_steps
-        if len(plain) > 1 and not stats.steps[0][0]:
+        if len(plain) > 1 and stats.steps[0][0] is False:
             plain = plain[1:]  # the call's first step costs more than later ones: left out when others were plain
         drafted = [step for step in stats.steps if step[0]]
         if plain:

@@ -168,11 +168,15 @@ class DecodeStats:
     speculation: dict | None = None  # the setting an adaptive policy chose, and why
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the loop (:data:`PHASES`); contiguous laps, so they sum to ``total_seconds``."""
-    steps: list[tuple[bool, float, int, int]] = field(default_factory=list)
+    steps: list[tuple[bool | None, float, int, int]] = field(default_factory=list)
     """Per step after the prefill: (drafted, seconds, tokens committed over all rows, rows); a
-    step that drafted nothing is a plain decoding step inside the loop (see ``schedule``)."""
+    step that drafted nothing is a plain decoding step inside the loop (see ``schedule``), and
+    ``drafted`` is None for a step whose drafter was asked but proposed no node for any row (prompt
+    lookup before the text repeats): it verified the roots alone, a plain step in cost and effect,
+    and is neither a drafted step nor a plain one in ``speculate="auto"``'s measurements."""
     row_drafted: list[list[int]] = field(default_factory=list)
-    """Per batch row: [tokens committed in drafted steps, drafted steps it took part in]."""
+    """Per batch row: [tokens committed in drafted steps, drafted steps it took part in] (steps that
+    proposed no node for any row left out)."""
     nested: list[list[float]] = field(default_factory=list)
     """Per batch row (when the decoder was given ``nested_sizes`` and the drafter nests its trees):
     [drafted steps counted, then per size the tokens a tree of that size would have committed on
@@ -390,12 +394,14 @@ class SpeculativeDecoder:
         chunks = torch.cat([path_tokens, accepted.next_tokens[:, None]], dim=1).tolist()
         done = []
         counts = lengths.tolist()
-        if draft and self.nested_sizes and trees is drafted:  # (a step cut to the token budget is left out)
+        if draft and trees.width > 1 and self.nested_sizes and trees is drafted:  # (a step cut to the
+            # token budget is left out, as is one that proposed nothing)
             self._count_nested(paths.tolist(), counts)
         self.holes += trees.width * rows - sum(counts)
+        proposed = draft and trees.width > 1  # some row's tree holds a drafted node
         for index, (row, length) in enumerate(zip(self.rows, counts)):
             self.stats.accepted_lengths.append(length - 1)
-            if draft:
+            if proposed:
                 record = self.stats.row_drafted[row]
                 record[0] += length
                 record[1] += 1
@@ -406,7 +412,8 @@ class SpeculativeDecoder:
         if self.rows and 2 * self.holes >= self.cache.width and self.cache.compact():
             self.holes = 0
         self._lap("cache")
-        self.stats.steps.append((draft, self._stamp - started, sum(counts), rows))
+        self.stats.steps.append((True if proposed else None if draft else False, self._stamp - started,
+                                 sum(counts), rows))
 
     def _count_nested(self, paths: list[list[int]], lengths: list[int]) -> None:
         """Add to :attr:`DecodeStats.nested` what a tree of each of ``nested_sizes`` would have

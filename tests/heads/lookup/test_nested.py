@@ -96,6 +96,9 @@ def test_the_decoder_counts_what_each_nested_tree_would_have_committed(name, see
     for trees, counts in seen:
         tokens, parents = trees.tokens[0].tolist(), trees.parents[0].tolist()
         size = int(trees.sizes[0])
+        if size == 1:  # nothing proposed: a plain step, not counted
+            committed += 1
+            continue
         limit = 40 - committed
         if max(trees.depths[0].tolist()) > limit - 1:  # cut to the token budget: not counted
             best = _longest(tokens, parents, size, generated[committed:])
@@ -192,3 +195,26 @@ def test_auto_with_lookup_learns_nested_taus_and_stays_identical():
     nested = spec.policy.nested_taus("greedy", 1)
     assert nested and all(nested[a] <= nested[b] for a, b in zip(sorted(nested), sorted(nested)[1:]))
     assert min(nested) == min(spec.policy.sizes)
+
+
+def test_a_step_that_proposed_nothing_is_neither_drafted_nor_plain():
+    """Lookup before the text repeats verifies the roots alone: such steps are marked None, left out
+    of the rows' drafted steps (so of tau) and of the plain cost, and the call's controller does not
+    judge drafting on them (a reply that opens with ten unmatched steps had stopped lookup for the
+    rest of the call at 0.92x, where drafting from step 11 on ran at 2x)."""
+    model = build_model("llama")
+    fresh = random_prompt(12, 5)
+    spec = heads.attach_heads(model, kind="lookup", tree=8, history_tokens=0)
+    spec.generate(fresh, max_new_tokens=30)
+    stats = spec.last_stats
+    flags = [step[0] for step in stats.steps]
+    assert None in flags and True in flags, flags
+    tokens = sum(step[2] for step in stats.steps if step[0])
+    assert stats.row_drafted[0] == [tokens, flags.count(True)]
+    assert all(step[2] == 1 for step in stats.steps if step[0] is None)
+    policy = SpeculationPolicy((8,))
+    choice = policy.choose(fresh, SimpleNamespace(key="greedy"), 30)
+    choice["tree"], choice["learns"] = 8, True
+    policy.observe(choice, stats)
+    plain = [step[1] for step in stats.steps if step[0] is False]
+    assert choice["plain_steps"] == len(plain) and choice["drafted_steps"] == flags.count(True)
