@@ -50,11 +50,15 @@ steps that measure a bucket's plain cost stay in the loop):
 - **Choosing again within the call**: once the call has drafted :data:`SWITCH_STEPS` steps, it
   compares what drafting realised in this call (its slowest row's tau, blended with the policy's
   estimate, times ``t_plain`` over its median drafted step cost) with plain decoding, and stops
-  drafting for the rest of the call when that falls below :data:`SWITCH_BELOW` (while the size's
-  tau is unknown only on a clear loss, :data:`EXPLORE_BELOW`: a first call must see how lookup's
-  acceptance grows through a reply; a trained drafter without lookup, whose acceptance does not, is
-  judged by :data:`SWITCH_BELOW` from the start, ``SpeculationPolicy.steady``, and so is every
-  sampled call: sampled text repeats itself far less). A wrong choice (a size explored at batch 16, an estimate from other
+  drafting for the rest of the call when that falls below :data:`SWITCH_BELOW`. A greedy call with
+  lookup (alone or in a hybrid) stops only on a clear loss, :data:`EXPLORE_BELOW`: lookup's
+  acceptance grows through a reply, from nothing while the reply has not repeated anything yet to
+  ten tokens a step later (a demo prose reply opened with ten steps where lookup matched nothing,
+  then ran at 2x; judged by the strict threshold after eight steps it had stopped at 0.92x). A
+  trained drafter without lookup, whose acceptance does not grow, is judged by :data:`SWITCH_BELOW`
+  (``SpeculationPolicy.steady``), and so is every sampled call: sampled text repeats itself far
+  less. The call's drafted steps include those where the drafter proposed nothing (what drafting
+  gives on this text); the policy's tau and step costs leave them out. A wrong choice (a size explored at batch 16, an estimate from other
   traffic) so costs a few steps, not a call.
 """
 
@@ -68,12 +72,13 @@ import torch
 PLAIN_STEPS = 3  # plain steps that open a call in a bucket whose plain cost is unknown
 SWITCH_STEPS = 6  # drafted steps of a call before it may give up drafting
 SWITCH_BELOW = 0.97  # ... when drafting realised less than this times plain decoding's speed
-EXPLORE_BELOW = (0.5, 0.8)  # ... or, for a size with no tau yet at this batch size and sampling setting,
+EXPLORE_BELOW = (0.5, 0.8)  # ... or, for a greedy call with lookup (not steady),
 # below the first after SWITCH_STEPS drafted steps (a clear loss: batch 16) or below the second after
 # twice as many: acceptance often grows through a reply (prompt lookup finds repeats only once there
 # is text to repeat, then accepts ten tokens a step), so a first call that drafts at 0.6x early may pay
-# later, and stopping it would keep the policy from ever seeing that; once the size's tau is known
-# (from whole calls) it is blended in and the strict threshold applies.
+# later, and stopping it would keep the policy from ever seeing that (every reply starts without
+# repeats, so this holds for every greedy lookup call, not only a size's first; the policy itself
+# sends calls to plain decoding where lookup does not pay on the whole).
 PRIOR_STEPS = 2  # the policy's tau for the size counts as this many of the call's drafted steps
 MIN_LEARN_TOKENS = PLAIN_STEPS + 2 * SWITCH_STEPS + 1  # a shorter call neither explores nor teaches:
 # its trees are cut to its few remaining tokens, so its tau says nothing about the size (a 4-token
@@ -135,7 +140,7 @@ class CallController:
         if not self.size:
             decoder.drafting = False
             return False
-        if stats.steps and stats.steps[-1][0]:
+        if stats.steps and stats.steps[-1][0] is not False:  # drafted (None: asked, proposed nothing)
             self.drafted.append(stats.steps[-1][1])
         if len(stats.steps) < self.plain_first or len(stats.steps) in self.refresh_steps:
             return False
@@ -144,7 +149,7 @@ class CallController:
         if len(self.drafted) >= SWITCH_STEPS:
             tau = stats.slowest_row_tau(self.prior_tau, PRIOR_STEPS)
             self.realized = tau * self.plain_cost / step_cost(self.drafted)
-            if self.prior_tau is not None or self.steady:
+            if self.steady:
                 below = SWITCH_BELOW
             else:
                 below = EXPLORE_BELOW[1] if len(self.drafted) >= 2 * SWITCH_STEPS else EXPLORE_BELOW[0]
@@ -469,7 +474,7 @@ class SpeculationPolicy:
         if plain:
             self.record_cost(key, 0, statistics.median(step[1] for step in plain))
         self.since_plain[key] = 0 if plain else self.since_plain.get(key, 0) + 1
-        tau = stats.slowest_row_tau()
+        tau = stats.slowest_row_tau(proposed=True)
         if drafted and size and tau is not None and choice.get("learns", True):
             self.record_cost(key, size, step_cost([step[1] for step in drafted]))
             self.record_draft_cost(key, size, stats.draft_seconds / len(drafted))  # plain steps' few us included

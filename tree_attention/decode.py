@@ -172,22 +172,29 @@ class DecodeStats:
     """Per step after the prefill: (drafted, seconds, tokens committed over all rows, rows); a
     step that drafted nothing is a plain decoding step inside the loop (see ``schedule``), and
     ``drafted`` is None for a step whose drafter was asked but proposed no node for any row (prompt
-    lookup before the text repeats): it verified the roots alone, a plain step in cost and effect,
-    and is neither a drafted step nor a plain one in ``speculate="auto"``'s measurements."""
+    lookup before the text repeats): it verified the roots alone, a plain step in cost and effect.
+    ``speculate="auto"`` leaves such steps out of a size's tau and step cost and out of the plain
+    cost; a call's own verdict on drafting counts them (what drafting gives on this text)."""
     row_drafted: list[list[int]] = field(default_factory=list)
-    """Per batch row: [tokens committed in drafted steps, drafted steps it took part in] (steps that
-    proposed no node for any row left out)."""
+    """Per batch row: [tokens committed in drafted steps, drafted steps it took part in] (the steps
+    whose drafter was asked, :attr:`row_empty` of them proposing nothing)."""
+    row_empty: list[int] = field(default_factory=list)
+    """Per batch row: its drafted steps where no row's tree held a drafted node (``steps`` entries
+    marked None); each committed one token."""
     nested: list[list[float]] = field(default_factory=list)
     """Per batch row (when the decoder was given ``nested_sizes`` and the drafter nests its trees):
     [drafted steps counted, then per size the tokens a tree of that size would have committed on
     those same steps]; see :meth:`SpeculativeDecoder.step`."""
 
-    def slowest_row_tau(self, prior: float | None = None, weight: float = 0.0) -> float | None:
+    def slowest_row_tau(self, prior: float | None = None, weight: float = 0.0, proposed: bool = False) -> float | None:
         """Tokens per drafted step of the row that advanced slowest (a batch call lasts as long as
         its slowest row), each row's rate blended with ``prior`` worth ``weight`` steps; None
-        before any drafted step."""
+        before any drafted step. ``proposed``: over the steps that proposed something only (the
+        tau of a tree size; :attr:`row_empty` left out)."""
         prior, weight = (0.0, 0.0) if prior is None else (prior, weight)
-        rates = [(tokens + prior * weight) / (steps + weight) for tokens, steps in self.row_drafted if steps]
+        empty = self.row_empty if proposed and self.row_empty else [0] * len(self.row_drafted)
+        rates = [(tokens - skipped + prior * weight) / (steps - skipped + weight)
+                 for (tokens, steps), skipped in zip(self.row_drafted, empty) if steps - skipped]
         return min(rates) if rates else None
 
     @property
@@ -282,7 +289,7 @@ class SpeculativeDecoder:
         self.pad_token_id = pad_token_id
         batch = input_ids.shape[0]
         self.outputs: list[list[int]] = [[] for _ in range(batch)]
-        self.stats = DecodeStats(batch_size=batch, row_drafted=[[0, 0] for _ in range(batch)])
+        self.stats = DecodeStats(batch_size=batch, row_drafted=[[0, 0] for _ in range(batch)], row_empty=[0] * batch)
         self.cache = cache_ops.RaggedCache(batch, input_ids.device)
         self.rows: list[int] = list(range(batch))
         self.max_depth = 0
@@ -401,10 +408,12 @@ class SpeculativeDecoder:
         proposed = draft and trees.width > 1  # some row's tree holds a drafted node
         for index, (row, length) in enumerate(zip(self.rows, counts)):
             self.stats.accepted_lengths.append(length - 1)
-            if proposed:
+            if draft:
                 record = self.stats.row_drafted[row]
                 record[0] += length
                 record[1] += 1
+                if not proposed:
+                    self.stats.row_empty[row] += 1
             chunk = chunks[index]
             done.append(self._emit(row, chunk[1:length] + [chunk[-1]]))
         self._keep_rows(done)

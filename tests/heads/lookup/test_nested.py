@@ -197,11 +197,11 @@ def test_auto_with_lookup_learns_nested_taus_and_stays_identical():
     assert min(nested) == min(spec.policy.sizes)
 
 
-def test_a_step_that_proposed_nothing_is_neither_drafted_nor_plain():
-    """Lookup before the text repeats verifies the roots alone: such steps are marked None, left out
-    of the rows' drafted steps (so of tau) and of the plain cost, and the call's controller does not
-    judge drafting on them (a reply that opens with ten unmatched steps had stopped lookup for the
-    rest of the call at 0.92x, where drafting from step 11 on ran at 2x)."""
+def test_a_step_that_proposed_nothing_is_marked_and_left_out_of_the_sizes_tau():
+    """Lookup before the text repeats verifies the roots alone: such steps are marked None. The
+    call's verdict on drafting counts them (row_drafted: what drafting gives on this text); the
+    policy's tau for the size and its step costs leave them out (row_empty), and so does the plain
+    cost."""
     model = build_model("llama")
     fresh = random_prompt(12, 5)
     spec = heads.attach_heads(model, kind="lookup", tree=8, history_tokens=0)
@@ -209,12 +209,18 @@ def test_a_step_that_proposed_nothing_is_neither_drafted_nor_plain():
     stats = spec.last_stats
     flags = [step[0] for step in stats.steps]
     assert None in flags and True in flags, flags
-    tokens = sum(step[2] for step in stats.steps if step[0])
-    assert stats.row_drafted[0] == [tokens, flags.count(True)]
-    assert all(step[2] == 1 for step in stats.steps if step[0] is None)
+    asked = [step for step in stats.steps if step[0] is not False]
+    assert stats.row_drafted[0] == [sum(step[2] for step in asked), len(asked)]
+    assert stats.row_empty[0] == flags.count(None) and all(step[2] == 1 for step in asked if step[0] is None)
+    proposed = sum(step[2] for step in stats.steps if step[0]) / flags.count(True)
+    assert abs(stats.slowest_row_tau(proposed=True) - proposed) < 1e-9
+    assert stats.slowest_row_tau() < proposed
     policy = SpeculationPolicy((8,))
     choice = policy.choose(fresh, SimpleNamespace(key="greedy"), 30)
     choice["tree"], choice["learns"] = 8, True
     policy.observe(choice, stats)
-    plain = [step[1] for step in stats.steps if step[0] is False]
-    assert choice["plain_steps"] == len(plain) and choice["drafted_steps"] == flags.count(True)
+    assert choice["plain_steps"] == flags.count(False) and choice["drafted_steps"] == flags.count(True)
+    assert abs(policy.observed[(8, "greedy", 1)].tau - proposed) < 1e-9
+    from heads.policy import step_cost
+
+    assert policy.step_costs[(policy.key(fresh), 8)] == step_cost([step[1] for step in stats.steps if step[0]])
