@@ -274,9 +274,10 @@ class SpeculativeDecoder:
         drafting for the rest of the call (nothing more is kept for the drafter).
 
         ``nested_sizes``: tree sizes whose greedy acceptance to count on every drafted step, when the
-        drafter's trees are nested by node order (its ``nested_counts(sizes)`` says how many of each
-        row's drafted nodes a drafter of each size would have proposed): a smaller tree accepts the
-        leading nodes of the accepted path that it holds, so ``speculate="auto"`` compares sizes on
+        drafter's trees are nested (its ``nested_counts(sizes)`` says how many of each row's drafted
+        nodes a drafter of each size would have proposed, the first in node order or in its
+        ``nested_ranks`` order): a smaller tree accepts the leading nodes of the accepted path that
+        it holds, so ``speculate="auto"`` compares sizes on
         the same text (:attr:`DecodeStats.nested`). Greedy only (a sampled smaller tree's draws would
         differ)."""
         self.target, self.drafter, self.rule = target, drafter, rule or GreedyRule()
@@ -298,8 +299,8 @@ class SpeculativeDecoder:
         self.holes = 0  # slots appended since the last compaction that no row kept (a bound on any row's holes)
         self.schedule = schedule
         self.drafting = True  # False: plain steps until the end of the call
-        counts = getattr(drafter, "nested_counts", None)
-        self.nested_sizes = list(nested_sizes) if counts is not None and isinstance(self.rule, GreedyRule) else []
+        nests = getattr(drafter, "nested_counts", None) is not None and getattr(drafter, "nests", True)
+        self.nested_sizes = list(nested_sizes) if nests and isinstance(self.rule, GreedyRule) else []
         if self.nested_sizes:
             self.stats.nested = [[0] + [0] * len(self.nested_sizes) for _ in range(batch)]
 
@@ -426,20 +427,24 @@ class SpeculativeDecoder:
 
     def _count_nested(self, paths: list[list[int]], lengths: list[int]) -> None:
         """Add to :attr:`DecodeStats.nested` what a tree of each of ``nested_sizes`` would have
-        committed this step: its drafted nodes are each row's first ``count`` (node indices
-        ``1..count``), so it accepts the leading nodes of the accepted path with an index up to
-        ``count``, plus the bonus token."""
-        for row, counts, path, length in zip(self.rows, self.drafter.nested_counts(self.nested_sizes), paths, lengths):
+        committed this step: its drafted nodes are each row's ``count`` first in the drafter's
+        selection order (``nested_ranks``: a node's place in it, 0 for the first drafted node; node
+        order when the drafter has none), so it accepts the leading nodes of the accepted path that
+        it holds, plus the bonus token."""
+        ranks = getattr(self.drafter, "nested_ranks", None)
+        for index, (row, counts, path, length) in enumerate(
+                zip(self.rows, self.drafter.nested_counts(self.nested_sizes), paths, lengths)):
             record = self.stats.nested[row]
             record[0] += 1
-            drafted = path[1:length]
-            for index, count in enumerate(counts, start=1):
+            order = None if ranks is None else ranks[index]
+            drafted = [node - 1 if order is None else order[node] for node in path[1:length]]
+            for position, count in enumerate(counts, start=1):
                 accepted = 0
-                for node in drafted:
-                    if node > count:
+                for rank in drafted:
+                    if rank >= count:
                         break
                     accepted += 1
-                record[index] += accepted + 1
+                record[position] += accepted + 1
 
     def result(self) -> torch.Tensor:
         """Prompts plus new tokens, rows that stopped early filled with ``pad_token_id`` (as ``generate``)."""

@@ -13,7 +13,7 @@ from ..kind import DrafterKind, refuse_options
 from . import cli
 from .checkpoint import FORMATS, restore_sidecar
 from .config import MedusaConfig
-from .drafter import MedusaDrafter, resolve_tree
+from .drafter import MedusaDrafter, resolve_tree, selection_ranks
 from .loss import MedusaLoss
 from .modules import MedusaHeads, ResidualBlock
 
@@ -39,9 +39,13 @@ def build_heads(target, config: MedusaConfig) -> MedusaHeads:
 
 
 def build_drafter(spec, tree) -> MedusaDrafter:
-    template = resolve_tree(tree if tree is not None else spec.config.tree, spec.config.num_heads, spec.accuracy)
-    return MedusaDrafter(spec.heads, template, spec.shared_logits if spec.config.share_lm_head else None,
-                         spec.config.sample)
+    tree = tree if tree is not None else spec.config.tree
+    template = resolve_tree(tree, spec.config.num_heads, spec.accuracy)
+    drafter = MedusaDrafter(spec.heads, template, spec.shared_logits if spec.config.share_lm_head else None,
+                            spec.config.sample)
+    if tree is None or (isinstance(tree, int) and not isinstance(tree, bool)):  # a default tree: nested by size
+        drafter.set_selection(selection_ranks(template, spec.config.num_heads, spec.accuracy))
+    return drafter
 
 
 def bind_rule(drafter, rule):

@@ -9,7 +9,9 @@ import torch
 
 from tree_attention.decode import DraftBatch
 from tree_attention.sampled import depleted, draw_without_replacement
-from tree_attention.tree import InvalidTreeError, TreeBatch, TreeTemplate, default_tree, from_choices
+from tree_attention.tree import (
+    InvalidTreeError, TreeBatch, TreeTemplate, best_first_choices, default_tree, from_choices, prior_accuracy,
+)
 
 from .modules import MedusaHeads
 
@@ -26,6 +28,16 @@ def resolve_tree(tree: Sequence[Sequence[int]] | int | None, num_heads: int,
             raise ValueError(f"tree size must be >= 0; got {tree}")
         return default_tree(tree, num_heads, accuracy)
     return from_choices(tree, max_depth=num_heads)
+
+
+def selection_ranks(template: TreeTemplate, num_heads: int,
+                    accuracy: Sequence[Sequence[float]] | None = None) -> list[int]:
+    """Each node's place in the best-first selection a default tree of ``template``'s size was
+    built from (:func:`~tree_attention.tree.default_tree`; -1 at the root): the default tree of
+    ``m`` nodes is the ``m`` first of them, so these trees are nested."""
+    table = list(accuracy if accuracy is not None else prior_accuracy(num_heads))[:num_heads]
+    order = {path: rank for rank, path in enumerate(best_first_choices(table, template.size - 1))}
+    return [-1] + [order[tuple(path)] for path in template.paths]
 
 
 class MedusaDrafter:
@@ -67,6 +79,8 @@ class MedusaDrafter:
                                    f"of a head, but {scored} has {vocab} tokens")
         device = next(self.heads.parameters()).device
         self.template = template.to(device)
+        self.selection: list[int] | None = None  # set_selection: the tree is a default (nested) one
+        self._rows = 0
         self.top_k = template.max_rank + 1
         # flat index into the (K, top_k) candidate table for every non-root node
         nodes = self.template.depths[1:]
@@ -84,6 +98,30 @@ class MedusaDrafter:
         if self._children > vocab:
             raise InvalidTreeError(f"a tree node has {self._children} children, but {scored} has {vocab} tokens")
 
+    def set_selection(self, ranks: list[int]) -> None:
+        """Declare the template a default tree whose nodes were selected in the order ``ranks``
+        (:func:`selection_ranks`): ``speculate="auto"`` then counts what each smaller default tree
+        would have committed on the same steps (``nested_counts``)."""
+        if len(ranks) != self.template.size:
+            raise ValueError(f"{len(ranks)} selection ranks for a tree of {self.template.size} nodes")
+        self.selection = list(ranks)
+
+    @property
+    def nests(self) -> bool:
+        """Whether the trees are nested across sizes (a default tree; see :meth:`set_selection`)."""
+        return self.selection is not None
+
+    def nested_counts(self, sizes) -> list[list[int]]:
+        """Per row of the last :meth:`propose`: how many drafted nodes a default tree of each size in
+        ``sizes`` holds (the first in :attr:`nested_ranks` order)."""
+        drafted = self.template.size - 1
+        return [[min(int(size), drafted) for size in sizes]] * self._rows
+
+    @property
+    def nested_ranks(self) -> list[list[int]]:
+        """Per row of the last :meth:`propose`: each node's place in the best-first selection."""
+        return [self.selection] * self._rows
+
     def reset(self, batch_size: int) -> None:
         """Medusa heads keep no state between steps."""
 
@@ -94,6 +132,7 @@ class MedusaDrafter:
     def propose(self, batch: DraftBatch) -> TreeBatch:
         """One tree per row from the heads applied to each row's last feature (one batched pass)."""
         template = self.template
+        self._rows = batch.rows
         roots = batch.roots[:, None]  # (R, 1)
         if template.size == 1:
             return TreeBatch.from_template(template, roots)

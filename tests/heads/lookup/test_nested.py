@@ -224,3 +224,74 @@ def test_a_step_that_proposed_nothing_is_marked_and_left_out_of_the_sizes_tau():
     from heads.policy import step_cost
 
     assert policy.step_costs[(policy.key(fresh), 8)] == step_cost([step[1] for step in stats.steps if step[0]])
+
+
+def test_medusa_default_trees_are_nested_by_their_selection_order():
+    """A default Medusa tree of ``m`` nodes is the ``m`` first of a larger one's best-first selection
+    (``selection_ranks``), prior table or measured."""
+    from heads.medusa.drafter import resolve_tree, selection_ranks
+
+    for accuracy in (None, [[0.7, 0.2, 0.05], [0.5, 0.3, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]):
+        large = resolve_tree(16, 4, accuracy)
+        ranks = selection_ranks(large, 4, accuracy)
+        assert sorted(ranks[1:]) == list(range(15 + 1)) and ranks[0] == -1
+        for size in (1, 2, 4, 8):
+            small = resolve_tree(size, 4, accuracy)
+            assert {large.paths[node - 1] for node in range(1, large.size) if ranks[node] < size} == set(small.paths)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_the_decoder_counts_nested_medusa_trees(name, toy_target):
+    """As for lookup, against the final greedy output: a default tree of ``m`` nodes holds the nodes
+    ranked below ``m`` in the selection order; a custom tree is not counted."""
+    model = toy_target if name == "llama" else build_model(name)
+    spec = heads.attach_heads(model, kind="medusa", tree=16, share_lm_head=True)
+    drafter = spec.drafter_for(16)
+    assert drafter.nests
+    seen = []
+    original = drafter.propose
+
+    def recording(batch):
+        trees = original(batch)
+        seen.append((trees, drafter.nested_ranks[0], drafter.nested_counts([2, 4, 16])[0]))
+        return trees
+
+    drafter.propose = recording
+    from tree_attention.decode import SpeculativeDecoder
+
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]]) if name == "llama" else random_prompt(8, 2)
+    output, stats = SpeculativeDecoder(spec.target, drafter, prompt, 40, nested_sizes=[2, 4, 16]).run()
+    assert torch.equal(output, greedy_reference(model, prompt, 40))
+    generated = output[0, prompt.shape[1]:].tolist()
+    expected, committed = [0, 0, 0, 0], 1
+    for trees, ranks, counts in seen:
+        tokens, parents = trees.tokens[0].tolist(), trees.parents[0].tolist()
+        continuation = generated[committed:]
+        full = _longest_ranked(tokens, parents, ranks, 16, continuation)
+        if max(trees.depths[0].tolist()) > 40 - committed - 1:
+            committed += full + 1
+            continue
+        expected[0] += 1
+        for index, count in enumerate(counts, start=1):
+            expected[index] += _longest_ranked(tokens, parents, ranks, count, continuation) + 1
+        committed += full + 1
+    assert stats.nested[0] == expected
+    if name == "llama":  # the toy target's progressions: drafts accepted, and size mattered
+        assert expected[3] > expected[1] > expected[0]
+    custom = spec.drafter_for([[0], [0, 0]])
+    assert not custom.nests
+    _, stats = SpeculativeDecoder(spec.target, custom, prompt, 10, nested_sizes=[2]).run()
+    assert stats.nested == []
+
+
+def _longest_ranked(tokens, parents, ranks, count, continuation) -> int:
+    """Drafted nodes accepted among the nodes ranked below ``count``."""
+    depth = {0: 0}
+    best = 0
+    for node in range(1, len(tokens)):
+        parent = parents[node]
+        if ranks[node] < count and parent in depth and depth[parent] < len(continuation) \
+                and tokens[node] == continuation[depth[parent]]:
+            depth[node] = depth[parent] + 1
+            best = max(best, depth[node])
+    return best
