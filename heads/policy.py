@@ -32,7 +32,7 @@ steps that measure a bucket's plain cost stay in the loop):
   per tree size, batch bucket, acceptance rule and sampling settings (acceptance falls with
   temperature) over every call served; it is non-decreasing in the tree size for nested trees,
   so a larger size is credited with at least the tau of any smaller one. Where the drafter's trees
-  are nested by node order (prompt lookup; ``nested_counts``), each greedy drafted step also counts
+  are nested (prompt lookup, Medusa's default trees; ``nested_counts``), each greedy drafted step also counts
   what every smaller size would have committed on it, and sizes are compared on those shared steps
   (:meth:`SpeculationPolicy.nested_taus`), not on whichever calls each size happened to draft.
 - **Choosing** (per call): the size with the best predicted speedup ``tau(n) x t_plain / t_step(n)``,
