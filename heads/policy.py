@@ -233,11 +233,12 @@ class SpeculationPolicy:
                     samples[(key, size)] = list(kept)
                     estimates[(key, size)] = estimates[(other, size)]
 
-    def taus(self, rule_key: str, batch: int) -> dict[int, float]:
+    def taus(self, rule_key: str, batch: int, nested: dict[int, float] | None = None) -> dict[int, float]:
         """Tokens per drafted step of a call's slowest row, by size, at batch bucket ``batch``: from
-        nested counts where there are some (:meth:`nested_taus`), else the observed ones; each at
-        least any smaller size's (nested trees accept at least as much), 1.0 for sizes never seen."""
-        nested = self.nested_taus(rule_key, batch)
+        nested counts where there are some (:meth:`nested_taus`, or ``nested`` if already computed),
+        else the observed ones; each at least any smaller size's (nested trees accept at least as
+        much), 1.0 for sizes never seen."""
+        nested = self.nested_taus(rule_key, batch) if nested is None else nested
         taus, best = {}, 1.0
         for size in sorted(self.sizes):
             record = self.observed.get((size, rule_key, batch))
@@ -305,11 +306,11 @@ class SpeculationPolicy:
         if max_new_tokens is not None and max_new_tokens <= 1:
             return plain_steps(f"room for {max(max_new_tokens, 0)} new token(s): nothing to speculate on",
                                measure=True)
-        taus, evidence = self.taus(rule.key, key[0]), self.evidence(rule.key, key[0])
+        nested = self.nested_taus(rule.key, key[0])
+        taus, evidence = self.taus(rule.key, key[0], nested), self.evidence(rule.key, key[0])
         measured = [size for size in self.sizes if (key, size) in self.step_costs and evidence[size]]
         ruled_out = {size for size in self.sizes
                      if size not in measured and self._loses_at_smaller_batch(key, size, rule.key)}
-        nested = self.nested_taus(rule.key, key[0])
         explore = self._worth_measuring(key, plain, taus, measured, ruled_out, nested)
         if plain is None and explore is None:  # no plain step yet: this call measures one (and a size, if any may pay)
             hopeful = [size for size in self.sizes if size not in ruled_out]
@@ -404,7 +405,7 @@ class SpeculationPolicy:
         return False
 
     def _worth_measuring(self, key, plain: float | None, taus: dict, measured: list[int],
-                         ruled_out: set = frozenset(), nested: dict = {}) -> int | None:
+                         ruled_out: set = frozenset(), nested: dict | None = None) -> int | None:
         """The largest size not yet ``measured`` (a step cost in bucket ``key`` and tau seen under
         this rule and batch bucket) that could beat plain decoding by ``margin``, or None. Without a
         plain cost, the largest such size. Otherwise each is judged optimistically: its tau as the
@@ -439,7 +440,7 @@ class SpeculationPolicy:
                 total = self.step_costs[(key, other)]
                 drafting = min(self.draft_costs.get((key, other), 0.0), max(0.0, total - plain))
                 cost = plain + drafting + (total - plain - drafting) * size / other
-            if size in nested:
+            if nested and size in nested:
                 tau = taus[size]
             else:
                 tau = min(taus[min(larger)], size + 1) if larger else size + 1  # n nodes commit at most n + 1

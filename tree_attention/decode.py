@@ -402,11 +402,10 @@ class SpeculativeDecoder:
         chunks = torch.cat([path_tokens, accepted.next_tokens[:, None]], dim=1).tolist()
         done = []
         counts = lengths.tolist()
-        if draft and trees.width > 1 and self.nested_sizes and trees is drafted:  # (a step cut to the
-            # token budget is left out, as is one that proposed nothing)
+        proposed = draft and trees.width > 1  # some row's tree holds a drafted node
+        if proposed and self.nested_sizes and trees is drafted:  # (a step cut to the token budget is left out)
             self._count_nested(paths.tolist(), counts)
         self.holes += trees.width * rows - sum(counts)
-        proposed = draft and trees.width > 1  # some row's tree holds a drafted node
         for index, (row, length) in enumerate(zip(self.rows, counts)):
             self.stats.accepted_lengths.append(length - 1)
             if draft:

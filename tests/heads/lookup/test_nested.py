@@ -114,16 +114,8 @@ def test_the_decoder_counts_what_each_nested_tree_would_have_committed(name, see
 
 
 def _longest(tokens, parents, size, continuation) -> int:
-    """Drafted nodes accepted among nodes ``1..size - 1``: the deepest node whose path spells the
-    start of ``continuation``."""
-    depth = {0: 0}
-    best = 0
-    for node in range(1, size):
-        parent = parents[node]
-        if parent in depth and depth[parent] < len(continuation) and tokens[node] == continuation[depth[parent]]:
-            depth[node] = depth[parent] + 1
-            best = max(best, depth[node])
-    return best
+    """Drafted nodes accepted among nodes ``1..size - 1`` (lookup: selection order is node order)."""
+    return _longest_ranked(tokens[:size], parents[:size], list(range(-1, size - 1)), size, continuation)
 
 
 def test_sampling_counts_nothing():
