@@ -299,6 +299,8 @@ class SpeculativeDecoder:
         self.holes = 0  # slots appended since the last compaction that no row kept (a bound on any row's holes)
         self.schedule = schedule
         self.drafting = True  # False: plain steps until the end of the call
+        if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in nested_sizes):
+            raise ValueError(f"nested_sizes must be positive tree sizes (drafted node counts); got {list(nested_sizes)!r}")
         nests = getattr(drafter, "nested_counts", None) is not None and getattr(drafter, "nests", True)
         self.nested_sizes = list(nested_sizes) if nests and isinstance(self.rule, GreedyRule) else []
         if self.nested_sizes:

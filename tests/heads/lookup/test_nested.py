@@ -287,3 +287,13 @@ def _longest_ranked(tokens, parents, ranks, count, continuation) -> int:
             depth[node] = depth[parent] + 1
             best = max(best, depth[node])
     return best
+
+
+@pytest.mark.parametrize("sizes", [[0], [-2], [2.5], [True], ["4"]])
+def test_bad_nested_sizes_are_refused(sizes):
+    from tree_attention.decode import SpeculativeDecoder
+
+    model = build_model("llama")
+    spec = heads.attach_heads(model, kind="lookup", tree=4, history_tokens=0)
+    with pytest.raises(ValueError, match="nested_sizes must be positive tree sizes"):
+        SpeculativeDecoder(spec.target, spec.drafter_for(4), random_prompt(6, 0), 8, nested_sizes=sizes)
