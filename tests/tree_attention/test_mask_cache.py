@@ -155,21 +155,59 @@ def test_growing_layer_matches_concatenation_through_crops_gathers_and_row_selec
         return lambda cache: [cache.update(keys + layer, values - layer, layer) for layer in range(2)]
 
     both(append(5))
+    assert growing.pooled() is None  # the first forward: layers appear one by one, each with its own buffers
+    both(append(3))  # the second: every layer moved into one pool
+    assert growing.pooled() is not None
     start = growing.layers[0].keys.data_ptr()
-    for count in (3, 1, 7):
+    for count in (1, 7):
         both(append(count))
     assert growing.layers[0].keys.data_ptr() == start  # appended in place, no reallocation
     both(lambda cache: cache_ops.crop(cache, 12))
     both(append(6))
     path = torch.tensor([[0, 2, 5], [1, 3, 3], [4, 4, 4]])
+    assert growing.pooled() is not None  # this gather moves every layer's entries at once
     both(lambda cache: cache_ops.gather(cache, 12, path))
+    both(append(3))
+    both(lambda cache: cache_ops.gather(cache, 15, torch.tensor([2, 0])))  # one path for every row
     both(append(2))
     both(lambda cache: cache_ops.select_rows(cache, torch.tensor([2, 0])))
-    both(append(40, rows=2))  # past the first buffers' room: moved once into larger ones
+    assert growing.pooled() is None  # a row selection leaves new tensors: gathers go layer by layer
+    both(lambda cache: cache_ops.gather(cache, 14, torch.tensor([[1, 0], [0, 1]])))
+    both(append(40, rows=2))  # pooled again, with room for the 40
+    assert growing.pooled() is not None
     both(lambda cache: cache_ops.crop(cache, 3))
     both(append(1, rows=2))
+    both(append(100, rows=2))  # past the pool's room: moved once into a larger pool
+    assert growing.pooled() is not None
+    both(lambda cache: cache_ops.gather(cache, 4, torch.tensor([[0, 50, 99], [3, 3, 3]])))
     for layer in growing.layers:
         layer.reset()
     for layer in reference.layers:
         layer.reset()
     both(append(2, rows=1))
+
+
+def test_layers_of_different_shapes_keep_their_own_buffers():
+    """A model whose layers' keys differ in shape (here the head width) is never pooled; gathers and
+    appends still hold exactly what a concatenating cache holds."""
+    from transformers import DynamicCache
+
+    generator = torch.Generator().manual_seed(1)
+    growing, reference = cache_ops.new_cache(), DynamicCache()
+
+    def append(count):
+        for cache in (growing, reference):
+            state = torch.Generator().manual_seed(count)
+            for layer, width in enumerate((4, 8)):
+                cache.update(torch.randn(1, 2, count, width, generator=state),
+                             torch.randn(1, 2, count, width, generator=state), layer)
+
+    for count in (5, 3, 4):
+        append(count)
+    assert growing.pooled() is None
+    path = torch.randint(0, 4, (1, 3), generator=generator)
+    for cache in (growing, reference):
+        cache_ops.gather(cache, 8, path)
+    append(2)
+    for ours, theirs in zip(growing.layers, reference.layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)

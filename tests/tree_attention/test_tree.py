@@ -8,7 +8,8 @@ from tree_attention.tree import (
     DEFAULT_TREE_SIZES, PRIOR_ACCURACY, InvalidTreeError, Tree, best_first_choices, chain, default_tree,
     from_choices, truncate_depth, chain_with_siblings,
 )
-from tree_attention.verify import greedy_accept
+from tree_attention.tree import TreeBatch
+from tree_attention.verify import greedy_accept, greedy_accept_batch
 
 
 def test_from_choices_orders_by_depth_and_links_parents():
@@ -116,6 +117,30 @@ def test_greedy_accept_crafted_logits():
     assert acceptance.path.tolist() == [0, 2, 4]
     assert acceptance.next_token == 9
     assert acceptance.accepted_drafts == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 50), min_size=0, max_size=20), min_size=1, max_size=3),
+       st.integers(0, 2**31 - 1))
+def test_greedy_accept_batch_against_row_by_row(raw_rows, seed):
+    """Both batch forms (one row: a walk in Python; several: no per-row Python) keep exactly the path
+    and bonus token of the per-row rule, padded rows and ties included."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = 3  # a small vocabulary: many drafted tokens match, so paths run deep and tie
+    trees = []
+    for raw in raw_rows:
+        parents = [-1] + [value % (index + 1) for index, value in enumerate(raw)]
+        trees.append(Tree.from_parents(torch.randint(0, vocab, (len(parents),), generator=generator), parents))
+    batch = TreeBatch.from_trees(trees)
+    logits = torch.randn(len(trees), batch.width, vocab, generator=generator)
+    for rows in ([0], list(range(len(trees)))):  # each first row alone, then the whole batch
+        sub = TreeBatch.from_trees([trees[row] for row in rows])
+        accepted = greedy_accept_batch(sub, logits[rows, :sub.width])
+        for index, row in enumerate(rows):
+            expected = greedy_accept(trees[row], logits[row, :trees[row].size])
+            length = int(accepted.lengths[index])
+            assert accepted.paths[index, :length].tolist() == expected.path.tolist()
+            assert int(accepted.next_tokens[index]) == expected.next_token
 
 
 def test_greedy_accept_nothing():
