@@ -72,9 +72,10 @@ class GrowingLayer(DynamicLayer):
                 values[..., :length, :] = self.values
             self._buffers = (keys, values)
         keys, values = self._buffers
-        keys[..., length:end, :] = key_states
-        values[..., length:end, :] = value_states
-        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        count = end - length
+        keys.narrow(-2, length, count).copy_(key_states)
+        values.narrow(-2, length, count).copy_(value_states)
+        self.keys, self.values = keys.narrow(-2, 0, end), values.narrow(-2, 0, end)
         return self.keys, self.values
 
     def reset(self) -> None:
@@ -95,41 +96,48 @@ class GrowingCache(DynamicCache):
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
         self._pool: tuple[torch.Tensor, torch.Tensor] | None = None
         self._slots: list[tuple] = []
+        self._stale = False  # some layer found not backed by the pool since it was built: check all at the next forward
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx == 0 and len(self.layers) > 1:
             self._repool(key_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def pooled(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def pooled(self, mark: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The pools ``(keys, values)`` when every layer's history is the first entries of its pool
-        slice (all layers equally long); None otherwise."""
+        slice (all layers equally long); None otherwise (``mark``: and have the next forward check
+        every layer, not only the first, before appending into the pool)."""
         pool = self._pool
         if pool is None or len(self._slots) != len(self.layers):
             return None
         length = None
         for layer, slot in zip(self.layers, self._slots):
             keys, values = layer.keys, layer.values
-            if keys is None or values is None or (keys.data_ptr(), values.data_ptr(), keys.stride(), values.stride()) != slot:
+            if (keys is None or values is None
+                    or (keys.data_ptr(), values.data_ptr(), keys.stride(), values.stride()) != slot
+                    or (length is not None and keys.shape[-2] != length)):
+                self._stale = self._stale or mark
                 return None
-            if length is None:
-                length = keys.shape[-2]
-            elif keys.shape[-2] != length:
-                return None
+            length = keys.shape[-2]
         return pool
 
     def _repool(self, key_states: torch.Tensor) -> None:
         """Move every layer's history into fresh pools if the current ones do not back them all or
         have no room for ``key_states``; leave per-layer buffers when the layers' shapes differ."""
-        pool = self.pooled()
         layers = self.layers
         first = layers[0]
-        if not first.is_initialized or first.keys.dim() != 4:
+        if not first.is_initialized or first.keys is None or first.keys.dim() != 4:
             return
         length = first.keys.shape[-2]
         end = length + key_states.shape[-2]
+        pool = self._pool
         if pool is not None and pool[0].shape[-2] >= end and pool[0].shape[1:3] == key_states.shape[:2]:
-            return
+            keys, values = first.keys, first.values
+            if not self._stale and (keys.data_ptr(), values.data_ptr(), keys.stride(), values.stride()) == self._slots[0]:
+                return  # the first layer still backed (a gather that found another layer not backed marks stale)
+            if self.pooled() is not None:
+                self._stale = False
+                return
         shapes = {(layer.keys.shape, layer.values.shape, layer.keys.dtype, layer.keys.device)
                   if layer.is_initialized and layer.keys.dim() == 4 else None for layer in layers}
         if len(shapes) != 1 or None in shapes or key_states.shape[:2] != first.keys.shape[:2]:
@@ -148,6 +156,7 @@ class GrowingCache(DynamicCache):
         # where each layer's history starts and how it is laid out, while the pool backs it
         self._slots = [(layer.keys.data_ptr(), layer.values.data_ptr(), layer.keys.stride(), layer.values.stride())
                        for layer in layers]
+        self._stale = False
 
 
 def new_cache() -> DynamicCache:
@@ -212,7 +221,7 @@ def gather(cache: Cache, start: int, index: torch.Tensor) -> None:
     identity = list(range(count))
     if all(row == identity for row in index.tolist()):  # one host read, as the tensor test needs too
         pass
-    elif isinstance(cache, GrowingCache) and (pool := cache.pooled()) is not None:
+    elif isinstance(cache, GrowingCache) and (pool := cache.pooled(mark=True)) is not None:
         for buffer in pool:  # every layer at once: (layers, B, heads, capacity, head_dim)
             layers, rows, heads, _, width = buffer.shape
             source = (index + start).view(1, index.shape[0], 1, count, 1).expand(layers, rows, heads, count, width)
@@ -302,14 +311,17 @@ class RaggedCache:
         self._dense = dense
         self.positions = torch.cat([self.positions, positions], dim=1)
 
-    def keep(self, index: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor) -> None:
+    def keep(self, index: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor, full: bool = False) -> None:
         """After a forward appended ``N`` slots per row at ``positions`` ``[R, N]`` past
         :attr:`width`, row ``b`` keeps slots ``index[b]`` (``[R, L]``) of them, moved to the front
-        of that region; ``kept`` ``[R, L]`` marks the real ones (the rest are holes)."""
+        of that region; ``kept`` ``[R, L]`` marks the real ones (the rest are holes; ``full``: the
+        caller knows there are none, so a cache without holes stays one without a host read)."""
         start = self.width
         if positions.shape[1] > 1:  # one appended slot (a plain step) is its own path: nothing moves
             keep_path(self.cache, start, index)
+        dense = self._dense if full else None
         self.visible = torch.cat([self.visible, kept], dim=1)
+        self._dense = dense
         self.positions = torch.cat([self.positions, positions.gather(1, index)], dim=1)
 
     def crop(self, width: int | None = None) -> None:

@@ -376,7 +376,12 @@ class SpeculativeDecoder:
         trees = truncate_batch(trees, [self.max_new_tokens - 1 - len(self.outputs[row]) for row in self.rows])
         self._lap("tree")
         query_positions = self.lengths[:, None] + trees.depths  # (R, N)
-        mask = self.cache.mask(query_positions, trees.visibility, self.target.layout, self.target.dtype)
+        if trees.width == 1 and self.target.layout is None and self.cache.dense():
+            # one query per row over a cache without holes: it sees every key, as in the backbone's
+            # own decoding step, which passes no 4D mask either (building one cost ~60 us a step)
+            mask = None
+        else:
+            mask = self.cache.mask(query_positions, trees.visibility, self.target.layout, self.target.dtype)
         self._lap("mask")
         features, logits = self.target.forward(trees.tokens, query_positions, mask, self.cache.cache, "all")
         self._lap("forward")
@@ -386,8 +391,12 @@ class SpeculativeDecoder:
         accepted = self.rule.accept_batch(trees, logits)
         paths, lengths = accepted.paths, accepted.lengths  # (R, L) padded with the last kept node, (R,)
         self._lap("accept")
-        kept = torch.arange(paths.shape[1], device=paths.device)[None, :] < lengths[:, None]
-        self.cache.keep(paths, kept, query_positions)
+        if len(self.rows) == 1:  # its whole path is real
+            kept = torch.ones(paths.shape, dtype=torch.bool, device=paths.device)
+            self.cache.keep(paths, kept, query_positions, full=True)
+        else:
+            kept = torch.arange(paths.shape[1], device=paths.device)[None, :] < lengths[:, None]
+            self.cache.keep(paths, kept, query_positions)
         self._lap("cache")
         self.lengths = self.lengths + lengths
         path_tokens = trees.tokens.gather(1, paths)  # (R, L)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import heads
+import heads.backbone as backbone_module
 from tests.conftest import ARCHITECTURES, build_model, greedy_reference, random_prompt, record_drafted_tokens
 from tree_attention.tree import DEFAULT_TREE_SIZES
 
@@ -22,6 +23,31 @@ def test_greedy_parity_every_architecture(name):
         actual = spec.generate(prompt, max_new_tokens=24)
         assert torch.equal(actual, expected), f"{name}, prompt length {length}"
         assert spec.last_stats.new_tokens == 24
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_plain_steps_pass_no_mask_and_match_generate(name, monkeypatch):
+    """A step that verifies each row's root alone over a cache without holes passes no 4D mask (as
+    the backbone's own decoding step does; sliding-window layouts keep theirs), and plain decoding
+    in the loop stays token-identical to ``generate``."""
+    model = build_model(name, seed=6)
+    spec = heads.attach_heads(model, num_heads=2, tree=0)
+    masks = []
+    original = backbone_module.Backbone.forward
+
+    def recording(self, input_ids, position_ids, attention_mask, cache, logits_rows="all"):
+        masks.append(attention_mask)
+        return original(self, input_ids, position_ids, attention_mask, cache, logits_rows)
+
+    monkeypatch.setattr(backbone_module.Backbone, "forward", recording)
+    prompt = random_prompt(11, seed=7)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=16), greedy_reference(model, prompt, 16))
+    plain = masks[1:]  # after the prefill
+    assert len(plain) == 15
+    if spec.target.layout is None:
+        assert all(mask is None for mask in plain)
+    else:
+        assert all(mask is not None for mask in plain)
 
 
 @pytest.mark.parametrize("size", DEFAULT_TREE_SIZES)
