@@ -11,10 +11,10 @@ Every ``auto`` call that may draft runs in the speculative loop, which decides b
 whether to draft (:class:`CallController`); a step that drafts nothing verifies each row's root
 alone, a plain decoding step, token for token the same as the backbone's own ``generate``. So
 nothing is measured off to the side and no token is thrown away. A call chosen to draft nothing at
-all (``"delegate"``) runs the backbone's own ``generate`` instead: on the shipped targets a plain
-step of the loop costs 5-7% more than one of ``generate`` (its 4D mask, bookkeeping and per-row
-commit), which is what kept such calls near 0.95x (:attr:`SpeculationPolicy.delegate_plain`; plain
-steps that measure a bucket's plain cost stay in the loop):
+all (``"delegate"``) runs the backbone's own ``generate`` instead (a plain step of the loop once cost
+5-7% more than one of ``generate``, which kept such calls near 0.95x; it now costs 0.99x-1.01x, see
+the README, and stays what a call that stops drafting pays; :attr:`SpeculationPolicy.delegate_plain`;
+plain steps that measure a bucket's plain cost stay in the loop):
 
 - **Costs** are kept per (batch size, prompt length) bucket (powers of two): the plain step cost
   from plain steps, each tree size's step cost from its drafted steps, each the median of the last
