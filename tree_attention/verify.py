@@ -122,8 +122,9 @@ def greedy_accept_batch(trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptan
 def _greedy_accept_single(trees: TreeBatch, target: torch.Tensor) -> BatchAcceptance:
     """:func:`greedy_accept_batch` of a one-row batch (``target`` ``[1, N]``: the target's argmax at
     every node): one host read of the node flags, then a walk over at most a few dozen nodes in
-    Python, about a third of the dispatched tensor calls of the batched form (on stories260K, where
-    every tensor call is overhead, 30 against 100 us a step)."""
+    Python, about a third of the dispatched tensor calls of the batched form (42 against 100 us for a
+    16-node tree; on stories260K, where every tensor call is overhead, the accept phase of a step went
+    from 162 to 85 us)."""
     size = trees.width if trees.uniform else int(trees.sizes[0])
     parents = trees.parents[0, :size]
     correct = trees.tokens[0, :size] == target[0].gather(0, parents.clamp(min=0))

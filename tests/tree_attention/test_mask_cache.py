@@ -188,8 +188,8 @@ def test_growing_layer_matches_concatenation_through_crops_gathers_and_row_selec
 
 
 def test_layers_of_different_shapes_keep_their_own_buffers():
-    """A model whose layers' keys differ in shape (here the head width) is never pooled; gathers and
-    appends still hold exactly what a concatenating cache holds."""
+    """A model whose layers' keys differ in shape (here the head width, and values wider than keys)
+    is never pooled; gathers and appends still hold exactly what a concatenating cache holds."""
     from transformers import DynamicCache
 
     generator = torch.Generator().manual_seed(1)
@@ -198,9 +198,9 @@ def test_layers_of_different_shapes_keep_their_own_buffers():
     def append(count):
         for cache in (growing, reference):
             state = torch.Generator().manual_seed(count)
-            for layer, width in enumerate((4, 8)):
+            for layer, width in enumerate((4, 8)):  # values wider than keys, as some attention variants have
                 cache.update(torch.randn(1, 2, count, width, generator=state),
-                             torch.randn(1, 2, count, width, generator=state), layer)
+                             torch.randn(1, 2, count, width + 2, generator=state), layer)
 
     for count in (5, 3, 4):
         append(count)
