@@ -225,10 +225,13 @@ def gather(cache: Cache, start: int, index: torch.Tensor) -> None:
         tensors = pool if pool is not None else [tensor for layer in _layers(cache)
                                                  if layer.is_initialized and layer.keys.numel()
                                                  for tensor in (layer.keys, layer.values)]
+        sources = {}  # one gather index per shape (keys and values, and the layers, mostly share one)
         for tensor in tensors:  # (..., B, heads, S, head_dim): each row gathers its own entries
-            leading = (1,) * (tensor.dim() - 4)
-            source = (index + start).view(*leading, index.shape[0], 1, count, 1).expand(
-                *tensor.shape[:-2], count, tensor.shape[-1])
+            shape = (*tensor.shape[:-2], count, tensor.shape[-1])
+            source = sources.get(shape)
+            if source is None:
+                leading = (1,) * (tensor.dim() - 4)
+                source = sources[shape] = (index + start).view(*leading, index.shape[0], 1, count, 1).expand(shape)
             tensor[..., start:start + count, :] = tensor.gather(-2, source)
     crop(cache, start + count)
 
