@@ -20,8 +20,8 @@ plain steps that measure a bucket's plain cost stay in the loop):
   from plain steps, each tree size's step cost from its drafted steps, each the median of the last
   :data:`COST_SAMPLES` calls' medians. A bucket never served starts from the costs of one at the
   same batch bucket and a prompt length within a factor :data:`BORROW_LENGTHS`, if any.
-- **Calibration inside the call** (a size that lost at a smaller batch bucket is not explored at a
-  larger one, where it can only lose more): in a bucket whose plain cost is unknown the call starts with
+- **Calibration inside the call** (a size that lost at a smaller batch bucket, or could not pay there
+  even on its optimistic estimate, is not explored at a larger one, where it can only lose more): in a bucket whose plain cost is unknown the call starts with
   :data:`PLAIN_STEPS` plain steps, and a drafting call takes its second and third steps plain while
   the plain cost has few samples or none recent (:data:`REFRESH_PLAIN`), since every size is judged
   against it (a call's first step costs more than later ones and is left out of plain costs); a tree
@@ -43,8 +43,8 @@ plain steps that measure a bucket's plain cost stay in the loop):
   is :data:`IMPROVE` faster: each size's tau comes from the calls it ran, so sizes explored on other
   text are not comparable within a few percent (on demo code, lookup sizes 4 and 2 measured on easy
   prompts at tau 4.2 and 2.9 displaced size 10 measured on a hard one at 2.7, and auto then ran at
-  1.9x where size 10 alone ran at 3.9x). After :data:`RETRY_AFTER` plain choices in a row (then
-  twice as many, and so on), a call measures the best size again, judged as a first measurement
+  1.9x where size 10 alone ran at 3.9x). After :data:`RETRY_AFTER` plain choices in a row at one
+  batch bucket and rule, whatever the prompts' lengths (then twice as many, and so on), a call measures the best size again, judged as a first measurement
   (the lenient thresholds below, no prior tau): one call's few drafted steps can misjudge a size badly (the first steps of a reply accept
   less and cost more), and plain calls would never correct it.
 - **Choosing again within the call**: once the call has drafted :data:`SWITCH_STEPS` steps, it
@@ -180,7 +180,9 @@ class SpeculationPolicy:
     observed: dict = field(default_factory=dict)  # (n, rule key, B bucket) -> Observed (slowest row's)
     since_plain: dict = field(default_factory=dict)  # bucket -> calls since its last plain-cost sample
     delegate_plain: bool = True  # a call that drafts nothing runs the backbone's own generate
-    plain_streak: dict = field(default_factory=dict)  # (B bucket, T bucket, rule key) -> plain choices in a row
+    plain_streak: dict = field(default_factory=dict)  # (B bucket, rule key) -> plain choices in a row (what a
+    # retry re-measures, tau, is kept per batch bucket and rule, not per prompt length: keyed by length too, a
+    # mix whose prompts straddle two length buckets retried a losing size once in each, back to back)
     retry_interval: dict = field(default_factory=dict)  # same keys -> plain choices before the next retry
     paired: dict = field(default_factory=dict)  # (size, drafted size, rule key, B bucket) -> Observed: what a tree
     # of `size` would have committed (slowest row) on the steps drafted with `drafted` nodes (nested trees, greedy)
@@ -316,7 +318,7 @@ class SpeculationPolicy:
             hopeful = [size for size in self.sizes if size not in ruled_out]
             explore = max(hopeful) if hopeful else None
             if explore is None:
-                return plain_steps("every size loses at a smaller batch size already: plain steps")
+                return plain_steps("every size loses, or cannot pay, at a smaller batch size already: plain steps")
         short = max_new_tokens is not None and max_new_tokens < MIN_LEARN_TOKENS
         base["learns"] = not short
         if explore is not None and short:  # too short to judge a size on: plain steps (which measure plain)
@@ -346,7 +348,7 @@ class SpeculationPolicy:
                 bound[best] < bound[incumbent] * (1 + IMPROVE):
             best = incumbent  # sizes measured on different calls saw different text: a small lead is not enough
         chosen = best if bound[best] >= self.margin else 0
-        retry = self._retry(key + (rule.key,), chosen, max_new_tokens)
+        retry = self._retry((key[0], rule.key), chosen, max_new_tokens)
         if retry:
             chosen = best
         return {
@@ -388,19 +390,31 @@ class SpeculationPolicy:
         return True
 
     def _loses_at_smaller_batch(self, key, size: int, rule_key: str) -> bool:
-        """True when ``size`` was measured at a smaller batch bucket (prompt length within
-        :data:`BORROW_LENGTHS`, same rule, at least :data:`SWITCH_STEPS` drafted steps) and did not
-        beat plain decoding there: a larger batch only makes each drafted node dearer and the slowest
-        row slower, so it cannot pay here either and is not explored."""
-        for (other, other_size), cost in self.step_costs.items():
-            if other_size != size or other[0] >= key[0]:
+        """True when ``size`` did not pay at a smaller batch bucket (prompt length within
+        :data:`BORROW_LENGTHS`, same rule): measured there (at least :data:`SWITCH_STEPS` drafted
+        steps) and slower than plain decoding, or not measured there and, judged as an exploring call
+        judges it from the sizes measured there (:meth:`_optimistic_speedup`), unable to beat plain
+        decoding by ``margin`` even optimistically. A larger batch only makes each drafted node dearer
+        and the slowest row slower, so it cannot pay here either and is not explored (on demo-llama
+        EAGLE lost at batch 4 with 8 nodes and sizes 4 and 2 could not pay there; explored at batch 8
+        anyway, each exploring call ran its drafted steps at 0.6x-0.8x and the cell at 0.92x-0.95x)."""
+        for (other, other_size), plain in list(self.step_costs.items()):
+            if other_size != 0 or other[0] >= key[0]:
                 continue
             if max(other[1], key[1]) > BORROW_LENGTHS * min(other[1], key[1]):
                 continue
-            plain, record = self.step_costs.get((other, 0)), self.observed.get((size, rule_key, other[0]))
-            if plain is None or record is None or record.row_steps < SWITCH_STEPS:
+            cost, record = self.step_costs.get((other, size)), self.observed.get((size, rule_key, other[0]))
+            if cost is not None and record is not None and record.row_steps >= SWITCH_STEPS:
+                if record.tau * plain / max(cost, 1e-12) < 1.0:
+                    return True
                 continue
-            if record.tau * plain / max(cost, 1e-12) < 1.0:
+            evidence = self.evidence(rule_key, other[0])
+            measured = [n for n in self.sizes if (other, n) in self.step_costs and evidence[n] >= SWITCH_STEPS]
+            if not measured:
+                continue
+            taus = self.taus(rule_key, other[0])
+            optimistic = self._optimistic_speedup(other, size, plain, taus, measured, self.nested_taus(rule_key, other[0]))
+            if optimistic is not None and optimistic < self.margin:
                 return True
         return False
 
@@ -430,23 +444,32 @@ class SpeculationPolicy:
                 continue
             if plain is None:
                 return size
-            larger = [other for other in measured if other > size]
-            costed = [other for other in self.sizes if other > size and (key, other) in self.step_costs]
-            cost = self.step_costs.get((key, size))
-            if cost is None and not costed:
-                return size
-            if cost is None:
-                other = min(costed)
-                total = self.step_costs[(key, other)]
-                drafting = min(self.draft_costs.get((key, other), 0.0), max(0.0, total - plain))
-                cost = plain + drafting + (total - plain - drafting) * size / other
-            if nested and size in nested:
-                tau = taus[size]
-            else:
-                tau = min(taus[min(larger)], size + 1) if larger else size + 1  # n nodes commit at most n + 1
-            if tau * plain / max(cost, 1e-12) >= need:
+            optimistic = self._optimistic_speedup(key, size, plain, taus, measured, nested)
+            if optimistic is None or optimistic >= need:
                 return size
         return None
+
+    def _optimistic_speedup(self, key, size: int, plain: float, taus: dict, measured: list[int],
+                            nested: dict | None = None) -> float | None:
+        """An upper estimate of ``size``'s speedup in bucket ``key`` (see :meth:`_worth_measuring`):
+        its tau as counted on nested steps, else the next larger ``measured`` size's but at most
+        ``size + 1``; its cost as measured or interpolated below the next larger costed size. None
+        when neither it nor a larger size has a cost there (nothing to judge it by)."""
+        larger = [other for other in measured if other > size]
+        costed = [other for other in self.sizes if other > size and (key, other) in self.step_costs]
+        cost = self.step_costs.get((key, size))
+        if cost is None and not costed:
+            return None
+        if cost is None:
+            other = min(costed)
+            total = self.step_costs[(key, other)]
+            drafting = min(self.draft_costs.get((key, other), 0.0), max(0.0, total - plain))
+            cost = plain + drafting + (total - plain - drafting) * size / other
+        if nested and size in nested:
+            tau = taus[size]
+        else:
+            tau = min(taus[min(larger)], size + 1) if larger else size + 1  # n nodes commit at most n + 1
+        return tau * plain / max(cost, 1e-12)
 
     def _observe_nested(self, choice: dict, stats, batch: int) -> None:
         """Add a call's nested counts (:attr:`DecodeStats.nested`) to :attr:`paired`: per size, the

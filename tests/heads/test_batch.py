@@ -586,6 +586,33 @@ def test_a_size_that_lost_at_a_smaller_batch_is_not_explored_at_a_larger_one():
     assert policy.choose(far, rule, 48)["tree"] == 16
 
 
+def test_a_size_that_could_not_pay_at_a_smaller_batch_is_not_explored_at_a_larger_one():
+    """A size never measured at batch bucket 4, because even its optimistic estimate there (the
+    larger measured size's tau, its cost interpolated with drafting kept whole) could not beat plain
+    decoding by the margin, is not explored at batch 8 either; with cheap drafting it could have
+    paid at batch 4, and is explored at batch 8."""
+    from types import SimpleNamespace
+
+    from heads.policy import Observed, SpeculationPolicy
+
+    rule = SimpleNamespace(key="greedy")
+    four, eight = torch.ones(4, 20, dtype=torch.long), torch.ones(8, 20, dtype=torch.long)
+    for drafting, expected in ((1.5, 0), (0.0, 4)):
+        policy = SpeculationPolicy((2, 4, 8))
+        small = policy.key(four)
+        policy.record_cost(small, 0, 1.0)
+        policy.record_cost(small, 8, 2.8)
+        policy.record_draft_cost(small, 8, drafting)
+        policy.observed[(8, "greedy", 4)] = Observed(tokens=250, row_steps=100)  # 2.5 / 2.8: loses
+        # drafting 1.5: size 4 at best 2.5 / (1 + 1.5 + 0.3 x 4 / 8) = 0.94x, size 2 0.97x: neither tried;
+        # drafting 0: size 4 at best 2.5 / 1.9 = 1.32x, tried at batch 4 (and at batch 8 until measured)
+        assert policy.choose(four, rule, 48)["tree"] == expected
+        choice = policy.choose(eight, rule, 48)
+        assert choice["tree"] == expected
+        if not expected:
+            assert "smaller batch" in choice["reason"]
+
+
 def test_auto_measures_the_best_size_again_after_plain_choices_in_a_row():
     """A size written off by one call's few unlucky steps is measured again after RETRY_AFTER plain
     choices in a row, then after twice as many, and so on; a drafting choice resets the interval."""
@@ -607,7 +634,28 @@ def test_auto_measures_the_best_size_again_after_plain_choices_in_a_row():
     assert retries == [RETRY_AFTER - 1, 3 * RETRY_AFTER - 1]  # after 2, then 4 plain choices
     assert policy.choose(ids, rule, MIN_LEARN_TOKENS - 1)["tree"] == 0  # a short call neither counts nor retries
     policy.observed[(4, "greedy", 1)] = Observed(tokens=400, row_steps=100)  # it pays now: chosen, interval reset
-    assert policy.choose(ids, rule, 40)["tree"] == 4 and key + ("greedy",) not in policy.retry_interval
+    assert policy.choose(ids, rule, 40)["tree"] == 4 and (key[0], "greedy") not in policy.retry_interval
+
+
+def test_auto_retries_count_plain_choices_across_prompt_lengths():
+    """What a retry measures again (a size's tau) is kept per batch bucket and rule, so plain choices
+    count towards one retry whatever the prompts' lengths: prompts alternating between two length
+    buckets retry a losing size once every RETRY_AFTER plain calls, not once per bucket (keyed by
+    length too, a sampled demo-code mix retried size 16 in both buckets back to back, each at 0.8x)."""
+    from types import SimpleNamespace
+
+    from heads.policy import RETRY_AFTER, Observed, SpeculationPolicy
+
+    policy, rule = SpeculationPolicy((4,)), SimpleNamespace(key="sample T=0.7")
+    lengths = [40, 100]  # buckets 64 and 128
+    for length in lengths:
+        key = policy.key(torch.ones(1, length, dtype=torch.long))
+        policy.record_cost(key, 0, 1.0)
+        policy.record_cost(key, 4, 3.0)
+    policy.observed[(4, rule.key, 1)] = Observed(tokens=130, row_steps=100)  # a clear loss in both
+    trees = [policy.choose(torch.ones(1, lengths[index % 2], dtype=torch.long), rule, 40)["tree"]
+             for index in range(3 * RETRY_AFTER + 2)]
+    assert [index for index, tree in enumerate(trees) if tree] == [RETRY_AFTER - 1, 3 * RETRY_AFTER - 1]
 
 
 def test_auto_tries_another_size_only_if_it_could_beat_the_winner():
