@@ -11,10 +11,8 @@ Every ``auto`` call that may draft runs in the speculative loop, which decides b
 whether to draft (:class:`CallController`); a step that drafts nothing verifies each row's root
 alone, a plain decoding step, token for token the same as the backbone's own ``generate``. So
 nothing is measured off to the side and no token is thrown away. A call chosen to draft nothing at
-all (``"delegate"``) runs the backbone's own ``generate`` instead (a plain step of the loop once cost
-5-7% more than one of ``generate``, which kept such calls near 0.95x; it now costs 0.99x-1.01x, see
-the README, and stays what a call that stops drafting pays; :attr:`SpeculationPolicy.delegate_plain`;
-plain steps that measure a bucket's plain cost stay in the loop):
+all (``"delegate"``) runs the backbone's own ``generate`` (:attr:`SpeculationPolicy.delegate_plain`;
+the loop's plain steps, which measure plain costs and follow a stop, cost 0.99x-1.01x of its steps):
 
 - **Costs** are kept per (batch size, prompt length) bucket (powers of two): the plain step cost
   from plain steps, each tree size's step cost from its drafted steps, each the median of the last
@@ -180,9 +178,7 @@ class SpeculationPolicy:
     observed: dict = field(default_factory=dict)  # (n, rule key, B bucket) -> Observed (slowest row's)
     since_plain: dict = field(default_factory=dict)  # bucket -> calls since its last plain-cost sample
     delegate_plain: bool = True  # a call that drafts nothing runs the backbone's own generate
-    plain_streak: dict = field(default_factory=dict)  # (B bucket, rule key) -> plain choices in a row (what a
-    # retry re-measures, tau, is kept per batch bucket and rule, not per prompt length: keyed by length too, a
-    # mix whose prompts straddle two length buckets retried a losing size once in each, back to back)
+    plain_streak: dict = field(default_factory=dict)  # (B bucket, rule key) -> plain choices in a row (as tau)
     retry_interval: dict = field(default_factory=dict)  # same keys -> plain choices before the next retry
     paired: dict = field(default_factory=dict)  # (size, drafted size, rule key, B bucket) -> Observed: what a tree
     # of `size` would have committed (slowest row) on the steps drafted with `drafted` nodes (nested trees, greedy)
@@ -391,13 +387,11 @@ class SpeculationPolicy:
 
     def _loses_at_smaller_batch(self, key, size: int, rule_key: str) -> bool:
         """True when ``size`` did not pay at a smaller batch bucket (prompt length within
-        :data:`BORROW_LENGTHS`, same rule): measured there (at least :data:`SWITCH_STEPS` drafted
-        steps) and slower than plain decoding, or not measured there and, judged as an exploring call
-        judges it from the sizes measured there (:meth:`_optimistic_speedup`), unable to beat plain
-        decoding by ``margin`` even optimistically. A larger batch only makes each drafted node dearer
-        and the slowest row slower, so it cannot pay here either and is not explored (on demo-llama
-        EAGLE lost at batch 4 with 8 nodes and sizes 4 and 2 could not pay there; explored at batch 8
-        anyway, each exploring call ran its drafted steps at 0.6x-0.8x and the cell at 0.92x-0.95x)."""
+        :data:`BORROW_LENGTHS`, same rule): measured there (:data:`SWITCH_STEPS` drafted steps or
+        more) and slower than plain decoding, or else below ``margin`` on its optimistic estimate
+        there (:meth:`_optimistic_speedup`). A larger batch only makes drafted nodes dearer and the
+        slowest row slower, so it is not explored (on demo-llama at batch 8, EAGLE's sizes 4 and 2,
+        which could not pay at batch 4, were explored at 0.6x-0.8x, the cell at 0.92x-0.95x)."""
         for (other, other_size), plain in list(self.step_costs.items()):
             if other_size != 0 or other[0] >= key[0]:
                 continue
@@ -421,18 +415,11 @@ class SpeculationPolicy:
     def _worth_measuring(self, key, plain: float | None, taus: dict, measured: list[int],
                          ruled_out: set = frozenset(), nested: dict | None = None) -> int | None:
         """The largest size not yet ``measured`` (a step cost in bucket ``key`` and tau seen under
-        this rule and batch bucket) that could beat plain decoding by ``margin``, or None. Without a
-        plain cost, the largest such size. Otherwise each is judged optimistically: its tau as the
-        next larger measured size's (a nested smaller tree accepts no more) but at most ``n + 1`` (a
-        tree of ``n`` drafted nodes commits no more per step), or ``n + 1`` above every measured one;
-        (its tau as counted on larger sizes' steps where the drafter nests its trees, :meth:`nested_taus`);
-        its cost as measured, or interpolated between plain decoding and the next larger size with a
-        cost (drafting costs do not shrink with ``n``, so that underestimates); a size with neither a cost nor a larger one with a cost is worth trying.
-
-        Interpolation: only the verification part of the larger size's cost shrinks with ``n``; its
-        drafting part (Medusa's heads, EAGLE's levels, a lookup) does not, and is kept whole. Once a
-        measured size beats plain decoding by ``margin``, another is tried only if it could beat
-        that size's predicted speedup by :data:`IMPROVE` as well."""
+        this rule and batch bucket) that could beat plain decoding by ``margin`` on its optimistic
+        estimate (:meth:`_optimistic_speedup`; a size with nothing to judge it by is worth trying),
+        or None; without a plain cost, the largest size. Once a measured size beats plain decoding by
+        ``margin``, another is tried only if it could beat that size's predicted speedup by
+        :data:`IMPROVE` as well."""
         need = self.margin
         for size in measured:
             if plain is not None:
@@ -451,10 +438,12 @@ class SpeculationPolicy:
 
     def _optimistic_speedup(self, key, size: int, plain: float, taus: dict, measured: list[int],
                             nested: dict | None = None) -> float | None:
-        """An upper estimate of ``size``'s speedup in bucket ``key`` (see :meth:`_worth_measuring`):
-        its tau as counted on nested steps, else the next larger ``measured`` size's but at most
-        ``size + 1``; its cost as measured or interpolated below the next larger costed size. None
-        when neither it nor a larger size has a cost there (nothing to judge it by)."""
+        """An upper estimate of ``size``'s speedup in bucket ``key``: its tau as counted on larger
+        sizes' steps where the drafter nests its trees (:meth:`nested_taus`), else the next larger
+        measured size's (a nested smaller tree accepts no more) but at most ``size + 1``; its cost as
+        measured, else interpolated between plain decoding and the next larger costed size, where
+        only the verification part shrinks with ``n`` and the drafting part (Medusa's heads, EAGLE's
+        levels, a lookup) is kept whole. None when neither it nor a larger size has a cost there."""
         larger = [other for other in measured if other > size]
         costed = [other for other in self.sizes if other > size and (key, other) in self.step_costs]
         cost = self.step_costs.get((key, size))
