@@ -199,8 +199,16 @@ def _layers(cache: Cache):
         yield layer
 
 
-def crop(cache: Cache, length: int) -> None:
-    """Keep the first ``length`` positions of every layer (views, no copy)."""
+def crop(cache: Cache, length: int, pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Keep the first ``length`` positions of every layer (views, no copy); ``pool``: the cache's
+    pools, backing every layer at one length of at least ``length`` (:meth:`GrowingCache.pooled`), so
+    every layer's views come from one slice and split of each pool (on demo-llama's eight layers,
+    four tensor calls instead of sixteen)."""
+    if pool is not None:
+        keys, values = pool[0][..., :length, :].unbind(0), pool[1][..., :length, :].unbind(0)
+        for layer, layer_keys, layer_values in zip(cache.layers, keys, values):
+            layer.keys, layer.values = layer_keys, layer_values
+        return
     for layer in cache.layers if isinstance(cache, GrowingCache) else _layers(cache):
         if not layer.is_initialized or layer.keys.numel() == 0 or layer.keys.shape[-2] <= length:
             continue
@@ -219,12 +227,19 @@ def gather(cache: Cache, start: int, index: torch.Tensor) -> None:
         index = index.unsqueeze(0)
     count = int(index.shape[1])
     identity = list(range(count))
+    pool = None
     if any(row != identity for row in index.tolist()):  # one host read, as a tensor test would need too
         pool = cache.pooled(mark=True) if isinstance(cache, GrowingCache) else None
         # the pool: every layer at once (layers, B, heads, capacity, head_dim); else layer by layer
         tensors = pool if pool is not None else [tensor for layer in _layers(cache)
                                                  if layer.is_initialized and layer.keys.numel()
                                                  for tensor in (layer.keys, layer.values)]
+        if index.shape[0] == 1:  # one path for every row: one index_select each (27 -> 11 us on a pool)
+            flat = index[0] + start
+            for tensor in tensors:
+                tensor[..., start:start + count, :] = tensor.index_select(-2, flat)
+            crop(cache, start + count, pool)
+            return
         sources = {}  # one gather index per shape (keys and values, and the layers, mostly share one)
         for tensor in tensors:  # (..., B, heads, S, head_dim): each row gathers its own entries
             shape = (*tensor.shape[:-2], count, tensor.shape[-1])
@@ -233,7 +248,7 @@ def gather(cache: Cache, start: int, index: torch.Tensor) -> None:
                 leading = (1,) * (tensor.dim() - 4)
                 source = sources[shape] = (index + start).view(*leading, index.shape[0], 1, count, 1).expand(shape)
             tensor[..., start:start + count, :] = tensor.gather(-2, source)
-    crop(cache, start + count)
+    crop(cache, start + count, pool)
 
 
 def keep_path(cache: Cache, prefix_length: int, node_indices: torch.Tensor) -> None:
@@ -290,8 +305,10 @@ class RaggedCache:
         """Mask of queries ``[R, Q]`` at ``query_positions`` that see this cache's visible slots
         and, among the slots appended after it, what ``new_visible`` ``[R, Q, P]`` says (``P``
         slots at ``new_key_positions`` ``[R, P]``, by default the queries themselves)."""
-        from .mask import layout_masks
+        from .mask import appended_mask, layout_masks
 
+        if layout is None and self.dense():  # every cached slot visible, no window: positions do not matter
+            return appended_mask(self.width, new_visible, dtype)
         rows, queries = query_positions.shape
         visible = torch.cat([self.visible[:, None, :].expand(rows, queries, self.width), new_visible], dim=2)
         keys = torch.cat([self.positions, query_positions if new_key_positions is None else new_key_positions], dim=1)

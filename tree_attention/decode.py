@@ -410,9 +410,13 @@ class SpeculativeDecoder:
         self.stats.tree_size = max(self.stats.tree_size, trees.width)
         self.stats.verified_nodes += trees.width
         self.max_depth = max(self.max_depth, trees.max_depth)
-        chunks = torch.cat([path_tokens, accepted.next_tokens[:, None]], dim=1).tolist()
+        chunks = accepted.chunks
+        if chunks is None:
+            chunks = torch.cat([path_tokens, accepted.next_tokens[:, None]], dim=1).tolist()
+            counts = lengths.tolist()
+        else:  # the rule walked the tree on the host: each chunk is a whole path and its bonus token
+            counts = [len(chunk) - 1 for chunk in chunks]
         done = []
-        counts = lengths.tolist()
         proposed = draft and trees.width > 1  # some row's tree holds a drafted node
         if proposed and self.nested_sizes and trees is drafted:  # (a step cut to the token budget is left out)
             self._count_nested(paths.tolist(), counts)

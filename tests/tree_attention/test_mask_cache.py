@@ -6,12 +6,14 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from heads.backbone import inspect_backbone
 from tests.conftest import ARCHITECTURES, VOCAB, build_model, random_prompt
 from tree_attention import cache as cache_ops
 from tree_attention.mask import (
-    additive_mask, prefill_attention_mask, tree_attention_mask, tree_position_ids, tree_visibility,
+    additive_mask, layout_masks, prefill_attention_mask, tree_attention_mask, tree_position_ids, tree_visibility,
 )
 from tree_attention.tree import Tree, from_choices
 from tree_attention.verify import Acceptance
@@ -131,6 +133,33 @@ def test_additive_mask_values():
     mask = additive_mask(torch.tensor([[[True, False]]]), torch.float16)
     assert mask.dtype == torch.float16 and mask.shape == (1, 1, 1, 2)
     assert mask[0, 0, 0, 0] == 0 and mask[0, 0, 0, 1] == torch.finfo(torch.float16).min
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 3), queries=st.integers(1, 6), width=st.integers(0, 9), seed=st.integers(0, 10_000),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_mask_of_a_cache_without_holes_equals_the_general_mask(rows, queries, width, seed, dtype):
+    """The ragged cache's dense fast path (layout None, every cached slot visible) builds exactly the
+    mask of the general path, for any new-slot visibility; with a hole or a sliding window the
+    general path runs (the fast one would let a query see the hole, or keys outside its window)."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = cache_ops.RaggedCache(rows, "cpu")
+    cache.extend(None, torch.arange(width).expand(rows, width).clone())
+    positions = width + torch.randint(0, 4, (rows, queries), generator=generator)
+    new_visible = torch.rand(rows, queries, queries, generator=generator) < 0.5
+    expected = layout_masks(torch.cat([torch.ones(rows, queries, width, dtype=torch.bool), new_visible], dim=2),
+                            positions, torch.cat([cache.positions, positions], dim=1), None, dtype)
+    fast = cache.mask(positions, new_visible, None, dtype)
+    assert fast.dtype == dtype and torch.equal(fast, expected)
+    if width:
+        cache.visible = cache.visible.clone()
+        cache.visible[0, 0] = False  # a hole: the general path, which hides it
+        assert (cache.mask(positions, new_visible, None, dtype)[0, 0, :, 0] == torch.finfo(dtype).min).all()
+        cache.visible[0, 0] = True
+        windowed = cache.mask(positions, new_visible, 2, dtype)
+        assert torch.equal(windowed, layout_masks(
+            torch.cat([torch.ones(rows, queries, width, dtype=torch.bool), new_visible], dim=2),
+            positions, torch.cat([cache.positions, positions], dim=1), 2, dtype))
 
 
 def test_growing_layer_matches_concatenation_through_crops_gathers_and_row_selection():

@@ -111,19 +111,30 @@ def test_lazy_node_distributions_decide_as_the_whole_batch_does(drafted):
         eager, lazy = _lazy_case(drafted, seed)
         assert torch.equal(eager.paths, lazy.paths) and torch.equal(eager.lengths, lazy.lengths)
         assert torch.equal(eager.next_tokens, lazy.next_tokens)
+        assert eager.chunks == lazy.chunks
+        tokens = _lazy_trees(seed)[0]
+        for row, (path, length) in enumerate(zip(eager.paths.tolist(), eager.lengths.tolist())):
+            # each row's host chunk: the kept path's tokens, root first, then the bonus token
+            assert eager.chunks[row] == tokens[row][path[:length]].tolist() + [int(eager.next_tokens[row])]
         depths.update(eager.lengths.tolist())
     assert len(depths) > 1  # some drafts were accepted, some rejected
+
+
+def _lazy_trees(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    rows, vocab = 3, 40
+    template = from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    logits = torch.randn(rows, template.size, vocab, generator=generator) * 2
+    tokens = torch.randint(0, 4, (rows, template.size), generator=generator)  # small ids: often accepted
+    return tokens, logits, template, generator
 
 
 def _lazy_case(drafted: bool, seed: int):
     from tree_attention.tree import TreeBatch
     from tree_attention.verify import SamplingRule, sample_accept_batch
 
-    generator = torch.Generator().manual_seed(seed)
-    rows, vocab = 3, 40
-    template = from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
-    logits = torch.randn(rows, template.size, vocab, generator=generator) * 2
-    tokens = torch.randint(0, 4, (rows, template.size), generator=generator)  # small ids: often accepted
+    tokens, logits, template, generator = _lazy_trees(seed)
+    rows, vocab = logits.shape[0], logits.shape[-1]
     trees = TreeBatch.from_template(template.to("cpu"), tokens)
     if drafted:
         q = torch.softmax(torch.randn(rows, template.size, vocab, generator=generator), dim=-1)

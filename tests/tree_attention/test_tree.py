@@ -124,7 +124,8 @@ def test_greedy_accept_crafted_logits():
        st.integers(0, 2**31 - 1))
 def test_greedy_accept_batch_against_row_by_row(raw_rows, seed):
     """Both batch forms (one row: a walk in Python; several: no per-row Python) keep exactly the path
-    and bonus token of the per-row rule, padded rows and ties included."""
+    and bonus token of the per-row rule, padded rows and ties included (the one-row form's host
+    chunks too)."""
     generator = torch.Generator().manual_seed(seed)
     vocab = 3  # a small vocabulary: many drafted tokens match, so paths run deep and tie
     trees = []
@@ -141,6 +142,10 @@ def test_greedy_accept_batch_against_row_by_row(raw_rows, seed):
             length = int(accepted.lengths[index])
             assert accepted.paths[index, :length].tolist() == expected.path.tolist()
             assert int(accepted.next_tokens[index]) == expected.next_token
+            if accepted.chunks is not None:  # the one-row walk's host copy: path tokens, then the bonus
+                path_tokens = trees[row].tokens[expected.path].tolist()
+                assert accepted.chunks[index] == path_tokens + [expected.next_token]
+        assert accepted.chunks is not None or len(rows) > 1 or sub.width == 1
 
 
 def test_greedy_accept_nothing():
