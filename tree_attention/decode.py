@@ -4,10 +4,10 @@ One prefill forward over the (left-padded) prompts gives each row its first toke
 its first tree. Each later step asks the drafter for one tree per row rooted at that row's last
 committed token, runs one target forward over all rows' nodes (trees padded to the largest one)
 with a tree mask, and lets every row accept its own path: the accepted path's keys and values
-move to the front of the step's cache region, and the slots a row did not use stay in the cache
-as holes that the mask hides (:class:`~tree_attention.cache.RaggedCache`) while position ids stay per row. Rows that reach
-eos or their token budget leave the batch; holes are compacted away only once they make up half
-of the cache. Batch 1 is the same code with no holes.
+move to the front of the step's cache region, and the slots a row did not use stay in the cache as
+holes that the mask hides (:class:`~tree_attention.cache.RaggedCache`), position ids per row. Rows
+that reach eos or their token budget leave the batch; holes are compacted away only once they make
+up half of the cache. Batch 1 is the same code with no holes.
 
 The loop knows nothing about how drafts are made; it talks to a :class:`Target` (one forward) and
 a :class:`Drafter` (one tree per row per step).
@@ -169,12 +169,11 @@ class DecodeStats:
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the loop (:data:`PHASES`); contiguous laps, so they sum to ``total_seconds``."""
     steps: list[tuple[bool | None, float, int, int]] = field(default_factory=list)
-    """Per step after the prefill: (drafted, seconds, tokens committed over all rows, rows); a
-    step that drafted nothing is a plain decoding step inside the loop (see ``schedule``), and
-    ``drafted`` is None for a step whose drafter was asked but proposed no node for any row (prompt
-    lookup before the text repeats): it verified the roots alone, a plain step in cost and effect.
-    ``speculate="auto"`` leaves such steps out of a size's tau and step cost and out of the plain
-    cost; a call's own verdict on drafting counts them (what drafting gives on this text)."""
+    """Per step after the prefill: (drafted, seconds, tokens committed over all rows, rows); a step
+    that drafted nothing is a plain decoding step inside the loop (see ``schedule``); ``drafted`` is
+    None where the drafter was asked but proposed no node for any row (prompt lookup before the
+    text repeats: a plain step in cost and effect), left out of a size's tau and step cost and of
+    the plain cost by ``speculate="auto"``, and counted in a call's own verdict on drafting."""
     row_drafted: list[list[int]] = field(default_factory=list)
     """Per batch row: [tokens committed in drafted steps, drafted steps it took part in] (the steps
     whose drafter was asked, :attr:`row_empty` of them proposing nothing)."""
@@ -277,9 +276,8 @@ class SpeculativeDecoder:
         drafter's trees are nested (its ``nested_counts(sizes)`` says how many of each row's drafted
         nodes a drafter of each size would have proposed, the first in node order or in its
         ``nested_ranks`` order): a smaller tree accepts the leading nodes of the accepted path that
-        it holds, so ``speculate="auto"`` compares sizes on
-        the same text (:attr:`DecodeStats.nested`). Greedy only (a sampled smaller tree's draws would
-        differ)."""
+        it holds, so ``speculate="auto"`` compares sizes on the same text (:attr:`DecodeStats.nested`).
+        Greedy only (a sampled smaller tree's draws would differ)."""
         self.target, self.drafter, self.rule = target, drafter, rule or GreedyRule()
         self.stop, self.on_commit = stop, on_commit
         self.input_ids = input_ids
@@ -410,12 +408,10 @@ class SpeculativeDecoder:
         self.stats.tree_size = max(self.stats.tree_size, trees.width)
         self.stats.verified_nodes += trees.width
         self.max_depth = max(self.max_depth, trees.max_depth)
-        chunks = accepted.chunks
+        chunks = accepted.chunks  # (a rule that walked the tree on the host: whole paths, then the bonus)
         if chunks is None:
             chunks = torch.cat([path_tokens, accepted.next_tokens[:, None]], dim=1).tolist()
-            counts = lengths.tolist()
-        else:  # the rule walked the tree on the host: each chunk is a whole path and its bonus token
-            counts = [len(chunk) - 1 for chunk in chunks]
+        counts = lengths.tolist() if accepted.chunks is None else [len(chunk) - 1 for chunk in chunks]
         done = []
         proposed = draft and trees.width > 1  # some row's tree holds a drafted node
         if proposed and self.nested_sizes and trees is drafted:  # (a step cut to the token budget is left out)
