@@ -1,4 +1,4 @@
-"""Which draft wins at which serving temperature (DistillSpec's question, on the shipped target).
+"""Which draft wins at which serving temperature (DistillSpec's question, on either shipped target).
 
 Medusa heads and the EAGLE drafter are each distilled three ways on the same step budget per kind
 (``--steps``; EAGLE steps cost less here, so it gets more):
@@ -12,8 +12,10 @@ Each is served at T in {0, 0.5, 0.7, 1.0} on held-out prompts of each mix (code,
 speculative and plain generation alternate prompt by prompt in one process at the same temperature
 (``training.evaluate.measure``; medians over prompts). Reports tau (tokens per target forward,
 bonus included), tokens/s each way and speedup per cell, per mix; writes
-``benchmarks/results/temperature.json`` and ``temperature.png``. Adapters are cached under
-``benchmarks/results/adapters`` (``--retrain`` to redo them).
+``benchmarks/results/temperature.json`` and ``temperature.png`` (``--target stories260K``:
+``temperature_stories260K.json`` / ``.png``, one mix, training prompts from ``stories_train.jsonl``,
+and by default the CLI's own step budget and learning rate, as the shipped adapters). Adapters are
+cached under ``benchmarks/results/adapters`` (``--retrain`` to redo them).
 
 Candidates under sampling (``--candidates``): ``sampled`` (the kinds' default ``sample="auto"``:
 each node's children drawn from the drafter's warped distribution, accepted with min(1, p/q)),
@@ -36,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import RESULTS, table, write_json  # noqa: E402
-from benchmarks.demo import MIXES, PROMPTS, TARGET  # noqa: E402
+from benchmarks.bench_peers import TARGETS, TRAINING_PROMPTS  # noqa: E402
+from benchmarks.common import PROMPTS, RESULTS, table, write_json  # noqa: E402
 
 RECIPES = {
     "greedy-off": ["--temperature", "1.0", "--data-temperature", "0"],
@@ -52,12 +54,23 @@ CANDIDATES = {"sampled": "auto", "top-k": "never"}
 """``--candidates`` choice -> the kinds' ``sample`` mode."""
 QUICK = {"steps": [4, 4], "train_prompts": 4, "train_new_tokens": 12, "max_length": 32, "pool_prompts": 2,
          "prompts": 2, "max_new_tokens": 12}
+DEFAULTS = {
+    "demo-llama": {"steps": [60, 120], "lr": 2e-3, "train_prompts": 64, "train_new_tokens": 48, "max_length": 96,
+                   "pool_prompts": 8, "warmup_steps": 5},
+    "stories260K": {"steps": [300, 300], "lr": None, "train_prompts": 500, "train_new_tokens": 128,
+                    "max_length": 256, "pool_prompts": 32, "warmup_steps": None},
+}
+"""Per target, what is not given on the command line (None: the CLI's own default); stories260K: the
+CLI's defaults and all 500 training prompts, as its shipped adapters were trained (``greedy-off`` is
+then their recipe)."""
 
 
-def mixed_file(per_mix: int) -> Path:
-    """The first ``per_mix`` training prompts of each mix, interleaved, in one jsonl file."""
-    lines = {mix: (PROMPTS / f"train_{mix}.jsonl").read_text().splitlines()[:per_mix] for mix in MIXES}
-    path = RESULTS / "cache" / f"train_mixed_{per_mix}.jsonl"
+def mixed_file(target: str, per_mix: int) -> Path:
+    """The first ``per_mix`` training prompts of each of ``target``'s mixes, interleaved, in one jsonl file."""
+    mixes = list(TARGETS[target]["mixes"])
+    lines = {mix: (PROMPTS / TRAINING_PROMPTS[mix]).read_text().splitlines()[:per_mix] for mix in mixes}
+    name = f"train_mixed_{per_mix}" if target == "demo-llama" else f"train_{target}_{per_mix}"
+    path = RESULTS / "cache" / f"{name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(line for pair in zip(*lines.values()) for line in pair) + "\n")
     return path
@@ -67,16 +80,20 @@ def train(kind: str, recipe: str, data: Path, args) -> tuple[Path, dict]:
     """The cached adapter of ``kind`` x ``recipe`` (trained with ``selfdraft train`` if missing)."""
     from training.cli import main as selfdraft
 
-    adapter = RESULTS / "adapters" / f"temperature-{kind}-{recipe}{'-quick' if args.quick else ''}"
+    prefix = "temperature" if args.target == "demo-llama" else f"temperature-{args.target}"
+    adapter = RESULTS / "adapters" / f"{prefix}-{kind}-{recipe}{'-quick' if args.quick else ''}"
     steps = args.steps[("medusa", "eagle").index(kind)]
+    optional = [] if args.lr is None else ["--lr", str(args.lr)]
+    optional += [] if args.warmup_steps is None else ["--warmup-steps", str(args.warmup_steps)]
+    prompts = len(TARGETS[args.target]["mixes"]) * args.train_prompts
     summary = adapter.parent / f"{adapter.name}.json"
     if not (adapter / "adapter_config.json").is_file() or not summary.is_file() or args.retrain:
         started = time.perf_counter()
         selfdraft([
-            "train", "--model", str(TARGET), "--kind", kind, "--data", str(data), "--out", str(adapter),
-            "--steps", str(steps), "--batch-size", "8", "--lr", str(args.lr), "--warmup-steps", "5",
+            "train", "--model", str(TARGETS[args.target]["path"]), "--kind", kind, "--data", str(data),
+            "--out", str(adapter), "--steps", str(steps), "--batch-size", "8", *optional,
             "--max-new-tokens", str(args.train_new_tokens), "--max-length", str(args.max_length),
-            "--max-prompts", str(2 * args.train_prompts), "--cache-dir", str(RESULTS / "cache"),
+            "--max-prompts", str(prompts), "--cache-dir", str(RESULTS / "cache"),
             "--on-policy-refresh", str(max(1, steps // 4)), "--on-policy-prompts", str(args.pool_prompts),
             "--eval-prompts", "0", "--json", str(summary), "--no-progress", "--seed", "0", *RECIPES[recipe],
         ])
@@ -88,7 +105,7 @@ def train(kind: str, recipe: str, data: Path, args) -> tuple[Path, dict]:
                                                        "on_policy_refreshes", "on_policy_tau")}
 
 
-def plot(rows: list[dict], kinds: list[str], path: Path) -> None:
+def plot(rows: list[dict], kinds: list[str], path: Path, target: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +117,7 @@ def plot(rows: list[dict], kinds: list[str], path: Path) -> None:
             for row_index, (metric, label) in enumerate((("tau", "tau (tokens / target forward)"),
                                                          ("speedup", "speedup vs model.generate (median)"))):
                 axis = axes[row_index][column]
-                for mix, style in zip(MIXES, ("-", "--")):
+                for mix, style in zip(TARGETS[target]["mixes"], ("-", "--")):
                     cells = sorted((r for r in rows if (r["kind"], r["recipe"], r["mix"]) == (kind, recipe, mix)),
                                    key=lambda r: r["serve_T"])
                     axis.plot([c["serve_T"] for c in cells], [c[metric] for c in cells], style, marker="o",
@@ -110,7 +127,7 @@ def plot(rows: list[dict], kinds: list[str], path: Path) -> None:
                 axis.set_title(f"{kind}: {metric} vs serving temperature")
         axes[0][column].legend(fontsize=7)
         axes[1][column].axhline(1.0, color="gray", linewidth=1)
-    figure.suptitle("drafts distilled greedy/off-policy, on-policy at T=0.7, on-policy at T=1.0 (demo target)")
+    figure.suptitle(f"drafts distilled greedy/off-policy, on-policy at T=0.7, on-policy at T=1.0 ({target})")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -140,14 +157,18 @@ def winners(rows: list[dict], kinds: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", choices=list(TARGETS), default="demo-llama", help="shipped target")
     parser.add_argument("--kinds", nargs="+", default=["medusa", "eagle"], choices=("medusa", "eagle"))
-    parser.add_argument("--steps", type=int, nargs=2, default=[60, 120], metavar=("MEDUSA", "EAGLE"),
-                        help="distillation steps per adapter of each kind (the same for its three recipes)")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--train-prompts", type=int, default=64, help="training prompts per mix")
-    parser.add_argument("--train-new-tokens", type=int, default=48, help="generated tokens per training prompt")
-    parser.add_argument("--max-length", type=int, default=96, help="tokens per training sequence")
-    parser.add_argument("--pool-prompts", type=int, default=8, help="on-policy prompts per refresh")
+    parser.add_argument("--steps", type=int, nargs=2, default=None, metavar=("MEDUSA", "EAGLE"),
+                        help="distillation steps per adapter of each kind (the same for its three recipes; "
+                             "default per target, DEFAULTS)")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default per target, DEFAULTS)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="warm-up steps (default per target)")
+    parser.add_argument("--train-prompts", type=int, default=None, help="training prompts per mix (default per target)")
+    parser.add_argument("--train-new-tokens", type=int, default=None,
+                        help="generated tokens per training prompt (default per target)")
+    parser.add_argument("--max-length", type=int, default=None, help="tokens per training sequence (default per target)")
+    parser.add_argument("--pool-prompts", type=int, default=None, help="on-policy prompts per refresh (default per target)")
     parser.add_argument("--prompts", type=int, default=12, help="held-out prompts per mix and cell")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per held-out prompt")
     parser.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
@@ -158,11 +179,15 @@ def main() -> None:
                              "tokens, or both side by side")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny budgets, temperature_quick.json")
     args = parser.parse_args()
+    for key, value in DEFAULTS[args.target].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
     modes = list(CANDIDATES) if args.candidates == "both" else [args.candidates]
-    suffix = "_quick" if args.quick else ""
+    suffix = ("" if args.target == "demo-llama" else f"_{args.target}") + ("_quick" if args.quick else "")
+    mixes = TARGETS[args.target]["mixes"]  # mix -> held-out prompt file
 
     import heads
     from training.commands.common import load_model
@@ -170,7 +195,7 @@ def main() -> None:
     from training.evaluate import encode_prompts, measure
 
     started = time.perf_counter()
-    data = mixed_file(args.train_prompts)
+    data = mixed_file(args.target, args.train_prompts)
     adapters, training = {}, {}
     torch.set_num_threads(args.train_threads)
     for kind in args.kinds:
@@ -178,8 +203,8 @@ def main() -> None:
             adapters[kind, recipe], training[f"{kind}/{recipe}"] = train(kind, recipe, data, args)
             print(f"{kind}/{recipe}: {json.dumps(training[f'{kind}/{recipe}'])}", flush=True)
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(str(TARGET))
-    prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / f"{mix}.jsonl"), args.prompts) for mix in MIXES}
+    model, tokenizer = load_model(str(TARGETS[args.target]["path"]))
+    prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / file), args.prompts) for mix, file in mixes.items()}
     rows = []
     for (kind, recipe), adapter in adapters.items():
         spec = heads.load_heads(model, adapter)
@@ -189,7 +214,7 @@ def main() -> None:
             for temperature in SERVING:
                 if temperature == 0 and mode != modes[0]:
                     continue  # greedy drafts the top-k tokens in every mode
-                for mix in MIXES:
+                for mix in mixes:
                     report = measure(spec, prompts[mix], args.max_new_tokens, temperature=temperature, seed=0)
                     rows.append({"kind": kind, "recipe": recipe, "candidates": mode if temperature else "top-k",
                                  "serve_T": temperature, "mix": mix, "tau": report.tau,
@@ -209,16 +234,16 @@ def main() -> None:
     print("\nbest draft by tau (summed over mixes):", json.dumps(best, indent=1))
     print("matched draft wins its column:", json.dumps(matched, indent=1))
     path = write_json(f"temperature{suffix}.json", {
-        "target": str(TARGET), "prompts_per_mix": args.prompts, "max_new_tokens": args.max_new_tokens,
+        "target": str(TARGETS[args.target]["path"]), "prompts_per_mix": args.prompts, "max_new_tokens": args.max_new_tokens,
         "settings": {key: getattr(args, key) for key in ("steps", "lr", "train_prompts", "train_new_tokens",
-                                                          "max_length", "pool_prompts", "threads",
+                                                          "max_length", "pool_prompts", "warmup_steps", "threads",
                                                           "train_threads", "candidates")},
         "recipes": RECIPES, "cells": rows, "candidate_comparison": comparison, "winners": best,
         "matched_wins": matched,
         "training": training, "seconds": time.perf_counter() - started,
     })
     figure = RESULTS / f"temperature{suffix}.png"
-    plot(primary, args.kinds, figure)
+    plot(primary, args.kinds, figure, args.target)
     print(f"wrote {path} and {figure} ({time.perf_counter() - started:.0f} s)")
 
 
