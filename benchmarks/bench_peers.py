@@ -14,7 +14,10 @@ sampled runs stop at eos after different lengths, greedy ones produce the same t
 draft time per step as measured, and the bare forward cost of a tree of the measured mean size on a
 cache of the prompt's length (measured in the same run, before and after each mix's runs, averaged:
 on this shared machine a one-off measurement moved by up to 30% between runs), so an efficiency near
-1 means the loop adds nothing beyond the two forwards. Writes ``results/peers.json``
+1 means the loop adds nothing beyond the two forwards. ``efficiency_decode`` is the same figure over
+the decoding steps alone (each side's prefill taken out: selfdraft's prefill phase, ``generate``'s
+call for one new token on the prompt; tau over the steps after the prefill): the prompt's forward is
+no work of the loop's, yet weighs more per token the fewer steps a method takes. Writes ``results/peers.json``
 (``{target: {mix: {"peers": {name: {speedup, tau}}, "selfdraft": {name: {speedup, tau, efficiency}}}}}``,
 sampled mixes keyed ``"<mix>@T<temperature>"``) and ``results/peers.png``.
 """
@@ -147,19 +150,34 @@ def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, samp
     sizes = {name: [] for name in names}
     steps = {name: [] for name in names}
     calls = {name: [] for name in names}  # speculate="auto": what each timed call chose and did
+    decode = {name: [] for name in names}  # seconds per new token after the first (the prefill's), see summarise
+    decode_taus = {name: [] for name in names}
     identical = {name: True for name in names}
+    pad = model.generation_config.pad_token_id
     for index, prompt in enumerate(prompts):
         torch.manual_seed(index)
         reference = None
         order = names[index % len(names):] + names[:index % len(names)]  # rotate
         for name in order:
             methods[name][1](prompt, 4)  # warm-up of this method on this prompt length
+        prefill = []  # generate's prefill on this prompt: a call for one new token (median of three)
+        for _ in range(3):
+            start = time.perf_counter()
+            model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=pad)
+            prefill.append(time.perf_counter() - start)
         for name in order:
             torch.manual_seed(1000 + index)
             start = time.perf_counter()
             output, stats = methods[name][1](prompt, max_new)
+            elapsed, new = time.perf_counter() - start, max(1, output.shape[1] - prompt.shape[1])
             # seconds per new token: sampled runs stop at eos after different lengths (greedy ones agree)
-            times[name].append((time.perf_counter() - start) / max(1, output.shape[1] - prompt.shape[1]))
+            times[name].append(elapsed / new)
+            if name == "generate" or stats is not None:
+                phases = {} if stats is None else stats.phases  # (none: generate itself, or auto delegating to it)
+                spent = phases["prefill"] if "prefill" in phases else statistics.median(prefill)
+                decode[name].append((elapsed - spent) / max(1, new - 1))
+                if stats is not None:
+                    decode_taus[name].append((stats.new_tokens - 1) / max(1, stats.target_forwards - 1))
             if name == "generate":
                 reference = output
             elif not sample and reference is not None:
@@ -175,7 +193,7 @@ def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, samp
         if not sample:  # the reference may have been timed after others: recheck the others against it
             pass
     return {"times": times, "taus": taus, "drafts": drafts, "sizes": sizes, "steps": steps, "identical": identical,
-            "calls": calls}
+            "calls": calls, "decode": decode, "decode_taus": decode_taus}
 
 
 def summarise(raw: dict, prompts, max_new: int, verify_costs: dict) -> dict:
@@ -195,6 +213,15 @@ def summarise(raw: dict, prompts, max_new: int, verify_costs: dict) -> dict:
         result["selfdraft"][name] = {"speedup": speedup, "tau": tau, "efficiency": speedup / bound, "bound": bound,
                                      "draft_ms": draft_ms, "verify_bare_ms": verify_ms,
                                      "identical": raw["identical"][name]}
+        if raw.get("decode", {}).get(name) and raw["decode"].get("generate"):
+            # the same figure over the decoding steps alone: the prefill forward (the prompt's, taken out
+            # of both sides) is no work of the loop's, but weighs more per token where tau is high
+            plain_decode = raw["decode"]["generate"]
+            decode_speedup = statistics.median(g / d for g, d in zip(plain_decode, raw["decode"][name]))
+            decode_bound = (statistics.median(raw["decode_taus"][name]) * 1000 * statistics.median(plain_decode)
+                            / (draft_ms + verify_ms))
+            result["selfdraft"][name].update(decode_speedup=decode_speedup,
+                                             efficiency_decode=decode_speedup / decode_bound)
         if raw.get("calls", {}).get(name):
             result["selfdraft"][name]["auto_calls"] = raw["calls"][name]
     pld = {name: entry for name, entry in result["peers"].items() if name.startswith("prompt_lookup")}
