@@ -388,27 +388,27 @@ class SpeculationPolicy:
     def _loses_at_smaller_batch(self, key, size: int, rule_key: str) -> bool:
         """True when ``size`` did not pay at a smaller batch bucket (prompt length within
         :data:`BORROW_LENGTHS`, same rule): measured there (:data:`SWITCH_STEPS` drafted steps or
-        more) and slower than plain decoding, or else below ``margin`` on its optimistic estimate
-        there (:meth:`_optimistic_speedup`). A larger batch only makes drafted nodes dearer and the
-        slowest row slower, so it is not explored (on demo-llama at batch 8, EAGLE's sizes 4 and 2,
-        which could not pay at batch 4, were explored at 0.6x-0.8x, the cell at 0.92x-0.95x)."""
+        more) and predicted below ``margin`` as :meth:`choose` predicts it (its tau as :meth:`taus`
+        gives it), or else below ``margin`` on its optimistic estimate there
+        (:meth:`_optimistic_speedup`). A larger batch only makes drafted nodes dearer and the slowest
+        row slower, so it is not explored (on demo-llama at batch 8, EAGLE sizes that could not pay at
+        batch 4 were explored at 0.6x-0.8x, the cell at 0.91x-0.95x)."""
         for (other, other_size), plain in list(self.step_costs.items()):
             if other_size != 0 or other[0] >= key[0]:
                 continue
             if max(other[1], key[1]) > BORROW_LENGTHS * min(other[1], key[1]):
                 continue
-            cost, record = self.step_costs.get((other, size)), self.observed.get((size, rule_key, other[0]))
-            if cost is not None and record is not None and record.row_steps >= SWITCH_STEPS:
-                if record.tau * plain / max(cost, 1e-12) < 1.0:
-                    return True
-                continue
             evidence = self.evidence(rule_key, other[0])
             measured = [n for n in self.sizes if (other, n) in self.step_costs and evidence[n] >= SWITCH_STEPS]
             if not measured:
                 continue
-            taus = self.taus(rule_key, other[0])
-            optimistic = self._optimistic_speedup(other, size, plain, taus, measured, self.nested_taus(rule_key, other[0]))
-            if optimistic is not None and optimistic < self.margin:
+            nested = self.nested_taus(rule_key, other[0])
+            taus = self.taus(rule_key, other[0], nested)
+            if size in measured:
+                estimate = taus[size] * plain / max(self.step_costs[(other, size)], 1e-12)
+            else:
+                estimate = self._optimistic_speedup(other, size, plain, taus, measured, nested)
+            if estimate is not None and estimate < self.margin:
                 return True
         return False
 
