@@ -182,6 +182,17 @@ def main() -> None:
     for key, value in DEFAULTS[args.target].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    counts = {"--steps": min(args.steps), "--train-prompts": args.train_prompts,
+              "--train-new-tokens": args.train_new_tokens, "--max-length": args.max_length,
+              "--pool-prompts": args.pool_prompts, "--prompts": args.prompts, "--max-new-tokens": args.max_new_tokens,
+              "--threads": args.threads, "--train-threads": args.train_threads}
+    for flag, value in counts.items():  # before any training or measuring starts
+        if value < 1:
+            parser.error(f"{flag} must be a positive integer; got {value}")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be >= 0; got {args.warmup_steps}")
+    if args.lr is not None and not args.lr > 0:
+        parser.error(f"--lr must be a positive number; got {args.lr}")
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
