@@ -238,16 +238,15 @@ def gather(cache: Cache, start: int, index: torch.Tensor) -> None:
             flat = index[0] + start
             for tensor in tensors:
                 tensor[..., start:start + count, :] = tensor.index_select(-2, flat)
-            crop(cache, start + count, pool)
-            return
-        sources = {}  # one gather index per shape (keys and values, and the layers, mostly share one)
-        for tensor in tensors:  # (..., B, heads, S, head_dim): each row gathers its own entries
-            shape = (*tensor.shape[:-2], count, tensor.shape[-1])
-            source = sources.get(shape)
-            if source is None:
-                leading = (1,) * (tensor.dim() - 4)
-                source = sources[shape] = (index + start).view(*leading, index.shape[0], 1, count, 1).expand(shape)
-            tensor[..., start:start + count, :] = tensor.gather(-2, source)
+        else:
+            sources = {}  # one gather index per shape (keys and values, and the layers, mostly share one)
+            for tensor in tensors:  # (..., B, heads, S, head_dim): each row gathers its own entries
+                shape = (*tensor.shape[:-2], count, tensor.shape[-1])
+                source = sources.get(shape)
+                if source is None:
+                    leading = (1,) * (tensor.dim() - 4)
+                    source = sources[shape] = (index + start).view(*leading, index.shape[0], 1, count, 1).expand(shape)
+                tensor[..., start:start + count, :] = tensor.gather(-2, source)
     crop(cache, start + count, pool)
 
 
