@@ -393,7 +393,7 @@ class SpeculationPolicy:
         (:meth:`_optimistic_speedup`). A larger batch only makes drafted nodes dearer and the slowest
         row slower, so it is not explored (on demo-llama at batch 8, EAGLE sizes that could not pay at
         batch 4 were explored at 0.6x-0.8x, the cell at 0.91x-0.95x)."""
-        for (other, other_size), plain in list(self.step_costs.items()):
+        for (other, other_size), plain in self.step_costs.items():
             if other_size != 0 or other[0] >= key[0]:
                 continue
             if max(other[1], key[1]) > BORROW_LENGTHS * min(other[1], key[1]):
