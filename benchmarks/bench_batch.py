@@ -45,7 +45,7 @@ def train_adapter(kind: str, args) -> Path:
         return adapter
     cache = RESULTS / "cache"
     cache.mkdir(parents=True, exist_ok=True)
-    data = mixed_training_file(cache, args.train_prompts)
+    data = mixed_training_file(cache / "train_mixed.jsonl", args.train_prompts)
     selfdraft([
         "train", "--model", str(TARGET), "--kind", kind, "--data", str(data), "--out", str(adapter),
         "--steps", str(args.steps), "--batch-size", "8", "--lr", "2e-3", "--max-new-tokens", "64",
