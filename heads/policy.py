@@ -15,8 +15,12 @@ all (``"delegate"``) runs the backbone's own ``generate`` (:attr:`SpeculationPol
 the loop's plain steps, which measure plain costs and follow a stop, cost 0.99x-1.01x of its steps):
 
 - **Costs** are kept per (batch size, prompt length) bucket (powers of two): the plain step cost
-  from plain steps, each tree size's step cost from its drafted steps, each the median of the last
-  :data:`COST_SAMPLES` calls' medians. A bucket never served starts from the costs of one at the
+  from plain steps over every row (the backbone's ``generate`` keeps every row to the end), each
+  tree size's step cost as seconds per drafted step of the call's last row (rows leave the loop as
+  they finish, so a batch call's later steps are cheaper: each row count's median, weighted by its
+  steps; for a call that stopped drafting, its controller's projection), each the median of the last
+  :data:`COST_SAMPLES` calls' figures; and per number of rows a step decoded (:attr:`row_costs`),
+  which price a batch call's later steps (:mod:`heads.controller`). A bucket never served starts from the costs of one at the
   same batch bucket and a prompt length within a factor :data:`BORROW_LENGTHS`, if any.
 - **Calibration inside the call** (a size that lost at a smaller batch bucket, or could not pay there
   even on its optimistic estimate, is not explored at a larger one, where it can only lose more): in a bucket whose plain cost is unknown the call starts with
@@ -46,8 +50,9 @@ the loop's plain steps, which measure plain costs and follow a stop, cost 0.99x-
   (the lenient thresholds below, no prior tau): one call's few drafted steps can misjudge a size badly (the first steps of a reply accept
   less and cost more), and plain calls would never correct it.
 - **Choosing again within the call**: once the call has drafted :data:`SWITCH_STEPS` steps, it
-  compares what drafting realised in this call (its slowest row's tau, blended with the policy's
-  estimate, times ``t_plain`` over its median drafted step cost) with plain decoding, and stops
+  compares what drafting would cost for the rest of the call with plain steps (each row's own rate
+  so far, blended with the policy's tau; each step priced by the rows it still decodes, as rows
+  leave when they finish: :meth:`heads.controller.CallController.project`), and stops
   drafting for the rest of the call when that falls below :data:`SWITCH_BELOW`. A greedy call with
   lookup (alone or in a hybrid) stops only on a clear loss, :data:`EXPLORE_BELOW`: lookup's
   acceptance grows through a reply, from nothing while the reply has not repeated anything yet to
@@ -67,22 +72,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-PLAIN_STEPS = 3  # plain steps that open a call in a bucket whose plain cost is unknown
-SWITCH_STEPS = 6  # drafted steps of a call before it may give up drafting
-SWITCH_BELOW = 0.97  # ... when drafting realised less than this times plain decoding's speed
-EXPLORE_BELOW = (0.5, 0.8)  # ... or, for a greedy call with lookup (not steady),
-# below the first after SWITCH_STEPS drafted steps (a clear loss: batch 16) or below the second after
-# twice as many: acceptance often grows through a reply (prompt lookup finds repeats only once there
-# is text to repeat, then accepts ten tokens a step), so a first call that drafts at 0.6x early may pay
-# later, and stopping it would keep the policy from ever seeing that (every reply starts without
-# repeats, so this holds for every greedy lookup call, not only a size's first; the policy itself
-# sends calls to plain decoding where lookup does not pay on the whole).
-PRIOR_STEPS = 2  # the policy's tau for the size counts as this many of the call's drafted steps
+from .controller import (EXPLORE_BELOW, PLAIN_STEPS, PRIOR_STEPS, REFRESH_STEPS, SWITCH_BELOW,  # noqa: F401
+                         SWITCH_STEPS, CallController, costs_by_rows, mean_cost, step_cost)
+
 MIN_LEARN_TOKENS = PLAIN_STEPS + 2 * SWITCH_STEPS + 1  # a shorter call neither explores nor teaches:
 # its trees are cut to its few remaining tokens, so its tau says nothing about the size (a 4-token
 # warm-up call once set prompt lookup's tau to 1.1 and kept auto on plain decoding for good)
 COST_SAMPLES = 8  # a step cost is the median of the last this many calls' measurements
-REFRESH_STEPS = range(1, 3)  # the steps of a drafting call that refresh the plain cost (see below)
 REFRESH_PLAIN = 4  # a drafting call takes plain steps REFRESH_STEPS when the plain cost has fewer samples
 # than REFRESH_SAMPLES or none from the last this many calls (a stale or noisy plain cost misjudges every size)
 REFRESH_SAMPLES = 3  # (with COST_SAMPLES, every call of the first eight took two plain steps: on demo code,
@@ -113,57 +109,6 @@ class Observed:
         return self.tokens / self.row_steps if self.row_steps else None
 
 
-class CallController:
-    """The per-step schedule of one ``auto`` call (``SpeculativeDecoder(schedule=...)``): plain steps
-    while the bucket's plain cost is being measured, then drafting with the chosen size until the
-    call has shown that drafting loses (see the module docstring). ``prior_tau`` (the policy's
-    estimate for this size and batch size, if any) is blended into the call's own evidence with the
-    weight of :data:`PRIOR_STEPS` steps: a little inertia against a few unlucky steps, no more
-    (acceptance differs a lot from prompt to prompt, and a call that drafts badly should stop soon)."""
-
-    def __init__(self, plain_cost: float | None, size: int, prior_tau: float | None = None,
-                 refresh: bool = False, steady: bool = False) -> None:
-        self.plain_cost, self.size, self.prior_tau = plain_cost, size, prior_tau
-        self.steady = steady  # acceptance does not grow through a reply: the strict threshold from the start
-        self.plain_first = PLAIN_STEPS if plain_cost is None else 0
-        # a refresh measures plain steps 1 and 2: a call's first step costs ~10% more than later ones
-        # (measured on stories260K), which made drafting look better than the backbone's generate
-        self.refresh_steps = REFRESH_STEPS if refresh and plain_cost is not None else range(0)
-        self.switched_at: int | None = None  # drafted steps when drafting stopped
-        self.realized: float | None = None
-        self.drafted: list[float] = []  # seconds of this call's drafted steps so far
-
-    def __call__(self, decoder) -> bool:
-        stats = decoder.stats
-        if not self.size:
-            decoder.drafting = False
-            return False
-        if stats.steps and stats.steps[-1][0] is not False:  # drafted (None: asked, proposed nothing)
-            self.drafted.append(stats.steps[-1][1])
-        if len(stats.steps) < self.plain_first or len(stats.steps) in self.refresh_steps:
-            return False
-        if self.plain_cost is None:  # the call's opening plain steps (the first left out) are this bucket's first measure
-            self.plain_cost = statistics.median(step[1] for step in stats.steps[1:] or stats.steps)
-        if len(self.drafted) >= SWITCH_STEPS:
-            tau = stats.slowest_row_tau(self.prior_tau, PRIOR_STEPS)
-            self.realized = tau * self.plain_cost / step_cost(self.drafted)
-            if self.steady:
-                below = SWITCH_BELOW
-            else:
-                below = EXPLORE_BELOW[1] if len(self.drafted) >= 2 * SWITCH_STEPS else EXPLORE_BELOW[0]
-            if self.realized < below:
-                self.switched_at = len(self.drafted)
-                decoder.drafting = False
-                return False
-        return True
-
-
-def step_cost(seconds: list[float]) -> float:
-    """Median seconds of drafted steps, the first left out when there are others (it also feeds
-    the drafter the prompt)."""
-    return max(1e-12, statistics.median(seconds[1:] or seconds))
-
-
 @dataclass
 class SpeculationPolicy:
     """Chooses a tree size per batch; see the module docstring. ``sizes`` are the candidate
@@ -182,6 +127,8 @@ class SpeculationPolicy:
     retry_interval: dict = field(default_factory=dict)  # same keys -> plain choices before the next retry
     paired: dict = field(default_factory=dict)  # (size, drafted size, rule key, B bucket) -> Observed: what a tree
     # of `size` would have committed (slowest row) on the steps drafted with `drafted` nodes (nested trees, greedy)
+    row_costs: dict = field(default_factory=dict)  # (T bucket, n, rows) -> seconds of a step decoding that many
+    row_samples: dict = field(default_factory=dict)  # rows (n = 0: plain); same keys -> the last COST_SAMPLES measurements
     steady: bool = False  # acceptance does not grow through a reply (a trained drafter without lookup): an
     # exploring call is judged by the strict SWITCH_BELOW after SWITCH_STEPS drafted steps, not the lenient
     # EXPLORE_BELOW, which exists for lookup (on demo-llama at batch 8, where EAGLE's fixed tree ran at
@@ -282,7 +229,7 @@ class SpeculationPolicy:
         :class:`CallController` under ``"controller"``, which the call's loop consults per step).
 
         With room for one new token at most there is nothing to speculate on (``"reason"``)."""
-        key = self.key(input_ids)
+        key, batch = self.key(input_ids), input_ids.shape[0]
         # sampled text repeats itself far less than greedy text (prompt lookup commits 1.1-1.3 tokens a
         # step at T=0.7 on both shipped targets), so the lenient thresholds that let a first greedy call
         # see lookup's acceptance grow would only let a sampled exploring call run at a loss
@@ -329,7 +276,8 @@ class SpeculationPolicy:
                 prior = taus[explore]
             elif prior is None and larger:  # a larger nested tree's tau bounds this one's: judge it strictly
                 prior = taus[min(larger)]
-            return {**base, "tree": explore, "controller": CallController(plain, explore, prior, refresh, steady),
+            return {**base, "tree": explore, "controller": self.controller(key, plain, explore, batch, prior, refresh,
+                                                                             steady),
                     "exploring": True, "nested_sizes": self._nested_sizes(explore),
                     "plain_step_ms": None if plain is None else 1000 * plain,
                     "reason": f"{explore} drafted nodes not measured yet at this batch size, prompt length and "
@@ -350,7 +298,8 @@ class SpeculationPolicy:
         return {
             **base, "tree": chosen, "nested_sizes": self._nested_sizes(chosen),
             # a retry judges the size afresh, as a first measurement (lenient thresholds, no prior)
-            "controller": CallController(plain, chosen, None if retry else taus.get(chosen), refresh, steady),
+            "controller": self.controller(key, plain, chosen, batch, None if retry else taus.get(chosen), refresh,
+                                          steady),
             "delegate": self.delegate_plain and not chosen,
             "plain_step_ms": 1000 * plain,
             "step_ms": {size: 1000 * self.step_costs[(key, size)] for size in measured},
@@ -364,6 +313,19 @@ class SpeculationPolicy:
         """The sizes whose acceptance a call drafting ``tree`` nodes counts on its own steps (where
         the drafter nests its trees): every candidate size up to ``tree``."""
         return [size for size in sorted(self.sizes) if size <= tree] if tree else []
+
+    def _fewer_rows(self, key, size: int, batch: int) -> dict[int, tuple[float | None, float | None]]:
+        """Measured seconds of a plain step and of a step drafting ``size`` nodes per row, by number of
+        rows below ``batch`` (prompt-length bucket of ``key``): what the call's steps cost once rows
+        have left (:class:`CallController`)."""
+        costs = {rows: (self.row_costs.get((key[1], 0, rows)), self.row_costs.get((key[1], size, rows)))
+                 for rows in range(1, batch)}
+        return {rows: pair for rows, pair in costs.items() if pair != (None, None)}
+
+    def controller(self, key, plain: float | None, size: int, batch: int, prior: float | None = None,
+                   refresh: bool = False, steady: bool = False) -> CallController:
+        """The :class:`CallController` of a call drafting ``size`` nodes per row over ``batch`` rows."""
+        return CallController(plain, size, prior, refresh, steady, self._fewer_rows(key, size, batch) if size else None)
 
     def _retry(self, key, chosen: int, max_new_tokens: int | None) -> bool:
         """Whether a call that would decode plainly measures the best size again instead: after
@@ -480,16 +442,22 @@ class SpeculationPolicy:
         key, size = (choice["batch_bucket"], choice["length_bucket"]), choice["tree"]
         controller = choice.pop("controller", None)
         plain_steps = [step for step in stats.steps if step[0] is False]  # (None: proposed nothing, not timed as plain)
-        plain = plain_steps
-        if len(plain) > 1 and stats.steps[0][0] is False:
-            plain = plain[1:]  # the call's first step costs more than later ones: left out when others were plain
+        plain_first = bool(stats.steps) and stats.steps[0][0] is False  # the call's first step costs more than later ones
+        plain = [step for step in plain_steps[plain_first and len(plain_steps) > 1:] if step[3] == stats.batch_size]
         drafted = [step for step in stats.steps if step[0]]
-        if plain:
+        if plain:  # a step of every row, as the backbone's generate takes (rows leave the loop as they finish)
             self.record_cost(key, 0, statistics.median(step[1] for step in plain))
         self.since_plain[key] = 0 if plain else self.since_plain.get(key, 0) + 1
         tau = stats.slowest_row_tau(proposed=True)
-        if drafted and size and tau is not None and choice.get("learns", True):
-            self.record_cost(key, size, step_cost([step[1] for step in drafted]))
+        learns = choice.get("learns", True)
+        for steps, tree, skip in ((plain_steps, 0, plain_first), (drafted, size, True)):
+            for rows, seconds in (costs_by_rows(steps, skip) if learns or not tree else {}).items():
+                self._record(self.row_samples, self.row_costs, (key[1], tree, rows), seconds)
+        if drafted and size and tau is not None and learns:
+            # per drafted step of the slowest row, rows leaving as they finish: measured to the end of
+            # the call, or as its controller projected it where it stopped drafting
+            stopped = controller is not None and controller.switched_at is not None and controller.effective
+            self.record_cost(key, size, controller.effective if stopped else mean_cost(drafted, skip_first=True))
             self.record_draft_cost(key, size, stats.draft_seconds / len(drafted))  # plain steps' few us included
             record = self.observed.setdefault((size, choice["rule"], key[0]), Observed())
             record.tokens += tau * len(drafted)

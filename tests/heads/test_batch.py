@@ -444,7 +444,7 @@ def test_auto_learns_costs_and_tau_from_the_call_steps():
     policy = SpeculationPolicy((4,))
     steps = [(False, 3.0, 2, 2), (False, 1.0, 2, 2), (False, 1.2, 2, 2),  # the first step (dearer) is left out
              (True, 9.0, 6, 2), (True, 2.0, 6, 2), (True, 2.2, 4, 2), (True, 2.4, 8, 2)]
-    stats = DecodeStats(steps=steps, row_drafted=[[14, 4], [10, 4]])
+    stats = DecodeStats(steps=steps, row_drafted=[[14, 4], [10, 4]], batch_size=2)
     choice = {"policy": "auto", "tree": 4, "rule": "greedy", "batch_bucket": 2, "length_bucket": 8,
               "controller": CallController(None, 4)}
     policy.observe(choice, stats)
@@ -466,7 +466,8 @@ def test_call_controller_switches_on_realised_speed():
 
     def run(cost, fast, slow, prior=None, steps=SWITCH_STEPS + 3, steady=False):
         controller = CallController(None, 8, prior, steady=steady)
-        decoder = SimpleNamespace(stats=DecodeStats(row_drafted=[[0, 0], [0, 0]]), drafting=True)
+        decoder = SimpleNamespace(stats=DecodeStats(row_drafted=[[0, 0], [0, 0]], batch_size=2), drafting=True,
+                                  rows=[0, 1], outputs=[[], []], max_new_tokens=10_000)  # rows far from done
         decisions = []
         for _ in range(PLAIN_STEPS + steps):
             draft = decoder.drafting and controller(decoder)
@@ -710,3 +711,97 @@ def test_the_most_measured_size_keeps_its_place_unless_another_is_clearly_faster
         policy.record_cost(key, 10, 2.5)  # size 10 measured dearer (median 2.5): predicted 1.2x against 1.94x
     choice = policy.choose(ids, rule, 40)
     assert choice["upper_bound"][4] > choice["upper_bound"][10] * (1 + IMPROVE) and choice["tree"] == 4
+
+
+def test_drain_seconds_prices_each_step_by_the_rows_still_decoding():
+    """Rows needing 2, 5 and 5 more steps: 2 steps of 3 rows, then 3 of 2; costs linear between
+    measured row counts, the nearest one's beyond them."""
+    from heads.controller import drain_seconds, rows_cost
+
+    cost = {1: 1.0, 3: 2.0}.get
+    assert drain_seconds([5.0, 2.0, 5.0], lambda rows: cost(rows, 1.5)) == 2 * 2.0 + 3 * 1.5
+    assert drain_seconds([], lambda rows: 1.0) == 0.0
+    anchors = {1: 1.0, 3: 2.0, 8: 4.0}
+    assert rows_cost(anchors, 2) == 1.5 and rows_cost(anchors, 3) == 2.0 and rows_cost(anchors, 16) == 4.0
+    assert abs(rows_cost(anchors, 5) - 2.8) < 1e-12 and rows_cost({4: 2.0}, 1) == 2.0
+
+
+def _verdict(controller, rates, remaining, drafted_cost, plain_cost=1.0):
+    """Run ``controller`` over a batch call's plain first step and 6 drafted steps at full rows, after
+    which row i has committed ``rates[i]`` tokens per drafted step and has ``remaining[i]`` tokens
+    to go; its decision for the next step."""
+    from types import SimpleNamespace
+
+    from tree_attention.decode import DecodeStats
+
+    batch = len(rates)
+    stats = DecodeStats(row_drafted=[[0.0, 0] for _ in rates], batch_size=batch)
+    decoder = SimpleNamespace(stats=stats, drafting=True, rows=list(range(batch)), max_new_tokens=100,
+                              outputs=[[0] * int(100 - left) for left in remaining])
+    stats.steps.append((False, plain_cost, batch, batch))
+    for _ in range(6):
+        assert controller(decoder)
+        stats.steps.append((True, drafted_cost, sum(rates), batch))
+        for record, rate in zip(stats.row_drafted, rates):
+            record[0] += rate
+            record[1] += 1
+    return controller(decoder)
+
+
+def test_a_batch_call_is_judged_with_rows_leaving_as_they_finish():
+    """Rows that accept at different rates finish at different steps, and the steps after that decode
+    fewer rows and cost less (measured at fewer rows: ``fewer_rows``); plain steps keep the rows
+    together. The verdict prices both remainders that way: a call judged a loss on its first steps
+    (slowest row's tau x plain / the full batch's step) goes on where the rest of it pays. Without
+    costs at fewer rows it is the old verdict."""
+    from heads.controller import SWITCH_BELOW, CallController
+
+    rates, remaining = [2.0, 3.0, 4.0, 5.0], [60.0, 60.0, 60.0, 60.0]
+    controller = CallController(1.0, 8, steady=True)
+    old = min(rates) * 1.0 / 2.2  # 0.91x: the old verdict stopped this call
+    assert _verdict(controller, rates, remaining, 2.2) is False
+    assert abs(controller.realized - old) < 1e-9 and old < SWITCH_BELOW
+    # measured: a drafted step over 1 row costs 0.8, over 2 rows 1.2; a plain step 0.6 / 0.7
+    controller = CallController(1.0, 8, steady=True, fewer_rows={1: (0.6, 0.8), 2: (0.7, 1.2)})
+    assert _verdict(controller, rates, remaining, 2.2) is True
+    finish = sorted(60 / rate for rate in rates)  # 12, 15, 20, 30 steps
+    drafted = (finish[0] * 2.2 + (finish[1] - finish[0]) * 1.7 + (finish[2] - finish[1]) * 1.2
+               + (finish[3] - finish[2]) * 0.8)
+    assert abs(controller.realized - 60 * 1.0 / drafted) < 1e-9 and controller.realized > SWITCH_BELOW
+    # the call's projected seconds per drafted step of its last row: the 5 counted ones and the rest
+    assert abs(controller.effective - (5 * 2.2 + drafted) / (5 + 30)) < 1e-9
+    # rows with less left to go finish sooner: the slowest row by time to finish, not by rate, counts
+    controller = CallController(1.0, 8, steady=True)
+    _verdict(controller, [2.0, 4.0], [10.0, 60.0], 1.0)
+    assert abs(controller.realized - 60 / 15) < 1e-9
+
+
+def test_auto_learns_costs_by_rows_and_the_projected_cost_of_a_stopped_call():
+    """A call's steps are recorded by the rows they decoded (plain and the drafted size), the plain
+    cost from steps of every row only (rows leave the loop as they finish; the backbone's generate
+    keeps them), a drafted size's cost as seconds per drafted step of the call's last row (each row
+    count's median, weighted), or the controller's projection where the call stopped drafting; and
+    the next call's controller gets the costs at fewer rows."""
+    from types import SimpleNamespace
+
+    from heads.policy import CallController, SpeculationPolicy
+    from tree_attention.decode import DecodeStats
+
+    policy = SpeculationPolicy((4,))
+    steps = [(False, 3.0, 4, 4), (False, 1.0, 4, 4), (False, 1.2, 4, 4), (True, 9.0, 8, 4),
+             (True, 2.0, 8, 4), (True, 2.2, 8, 4), (True, 1.5, 6, 3), (True, 1.0, 4, 2), (True, 1.1, 4, 2),
+             (False, 0.4, 2, 2)]  # a plain step after drafting stopped, over 2 rows: not the plain cost
+    stats = DecodeStats(steps=steps, row_drafted=[[20, 6], [14, 6], [12, 5], [10, 5]], batch_size=4)
+    choice = {"policy": "auto", "tree": 4, "rule": "greedy", "batch_bucket": 4, "length_bucket": 8,
+              "controller": CallController(None, 4)}
+    policy.observe(choice, stats)
+    assert policy.step_costs[((4, 8), 0)] == 1.1
+    assert abs(policy.step_costs[((4, 8), 4)] - (2 * 2.1 + 1.5 + 2 * 1.05) / 5) < 1e-12
+    assert policy.row_costs == {(8, 0, 4): 1.1, (8, 0, 2): 0.4, (8, 4, 4): 2.1, (8, 4, 3): 1.5, (8, 4, 2): 1.05}
+    stopped = CallController(1.0, 4)
+    stopped.switched_at, stopped.effective = 6, 1.7
+    policy.observe({**choice, "controller": stopped}, stats)
+    assert policy.cost_samples[((4, 8), 4)][-1] == 1.7
+    ids = torch.ones(4, 8, dtype=torch.long)
+    controller = policy.choose(ids, SimpleNamespace(key="greedy"), 64)["controller"]
+    assert controller.fewer_rows == {2: (0.4, 1.05), 3: (None, 1.5)}
