@@ -1,0 +1,60 @@
+"""bench_kinds: its arguments are checked by name before any model loads; its paired interval."""
+
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.bench_kinds import bootstrap_median, parse_args  # noqa: E402
+
+
+@pytest.fixture
+def adapters(tmp_path):
+    made = []
+    for name in ("one", "two"):
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "adapter_config.json").write_text("{}")
+        made.append(str(directory))
+    return made
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--mix", "poetry"], "--mix must be one of"),
+    (["--prompts", "0"], "--prompts must be at least 1"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens must be at least 1"),
+])
+def test_bad_arguments_are_named(adapters, capsys, extra, message):
+    argv = ["--target", "demo-llama", "--mix", "prose", "--adapter", f"a={adapters[0]}",
+            "--adapter", f"b={adapters[1]}"]
+    with pytest.raises(SystemExit) as raised:
+        parse_args(argv + extra)
+    assert raised.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_adapters_are_checked(adapters, tmp_path, capsys):
+    base = ["--target", "stories260K", "--mix", "stories"]
+    for argv, message in [
+        (base + ["--adapter", f"a={adapters[0]}"], "at least two"),
+        (base + ["--adapter", f"a={adapters[0]}", "--adapter", f"a={adapters[1]}"], "given twice"),
+        (base + ["--adapter", f"a={adapters[0]}", "--adapter", f"b={tmp_path / 'missing'}"], "no adapter_config.json"),
+        (base + ["--adapter", f"a={adapters[0]}", "--adapter", adapters[1]], "NAME=DIR"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
+    args = parse_args(base + ["--adapter", f"a={adapters[0]}", "--adapter", f"b={adapters[1]}"])
+    assert args.adapters == {"a": adapters[0], "b": adapters[1]} and args.prompts == 24
+
+
+def test_bootstrap_interval_holds_the_median_and_narrows_with_more_prompts():
+    few = [0.9, 1.1, 1.0, 1.2, 0.95, 1.05]
+    low, high = bootstrap_median(few)
+    assert low <= statistics.median(few) <= high and low >= min(few) and high <= max(few)
+    many = few * 10
+    low_many, high_many = bootstrap_median(many)
+    assert high_many - low_many < high - low
+    assert bootstrap_median([1.0] * 5) == (1.0, 1.0)
