@@ -1,13 +1,17 @@
-"""Trained drafter kinds head to head, greedy, paired per prompt: is one kind faster than another?
+"""Methods head to head, greedy, paired per prompt: is one faster than another?
 
-``bench_peers.py`` runs a dozen methods on 6 prompts per mix; two kinds within a few percent of each
-other there swap places from run to run. This benchmark runs only ``model.generate`` and the adapters
-given (``--adapter NAME=DIR``) on one target and mix, on many held-out prompts, in one process, the
-methods in rotating order per prompt, and reports per adapter the median speedup over ``generate``
-(seconds per new token), tau, draft ms per step, and for each pair the per-prompt ratio of their
-speedups (both measured against the same ``generate`` call): its median, a bootstrap 90% interval of
-that median, and the share of prompts where the first is faster. Every output is checked identical
-to ``generate``. Writes ``benchmarks/results/kinds_<target>_<mix>.json``.
+``bench_peers.py`` runs a dozen methods on 6 prompts per mix; two within a few percent of each other
+there swap places from run to run. This benchmark runs only ``model.generate`` and the methods asked
+for on one target and mix, on many held-out prompts, in one process, the methods in rotating order
+per prompt: the adapters given (``--adapter NAME=DIR``), with ``--hybrid`` also each as a hybrid with
+lookup (10 nodes, no cross-request history) under ``speculate="auto"`` (``NAME+lookup@auto``), with
+``--lookup N ...`` the lookup kind alone (``lookup_N``, fixed tree and ``@auto``), and with
+``--prompt-lookup N ...`` transformers' prompt lookup (``prompt_lookup_nN``). It reports per
+method the median speedup over ``generate`` (seconds per new token), tau and draft ms per step
+(selfdraft), and for each pair the per-prompt ratio of their speedups (both measured against the same
+``generate`` call): its median, a bootstrap 90% interval of that median, and the share of prompts
+where the first is faster. Every output is checked identical to ``generate``. Writes
+``benchmarks/results/kinds_<target>_<mix>.json`` (``--out`` to name it).
 """
 
 from __future__ import annotations
@@ -41,8 +45,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", required=True, choices=list(TARGETS))
     parser.add_argument("--mix", required=True, help="a held-out mix of the target (demo-llama: code, prose; "
                                                      "stories260K: stories)")
-    parser.add_argument("--adapter", action="append", required=True, metavar="NAME=DIR",
-                        help="a trained adapter for the target (repeatable; two or more)")
+    parser.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                        help="a trained adapter for the target (repeatable)")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="also each adapter with lookup (10 nodes) under speculate='auto'")
+    parser.add_argument("--lookup", type=int, nargs="+", default=[], metavar="N",
+                        help="selfdraft's lookup kind alone with a tree of N nodes (no cross-request history), "
+                             "fixed and under speculate='auto'")
+    parser.add_argument("--prompt-lookup", type=int, nargs="+", default=[], metavar="N",
+                        help="transformers' prompt lookup with prompt_lookup_num_tokens=N as peers")
+    parser.add_argument("--out", default=None, help="results file name under benchmarks/results")
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
@@ -60,8 +72,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         if name in adapters:
             parser.error(f"--adapter names must differ; {name!r} given twice")
         adapters[name] = directory
-    if len(adapters) < 2:
-        parser.error("give at least two --adapter NAME=DIR to compare")
+    if len(adapters) * (1 + args.hybrid) + len(args.prompt_lookup) + 2 * len(args.lookup) < 2:
+        parser.error("give at least two methods to compare (--adapter NAME=DIR, --hybrid, --lookup N, "
+                     "--prompt-lookup N)")
+    if args.hybrid and not adapters:
+        parser.error("--hybrid makes each --adapter a hybrid with lookup; give an --adapter NAME=DIR")
+    for flag, sizes in (("--prompt-lookup", args.prompt_lookup), ("--lookup", args.lookup)):
+        if any(size < 1 for size in sizes):
+            parser.error(f"{flag} sizes must be at least 1; got {sizes}")
+    if args.out is not None and (not args.out.endswith(".json") or "/" in args.out):
+        parser.error(f"--out must be a .json file name (no folders); got {args.out!r}")
     for flag, value in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
                         ("--threads", args.threads)):
         if value < 1:
@@ -78,41 +98,63 @@ def main(argv=None) -> None:
     target = TARGETS[args.target]
     model, tokenizer = load_target(target["path"])
     prompts = prompts_of(tokenizer, target["mixes"][args.mix], args.prompts)
-    specs = {name: heads.load_heads(model, directory) for name, directory in args.adapters.items()}
-    names = list(specs)
+    pad = model.generation_config.pad_token_id
+    methods = {}  # name -> (callable(prompt, max_new) -> output, its spec or None)
+    for name, directory in args.adapters.items():
+        spec = heads.load_heads(model, directory)
+        methods[name] = (lambda p, n, spec=spec: spec.generate(p, max_new_tokens=n, do_sample=False), spec)
+        if args.hybrid:
+            hybrid = heads.load_heads(model, directory)
+            hybrid.set_lookup(budget=10, history_tokens=0)
+            methods[f"{name}+lookup@auto"] = (lambda p, n, spec=hybrid: spec.generate(
+                p, max_new_tokens=n, do_sample=False, speculate="auto"), hybrid)
+    for size in args.lookup:
+        lookup = heads.attach_heads(model, kind="lookup", tree=size, history_tokens=0)
+        methods[f"lookup_{size}"] = (lambda p, n, spec=lookup: spec.generate(p, max_new_tokens=n, do_sample=False),
+                                     lookup)
+        methods[f"lookup_{size}@auto"] = (lambda p, n, spec=lookup: spec.generate(
+            p, max_new_tokens=n, do_sample=False, speculate="auto"), lookup)
+    for size in args.prompt_lookup:
+        methods[f"prompt_lookup_n{size}"] = (lambda p, n, size=size: model.generate(
+            p, max_new_tokens=n, do_sample=False, prompt_lookup_num_tokens=size, pad_token_id=pad), None)
+    names = list(methods)
     for prompt in prompts[:2]:  # warm-up
         model.generate(prompt, max_new_tokens=16, do_sample=False)
-        for spec in specs.values():
-            spec.generate(prompt, max_new_tokens=16, do_sample=False)
+        for run, _ in methods.values():
+            run(prompt, 16)
     runs = {name: [] for name in names}
     started = time.perf_counter()
     with torch.no_grad():
         for index, prompt in enumerate(prompts):
-            methods = ["generate"] + names
-            shift = index % len(methods)
+            order = ["generate"] + names
+            shift = index % len(order)
             seconds, outputs = {}, {}
-            for method in methods[shift:] + methods[:shift]:
+            for method in order[shift:] + order[:shift]:
                 begin = time.perf_counter()
                 if method == "generate":
-                    outputs[method] = model.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=False)
+                    outputs[method] = model.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                                     pad_token_id=pad)
                 else:
-                    outputs[method] = specs[method].generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=False)
+                    outputs[method] = methods[method][0](prompt, args.max_new_tokens)
                 seconds[method] = time.perf_counter() - begin
                 if method != "generate":
-                    stats = specs[method].last_stats
-                    steps = max(1, stats.target_forwards - 1)
-                    runs[method].append({"seconds": seconds[method], "tau": stats.tau,
-                                         "draft_ms": 1000 * stats.draft_seconds / steps})
+                    spec = methods[method][1]
+                    stats = spec.last_stats if spec is not None else None
+                    steps = max(1, stats.target_forwards - 1) if stats is not None else 1
+                    runs[method].append({"seconds": seconds[method], "tau": stats.tau if stats else None,
+                                         "draft_ms": 1000 * stats.draft_seconds / steps if stats else None})
             new = outputs["generate"].shape[1] - prompt.shape[1]
             for name in names:
                 if not torch.equal(outputs[name], outputs["generate"]):
                     raise SystemExit(f"{name}: output differs from model.generate on prompt {index}")
                 run = runs[name][-1]
                 run["speedup"] = (seconds["generate"] / new) / (run["seconds"] / new)
+    selfdraft = [name for name in names if methods[name][1] is not None]
     results = {name: {"speedup": statistics.median(r["speedup"] for r in runs[name]),
-                      "tau": statistics.mean(r["tau"] for r in runs[name]),
-                      "draft_ms_per_step": statistics.median(r["draft_ms"] for r in runs[name]),
                       "per_prompt": [round(r["speedup"], 4) for r in runs[name]]} for name in names}
+    for name in selfdraft:
+        results[name].update(tau=statistics.mean(r["tau"] for r in runs[name]),
+                             draft_ms_per_step=statistics.median(r["draft_ms"] for r in runs[name]))
     pairs = {}
     for first, second in itertools.combinations(names, 2):
         ratios = [a["speedup"] / b["speedup"] for a, b in zip(runs[first], runs[second])]
@@ -120,14 +162,16 @@ def main(argv=None) -> None:
         pairs[f"{first}/{second}"] = {"median_ratio": statistics.median(ratios), "interval_90": [low, high],
                                       "first_faster": sum(ratio > 1 for ratio in ratios) / len(ratios)}
     for name, result in results.items():
-        print(f"{name:>16}: {result['speedup']:.3f}x  tau {result['tau']:.2f}  draft {result['draft_ms_per_step']:.3f} ms/step")
+        extra = f"  tau {result['tau']:.2f}  draft {result['draft_ms_per_step']:.3f} ms/step" if "tau" in result else ""
+        print(f"{name:>22}: {result['speedup']:.3f}x{extra}")
     for pair, result in pairs.items():
         low, high = result["interval_90"]
         print(f"{pair:>33}: median ratio {result['median_ratio']:.3f} (90% {low:.3f}-{high:.3f}), "
               f"first faster on {100 * result['first_faster']:.0f}% of prompts")
-    path = write_json(f"kinds_{args.target}_{args.mix}.json", {
+    path = write_json(args.out or f"kinds_{args.target}_{args.mix}.json", {
         "target": args.target, "mix": args.mix, "prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens, "adapters": args.adapters, "results": results, "pairs": pairs,
+        "max_new_tokens": args.max_new_tokens, "adapters": args.adapters, "hybrid_lookup_budget": 10 if args.hybrid else None,
+        "results": results, "pairs": pairs,
         "seconds": time.perf_counter() - started,
     })
     print(f"wrote {path}")

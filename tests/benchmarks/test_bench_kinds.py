@@ -26,6 +26,10 @@ def adapters(tmp_path):
     (["--mix", "poetry"], "--mix must be one of"),
     (["--prompts", "0"], "--prompts must be at least 1"),
     (["--max-new-tokens", "-3"], "--max-new-tokens must be at least 1"),
+    (["--prompt-lookup", "0"], "--prompt-lookup sizes must be at least 1"),
+    (["--lookup", "-1"], "--lookup sizes must be at least 1"),
+    (["--out", "../elsewhere.json"], "--out must be a .json file name"),
+    (["--out", "kinds.txt"], "--out must be a .json file name"),
 ])
 def test_bad_arguments_are_named(adapters, capsys, extra, message):
     argv = ["--target", "demo-llama", "--mix", "prose", "--adapter", f"a={adapters[0]}",
@@ -48,6 +52,13 @@ def test_adapters_are_checked(adapters, tmp_path, capsys):
         assert message in capsys.readouterr().err
     args = parse_args(base + ["--adapter", f"a={adapters[0]}", "--adapter", f"b={adapters[1]}"])
     assert args.adapters == {"a": adapters[0], "b": adapters[1]} and args.prompts == 24
+    # one adapter is enough with its hybrid or a peer beside it
+    assert parse_args(base + ["--adapter", f"a={adapters[0]}", "--hybrid"]).hybrid
+    assert parse_args(base + ["--adapter", f"a={adapters[0]}", "--prompt-lookup", "10"]).prompt_lookup == [10]
+    assert parse_args(base + ["--lookup", "10"]).lookup == [10]  # lookup alone: fixed and @auto
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--hybrid", "--lookup", "10"])
+    assert "--hybrid makes each --adapter" in capsys.readouterr().err
 
 
 def test_bootstrap_interval_holds_the_median_and_narrows_with_more_prompts():
