@@ -42,7 +42,8 @@ the loop's plain steps, which measure plain costs and follow a stop, cost 0.99x-
   a few steps, e.g. prompt lookup measured at the start of a reply before anything repeats, is
   tried again until its estimate is backed by evidence); plain decoding unless that beats 1 by
   ``margin``. The size seen drafting for the most steps keeps its place (if it pays) unless another
-  is :data:`IMPROVE` faster: each size's tau comes from the calls it ran, so sizes explored on other
+  is :data:`IMPROVE` faster (unless it has been seen for fewer than :data:`SWITCH_STEPS` steps, not
+  yet judged at all): each size's tau comes from the calls it ran, so sizes explored on other
   text are not comparable within a few percent (on demo code, lookup sizes 4 and 2 measured on easy
   prompts at tau 4.2 and 2.9 displaced size 10 measured on a hard one at 2.7, and auto then ran at
   1.9x where size 10 alone ran at 3.9x). After :data:`RETRY_AFTER` plain choices in a row at one
@@ -288,9 +289,12 @@ class SpeculationPolicy:
         bound = {size: predicted[size] * (1 + EXPLORE / max(1, evidence[size]) ** 0.5) for size in measured}
         best = max(bound, key=bound.get)
         incumbent = max(measured, key=lambda size: evidence[size])  # the size seen drafting most
-        if evidence[incumbent] > evidence[best] and bound[incumbent] >= self.margin and \
+        if evidence[incumbent] > evidence[best] >= SWITCH_STEPS and bound[incumbent] >= self.margin and \
                 bound[best] < bound[incumbent] * (1 + IMPROVE):
             best = incumbent  # sizes measured on different calls saw different text: a small lead is not enough
+            # (a size seen for fewer steps than a call's verdict needs has not been judged at all: on demo
+            # prose, lookup size 10 seen for 5 steps of a 16-token call stayed behind size 4 for good, the
+            # cell at 0.9x of the fixed size-10 tree)
         chosen = best if bound[best] >= self.margin else 0
         retry = self._retry((key[0], rule.key), chosen, max_new_tokens)
         if retry:

@@ -713,6 +713,33 @@ def test_the_most_measured_size_keeps_its_place_unless_another_is_clearly_faster
     assert choice["upper_bound"][4] > choice["upper_bound"][10] * (1 + IMPROVE) and choice["tree"] == 4
 
 
+def test_a_size_seen_for_too_few_steps_is_not_kept_behind_the_incumbent():
+    """The incumbent's IMPROVE margin guards against sizes measured on other text, not against a size
+    seen for fewer steps than a call's verdict needs (a 16-token call's 5 drafted steps at the start of
+    a reply): where its upper bound leads, it is measured on a call; once seen for SWITCH_STEPS steps or
+    more, the margin applies again."""
+    from types import SimpleNamespace
+
+    from heads.policy import IMPROVE, SWITCH_STEPS, Observed, SpeculationPolicy
+
+    ids, _ = padded_batch(seed=10)
+    rule = SimpleNamespace(key="greedy")
+    policy = SpeculationPolicy((4, 10))
+    key = policy.key(ids)
+    for size, cost in ((0, 1.0), (4, 1.3), (10, 1.45)):
+        policy.record_cost(key, size, cost)
+    policy.observed[(4, "greedy", 4)] = Observed(tokens=3.2 * 500, row_steps=500)  # predicted 2.46x
+    policy.observed[(10, "greedy", 4)] = Observed(tokens=2.0 * (SWITCH_STEPS - 1), row_steps=SWITCH_STEPS - 1)
+    choice = policy.choose(ids, rule, 40)
+    bound = choice["upper_bound"]
+    assert bound[4] < bound[10] < bound[4] * (1 + IMPROVE)
+    assert choice["tree"] == 10  # not judged yet: measured
+    policy.observed[(10, "greedy", 4)] = Observed(tokens=2.0 * SWITCH_STEPS, row_steps=SWITCH_STEPS)
+    choice = policy.choose(ids, rule, 40)
+    bound = choice["upper_bound"]
+    assert bound[4] < bound[10] < bound[4] * (1 + IMPROVE) and choice["tree"] == 4  # judged: the margin holds
+
+
 def test_drain_seconds_prices_each_step_by_the_rows_still_decoding():
     """Rows needing 2, 5 and 5 more steps: 2 steps of 3 rows, then 3 of 2; costs linear between
     measured row counts, the nearest one's beyond them."""
