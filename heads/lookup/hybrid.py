@@ -53,10 +53,10 @@ def merge_proposal(tree: Tree, proposal: Proposal) -> Tree:
 class HybridDrafter:
     """A trained kind's drafter plus lookup in one verification tree (``tree_attention.decode.Drafter``).
 
-    With a :class:`~heads.lookup.gate.LookupGate` and a greedy rule (``gating``), a step whose
-    lookup matches are expected to commit more tokens per second alone verifies lookup's
-    proposals without running the trained drafter; what that drafter did not see is handed to it,
-    row by row in order, at the next step that runs it (``DraftBatch.then``)."""
+    With a :class:`~heads.lookup.gate.LookupGate` and a greedy rule (``gating``), a step where
+    lookup's proposals alone are worth more (see the gate) verifies them without running the trained
+    drafter (where lookup found nothing, the roots alone); what that drafter did not see is handed
+    to it, row by row in order, at the next step that runs it (``DraftBatch.then``)."""
 
     def __init__(self, base, lookup: LookupDrafter, gate: LookupGate | None = None) -> None:
         self.base = base
@@ -64,13 +64,14 @@ class HybridDrafter:
         self.gate = gate
         self.gating = gate is not None
         self._unseen: DraftBatch | None = None  # committed entries the base has not seen yet
-        self._last = None  # the last step: (alone, keys, proposals, trees)
+        self._last = None  # the last step: (alone: True, False, or None for the roots alone; keys, proposals, trees)
         self._returned: float | None = None  # when the last propose returned
+        self._started: float | None = None  # when the last propose started
 
     def reset(self, batch_size: int) -> None:
         self.base.reset(batch_size)
         self.lookup.reset(batch_size)
-        self._unseen = self._last = self._returned = None
+        self._unseen = self._last = self._returned = self._started = None
 
     def retire(self, keep: torch.Tensor) -> None:
         self.base.retire(keep)
@@ -83,6 +84,9 @@ class HybridDrafter:
     def _learn(self, batch: DraftBatch, started: float) -> None:
         """Give the gate what the last step's trees got on the path the target produced, and its cost."""
         last, self._last = self._last, None
+        previous, self._started = self._started, started
+        if previous is not None:  # what the loop committed since the last propose, and in what time
+            self.gate.step(int(batch.lengths.sum()), started - previous)
         if last is None or self._returned is None:
             return
         alone, keys, proposals, trees = last
@@ -90,8 +94,8 @@ class HybridDrafter:
         if trees.rows != batch.rows:
             return
         produced, lengths = batch.next_tokens(), batch.lengths
-        merged = None if alone else tree_accepted(trees, produced.to(trees.tokens.device),
-                                                  lengths.to(trees.tokens.device))
+        merged = None if alone is not False else tree_accepted(trees, produced.to(trees.tokens.device),
+                                                               lengths.to(trees.tokens.device))
         listed = [row[:length] for row, length in zip(produced.tolist(), lengths.tolist())]
         self.gate.observe(keys, proposals, listed, merged)
 
@@ -108,11 +112,14 @@ class HybridDrafter:
             keys = [match_class(proposal) for proposal in proposals]
             looked = time.perf_counter()
             gate.timed("lookup_seconds", looked - started)
-            if found and gate.lookup_alone(keys):
+            if gate.lookup_alone(keys):  # (found nothing: the roots alone, a plain step)
                 self._unseen = batch if self._unseen is None else self._unseen.then(batch)
                 trees = self.lookup.as_trees(batch, proposals)
-                gate.lookup_steps += 1
-                self._last = (True, keys, proposals, trees)
+                if found:
+                    gate.lookup_steps += 1
+                else:
+                    gate.root_steps += 1
+                self._last = (True if found else None, keys, proposals, trees)
                 self._returned = time.perf_counter()
                 return trees
             started = looked

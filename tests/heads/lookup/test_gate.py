@@ -12,7 +12,7 @@ import torch
 
 import heads
 from heads.lookup import Proposal
-from heads.lookup.gate import MIN_SEEN, LookupGate, proposal_accepted, tree_accepted
+from heads.lookup.gate import EXPLORE, MIN_SEEN, LookupGate, proposal_accepted, tree_accepted
 from heads.lookup.hybrid import HybridDrafter
 from tests.conftest import build_model, left_pad
 from tests.heads.lookup.test_lookup_kind import reference, repeated_prompt
@@ -110,9 +110,11 @@ def test_counterfactual_acceptance_matches_a_naive_walk(seed):
 
 
 def _taught(gate, key, lookup, merged, seen=MIN_SEEN):
+    """``seen`` steps of class ``key`` where lookup's proposal got ``lookup`` drafts accepted and the
+    merged tree ``merged`` (None: lookup ran alone)."""
     for _ in range(seen):
         gate.observe([key], [Proposal([5] * lookup + [6], list(range(-1, lookup)), [1.0] * (lookup + 1), 2)],
-                     [[5] * lookup + [7]], [merged])
+                     [[5] * lookup + [7]], None if merged is None else [merged])
 
 
 def test_the_decision_follows_tokens_per_second():
@@ -130,8 +132,35 @@ def test_the_decision_follows_tokens_per_second():
     slow.rest(False, 0.010)
     assert not slow.lookup_alone([key])  # 1 token per 10 ms alone against 4 per 14 ms
     assert not gate.lookup_alone([(4, False)])  # a class never seen: both run
-    explore = [gate.lookup_alone([key]) for _ in range(20)]
-    assert False in explore and explore.count(True) > 15  # the merged tree is verified now and then
+    explore = []
+    for _ in range(200):  # the merged tree is verified now and then, less often as its evidence grows
+        explore.append(gate.lookup_alone([key]))
+        _taught(gate, key, lookup=3, merged=None if explore[-1] else 3, seen=1)
+    skipped = [len(run) for run in "".join("a" if alone else "m" for alone in explore).split("m")[1:-1]]
+    assert skipped[0] == EXPLORE and skipped == sorted(skipped) and skipped[-1] > 2 * EXPLORE
+    assert explore.count(False) < 200 / EXPLORE
+
+
+def test_the_decision_weighs_time_at_the_loop_rate():
+    """A step is worth its tokens less the tokens its time buys at the hybrid's running rate: where
+    lookup found nothing, the roots alone (1 token in 4 ms) beat the trained drafter's tree (2.5
+    tokens in 10 ms, a better rate of its own) when the loop runs at 0.5 tokens per ms, and lose when
+    it runs at 0.2; the plain step's cost is measured once before it is weighed."""
+    nothing = (0, False)
+    gate = LookupGate()
+    _taught(gate, nothing, lookup=0, merged=1.5)
+    gate.timed("base_seconds", 0.001)
+    gate.timed("lookup_seconds", 0.0)
+    gate.rest(False, 0.009)
+    assert gate.lookup_alone([nothing])  # the roots' alone cost unknown: one plain step measures it
+    gate.rest(None, 0.004)
+    assert not gate.lookup_alone([nothing])  # no rate yet: by tokens per second, 0.25 against 0.25 per ms
+    for _ in range(100):
+        gate.step(5, 0.010)  # the loop at 0.5 tokens per ms
+    assert gate.lookup_alone([nothing])
+    for _ in range(200):
+        gate.step(2, 0.010)  # ... at 0.2
+    assert not gate.lookup_alone([nothing])
 
 
 def test_sampled_calls_never_gate(monkeypatch):
