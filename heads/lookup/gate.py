@@ -34,9 +34,11 @@ MIN_SEEN = 2
 """Observations of a class (each mode) before the gate acts on it: till then both drafters run."""
 EXPLORE = 8
 """A class of match whose steps ran lookup alone (or the roots alone) this many times since its merged
-tree was last verified, or as many times as that tree has been verified for it if more, verifies the
-merged tree again: its estimate stays current, and the explored steps thin out as the evidence grows
-(a fixed one step in eight cost the hybrid about 5% on demo prose, where lookup alone wins by far)."""
+tree was last verified, or more where there is more evidence, verifies the merged tree again: as many
+times as that tree has been verified for the class, times ``1 + gap``, ``gap`` the tokens a step by
+which skipping won the decision. The estimate stays current, and the explored steps thin out as the
+evidence grows and where the decision is clear (a fixed one step in eight cost the hybrid about 5% on
+demo prose, where lookup alone wins by far)."""
 DECAY = 0.25
 """Weight of the newest timing in the running costs."""
 RATE_DECAY = 0.05
@@ -82,9 +84,8 @@ class _Class:
         self.lookup_seen = self.lookup_sum = self.merged_seen = self.merged_sum = 0.0
         self.since_merged = 0  # steps of this class that skipped the merged tree since it was last verified
 
-    @property
-    def explore_due(self) -> bool:
-        return self.since_merged >= max(EXPLORE, self.merged_seen)
+    def explore_due(self, gap: float) -> bool:
+        return self.since_merged >= max(EXPLORE, self.merged_seen * (1.0 + max(0.0, gap)))
 
 
 class LookupGate:
@@ -165,9 +166,10 @@ class LookupGate:
                 return True
         merged_seconds = lookup + self.base_seconds + rest_merged
         rate = self.rate if self.rate is not None else merged / merged_seconds  # (then: tokens per second)
-        if alone - rate * (lookup + rest_alone) <= merged - rate * merged_seconds:
+        gap = (alone - rate * (lookup + rest_alone)) - (merged - rate * merged_seconds)  # tokens a step
+        if gap <= 0:
             return False
-        return not any(self.classes[key].explore_due for key in keys)
+        return not any(self.classes[key].explore_due(gap / len(keys)) for key in keys)
 
     def summary(self) -> dict:
         """Steps of each mode so far and the timed costs (for benchmarks and diagnostics)."""

@@ -113,7 +113,9 @@ class HybridDrafter:
             looked = time.perf_counter()
             gate.timed("lookup_seconds", looked - started)
             if gate.lookup_alone(keys):  # (found nothing: the roots alone, a plain step)
-                self._unseen = batch if self._unseen is None else self._unseen.then(batch)
+                # a drafter that keeps nothing between steps (``stateless``) needs the latest entries only
+                stateless = getattr(self.base, "stateless", False)
+                self._unseen = batch if self._unseen is None or stateless else self._unseen.then(batch)
                 trees = self.lookup.as_trees(batch, proposals)
                 if found:
                     gate.lookup_steps += 1

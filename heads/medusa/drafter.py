@@ -52,6 +52,10 @@ class MedusaDrafter:
     the config's mode (:data:`heads.medusa.config.SAMPLE_MODES`), read by the kind's ``bind_rule``.
     """
 
+    stateless = True
+    """Keeps nothing between steps (it reads each row's last feature): a step it skipped need not be
+    replayed to it (``HybridDrafter``)."""
+
     def __init__(self, heads: MedusaHeads, template: TreeTemplate,
                  shared_logits: Callable[[torch.Tensor], torch.Tensor] | None = None, sample: str = "auto") -> None:
         self.heads = heads
