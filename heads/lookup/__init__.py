@@ -15,7 +15,7 @@ __all__ = ["KIND", "LookupConfig", "LookupDrafter", "LookupMemory", "SuffixIndex
            "pad_proposals", "encode_corpus", "HybridDrafter", "LookupGate", "merge_proposal",
            "make_config"]
 
-OPTIONS = ("tree", "budget", "adaptive", "gate", "max_depth", "max_ngram", "min_match", "max_occurrences", "history_tokens",
+OPTIONS = ("tree", "budget", "adaptive", "extend", "gate", "max_depth", "max_ngram", "min_match", "max_occurrences", "history_tokens",
            "history_confidence", "remember", "corpus", "tokenizer")
 
 

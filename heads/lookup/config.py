@@ -36,6 +36,12 @@ class LookupConfig:
     """Shrink a row's tree (down to a quarter of ``budget``) while its drafts are rejected, and grow
     it back as they are accepted: verifying nodes that will not be accepted costs time (sampling,
     text that does not repeat)."""
+    extend: int = 4
+    """With ``adaptive``: a row whose last step accepted every draft down to its depth limit drafts
+    twice as deep next step (the budget grows by the added depth), up to ``extend x max_depth``; any
+    shorter acceptance sets it back to ``max_depth``. Text that repeats a long span (a function copied
+    with edits) then commits tens of tokens a step, where a fixed depth stops at ``max_depth``
+    (speculation that grows with the match, as SuffixDecoding does). 1: never deeper."""
     gate: bool = True
     """In a hybrid with a trained kind, greedy: verify lookup's proposals alone (skipping the trained
     drafter) at steps where that is expected to commit more tokens per second, learned while serving
@@ -50,6 +56,7 @@ class LookupConfig:
         _positive_int(self.min_match, "min_match")
         _positive_int(self.max_occurrences, "max_occurrences")
         _positive_int(self.history_tokens, "history_tokens", low=0)
+        _positive_int(self.extend, "extend")
         if not isinstance(self.remember, bool):
             raise ValueError(f"LookupConfig.remember must be True or False; got {self.remember!r}")
         if not isinstance(self.gate, bool):
@@ -91,4 +98,4 @@ class LookupConfig:
         """The hyper-parameters (the corpus is data, not recorded)."""
         return {name: getattr(self, name) for name in ("budget", "max_depth", "max_ngram", "min_match",
                                                        "max_occurrences", "history_tokens", "history_confidence",
-                                                       "adaptive", "gate", "remember")}
+                                                       "adaptive", "extend", "gate", "remember")}

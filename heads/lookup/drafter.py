@@ -60,6 +60,7 @@ class LookupDrafter:
         self.proposed: list[bool] = []  # per row: whether the last step proposed anything
         self.scales: list[float] = []  # per row: the budget scale of its last proposal (1.0 when not adaptive)
         self.found: list[int] = []  # per row: nodes its last proposal held
+        self.depths: list[int] = []  # per row: the depth limit of its last proposal (``extend``)
 
     def _new_row(self) -> SuffixIndex:
         return SuffixIndex(self.config.max_ngram, 1, self.config.max_occurrences)
@@ -73,6 +74,7 @@ class LookupDrafter:
         self.expected = [float(self.config.budget)] * batch_size  # optimistic start
         self.proposed = [False] * batch_size
         self.scales, self.found = [1.0] * batch_size, [0] * batch_size
+        self.depths = [self.config.max_depth] * batch_size
 
     def _remember(self) -> None:
         if self.memory is not None and self.rows:
@@ -88,6 +90,7 @@ class LookupDrafter:
         self.proposed = [self.proposed[number] for number in keep.tolist()]
         self.scales = [self.scales[number] for number in keep.tolist()]
         self.found = [self.found[number] for number in keep.tolist()]
+        self.depths = [self.depths[number] for number in keep.tolist()]
 
     def _row_scale(self, row: int, length: int) -> float:
         """The row's budget scale after the last step accepted ``length - 1`` drafts (adaptive:
@@ -97,6 +100,14 @@ class LookupDrafter:
         if self.proposed[row]:
             self.expected[row] = 0.5 * self.expected[row] + 0.5 * (length - 1)
         return min(1.0, 0.25 + self.expected[row] / 2)
+
+    def _row_depth(self, row: int, length: int) -> int:
+        """The row's depth limit after the last step accepted ``length - 1`` drafts (see
+        ``LookupConfig.extend``): twice the last one after it was accepted in full, else ``max_depth``."""
+        config, depth = self.config, self.depths[row]
+        if config.adaptive and config.extend > 1 and self.proposed[row] and length - 1 >= depth:
+            return min(config.extend * config.max_depth, 2 * depth)
+        return config.max_depth
 
     @staticmethod
     def _scaled(budget: int, scale: float) -> int:
@@ -123,14 +134,15 @@ class LookupDrafter:
         history = None if self.memory is None else self.memory.history
         found = []
         for row, (index, row_tokens, length, root) in enumerate(zip(self.rows, tokens, lengths, roots)):
+            depth = self.depths[row] = self._row_depth(row, length)  # (before the scale sees this step)
             scale = self.scales[row] = self._row_scale(row, length)
-            row_budget = self._scaled(budget, scale)
+            row_budget = self._scaled(budget, scale) + depth - config.max_depth if budget else 0
             index.extend(0, row_tokens[:length])
             sources = [(index, 1.0)]
             if history is not None and len(history):
                 sources.append((history, config.history_confidence))
             context = index.tokens(0)[-config.max_ngram:] + [root]
-            proposal = propose(context, sources, row_budget, config.max_depth, config.min_match)
+            proposal = propose(context, sources, row_budget, depth, config.min_match)
             self.proposed[row] = bool(proposal.tokens)
             self.found[row] = len(proposal.tokens)
             found.append(proposal)

@@ -58,7 +58,10 @@ def test_greedy_parity_every_architecture(name):
             assert torch.equal(actual, expected), f"{name}, tree {tree}, prompt length {prompt.shape[1]}"
             stats = spec.last_stats
             assert stats.new_tokens == 40
-            assert stats.tree_size <= tree + 1
+            # deeper than the budget only while whole chains are accepted (LookupConfig.extend)
+            config = spec.drafter.config if hasattr(spec.drafter, "config") else None
+            extra = 0 if config is None else config.max_depth * (config.extend - 1)
+            assert stats.tree_size <= tree + 1 + (extra if tree else 0)
             if tree == 0:
                 assert not accepted_some(stats) and stats.target_forwards == 40 and stats.mean_accepted == 1.0
             else:
@@ -400,13 +403,17 @@ def test_bad_options(options, message):
 
 def test_lookup_has_no_static_tree_and_set_tree_sets_the_budget():
     model = build_model("llama", seed=12)
-    spec = heads.attach_heads(model, kind="lookup", tree=6)
+    spec = heads.attach_heads(model, kind="lookup", tree=6, extend=1)
     with pytest.raises(AttributeError, match="no static tree"):
         spec.tree
     spec.set_tree(2)
     prompt = repeated_prompt(8, seed=13)
     assert torch.equal(spec.generate(prompt, max_new_tokens=20), greedy_reference(model, prompt, 20))
     assert spec.last_stats.tree_size <= 3 and max(spec.last_stats.accepted_lengths) <= 2
+    deeper = heads.attach_heads(model, kind="lookup", tree=6)  # extend (4 x the depth limit) by default
+    deeper.set_tree(2)
+    assert torch.equal(deeper.generate(prompt, max_new_tokens=20), greedy_reference(model, prompt, 20))
+    assert deeper.last_stats.tree_size <= 3 + 2 * 3
     with pytest.raises(ValueError, match="node budget"):
         spec.set_tree([(0,), (0, 0)])
 
@@ -418,3 +425,42 @@ def test_save_pretrained_refuses_a_lookup_drafter(tmp_path):
     with pytest.raises(heads.AdapterError, match="lookup"):
         spec.save_pretrained(str(tmp_path / "adapter"))
     assert not (tmp_path / "adapter").exists() or not any((tmp_path / "adapter").iterdir())
+
+
+def test_a_row_drafts_deeper_while_whole_chains_are_accepted():
+    """``extend``: after a step that accepted every draft down to the depth limit, the next step may
+    draft twice as deep (up to ``extend x max_depth``); a shorter acceptance sets it back; with
+    ``extend=1`` no tree exceeds the budget. Outputs stay identical to generate either way."""
+    from heads.lookup import LookupConfig, LookupDrafter
+    from tree_attention.decode import DraftBatch
+
+    drafter = LookupDrafter(LookupConfig(budget=4, max_depth=4, extend=4, history_tokens=0))
+    drafter.reset(1)
+    text = list(range(3, 40)) * 3  # the same span three times: whole chains match
+
+    def step(committed: list[int], root: int):
+        batch = DraftBatch(torch.zeros(1, len(committed), 2), torch.tensor([committed]),
+                           torch.tensor([len(committed)]), torch.tensor([root]))
+        return drafter.proposals(batch)[0]
+
+    first = step(text[:60], text[60])
+    assert len(first.tokens) == 4 and drafter.depths == [4]
+    accepted = text[61:65]  # the step accepted all 4 drafts (and committed the bonus token)
+    deeper = step([text[60]] + accepted, text[65])
+    assert drafter.depths == [8] and len(deeper.tokens) == 8
+    deepest = step([text[65]] + text[66:74], text[74])
+    assert drafter.depths == [16] and len(deepest.tokens) == 16
+    step([text[74]] + text[75:91], text[91])
+    assert drafter.depths == [16]  # capped at extend x max_depth
+    step([text[91], text[92]], text[93])  # one draft accepted: back to max_depth
+    assert drafter.depths == [4]
+
+    model = build_model("llama")
+    for extend in (1, 4):
+        spec = heads.attach_heads(model, kind="lookup", tree=6, history_tokens=0, extend=extend)
+        prompt = repeated_prompt(12, 3)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=48), greedy_reference(model, prompt, 48))
+        if extend == 1:
+            assert spec.last_stats.tree_size <= 7
+    with pytest.raises(ValueError, match="extend"):
+        heads.attach_heads(model, kind="lookup", extend=0)
