@@ -688,19 +688,27 @@ def test_auto_tries_another_size_only_if_it_could_beat_the_winner():
     assert policy.choose(ids, rule, 40)["tree"] == 4
 
 
+def _sizes_4_and_10(cost_4: float, cost_10: float):
+    """A greedy policy over sizes 4 and 10 for a padded batch, a plain step costing 1.0 and each size
+    the cost given: ``(ids, rule, policy, bucket key)``."""
+    from types import SimpleNamespace
+
+    from heads.policy import SpeculationPolicy
+
+    ids, _ = padded_batch(seed=10)
+    policy = SpeculationPolicy((4, 10))
+    key = policy.key(ids)
+    for size, cost in ((0, 1.0), (4, cost_4), (10, cost_10)):
+        policy.record_cost(key, size, cost)
+    return ids, SimpleNamespace(key="greedy"), policy, key
+
+
 def test_the_most_measured_size_keeps_its_place_unless_another_is_clearly_faster():
     """Sizes measured on different calls saw different text: a size explored on easy prompts does not
     displace the size seen drafting most for a lead under IMPROVE; a clear lead does."""
-    from types import SimpleNamespace
+    from heads.policy import IMPROVE, Observed
 
-    from heads.policy import IMPROVE, Observed, SpeculationPolicy
-
-    ids, _ = padded_batch(seed=10)
-    rule = SimpleNamespace(key="greedy")
-    policy = SpeculationPolicy((4, 10))
-    key = policy.key(ids)
-    for size, cost in ((0, 1.0), (4, 1.55), (10, 1.6)):
-        policy.record_cost(key, size, cost)
+    ids, rule, policy, key = _sizes_4_and_10(1.55, 1.6)
     policy.observed[(10, "greedy", 4)] = Observed(tokens=300, row_steps=100)  # tau 3.0: predicted 1.875x
     policy.observed[(4, "greedy", 4)] = Observed(tokens=3.0 * 25, row_steps=25)  # tau 3.0 too: predicted 1.94x
     choice = policy.choose(ids, rule, 40)
@@ -718,16 +726,9 @@ def test_a_size_seen_for_too_few_steps_is_not_kept_behind_the_incumbent():
     seen for fewer steps than a call's verdict needs (a 16-token call's 5 drafted steps at the start of
     a reply): where its upper bound leads, it is measured on a call; once seen for SWITCH_STEPS steps or
     more, the margin applies again."""
-    from types import SimpleNamespace
+    from heads.policy import IMPROVE, SWITCH_STEPS, Observed
 
-    from heads.policy import IMPROVE, SWITCH_STEPS, Observed, SpeculationPolicy
-
-    ids, _ = padded_batch(seed=10)
-    rule = SimpleNamespace(key="greedy")
-    policy = SpeculationPolicy((4, 10))
-    key = policy.key(ids)
-    for size, cost in ((0, 1.0), (4, 1.3), (10, 1.45)):
-        policy.record_cost(key, size, cost)
+    ids, rule, policy, _ = _sizes_4_and_10(1.3, 1.45)
     policy.observed[(4, "greedy", 4)] = Observed(tokens=3.2 * 500, row_steps=500)  # predicted 2.46x
     policy.observed[(10, "greedy", 4)] = Observed(tokens=2.0 * (SWITCH_STEPS - 1), row_steps=SWITCH_STEPS - 1)
     choice = policy.choose(ids, rule, 40)
