@@ -34,12 +34,6 @@ PRIOR_STEPS = 2  # the policy's tau for the size counts as this many of the call
 REFRESH_STEPS = range(1, 3)  # the steps of a drafting call that refresh the plain cost (see the policy)
 
 
-def step_cost(seconds: list[float]) -> float:
-    """Median seconds of drafted steps, the first left out when there are others (it also feeds
-    the drafter the prompt)."""
-    return max(1e-12, statistics.median(seconds[1:] or seconds))
-
-
 def costs_by_rows(steps: list[tuple], skip_first: bool = False) -> dict[int, float]:
     """Median seconds of ``steps`` (``DecodeStats.steps`` entries) per number of rows they decoded;
     the first left out with ``skip_first`` when there are others (a call's first drafted step also

@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .controller import (EXPLORE_BELOW, PLAIN_STEPS, PRIOR_STEPS, REFRESH_STEPS, SWITCH_BELOW,  # noqa: F401
-                         SWITCH_STEPS, CallController, costs_by_rows, mean_cost, step_cost)
+                         SWITCH_STEPS, CallController, costs_by_rows, mean_cost)
 
 MIN_LEARN_TOKENS = PLAIN_STEPS + 2 * SWITCH_STEPS + 1  # a shorter call neither explores nor teaches:
 # its trees are cut to its few remaining tokens, so its tau says nothing about the size (a 4-token

@@ -213,9 +213,9 @@ def test_a_step_that_proposed_nothing_is_marked_and_left_out_of_the_sizes_tau():
     policy.observe(choice, stats)
     assert choice["plain_steps"] == flags.count(False) and choice["drafted_steps"] == flags.count(True)
     assert abs(policy.observed[(8, "greedy", 1)].tau - proposed) < 1e-9
-    from heads.policy import step_cost
+    from heads.controller import mean_cost  # the steps that proposed, the first left out (one row: their median)
 
-    assert policy.step_costs[(policy.key(fresh), 8)] == step_cost([step[1] for step in stats.steps if step[0]])
+    assert policy.step_costs[(policy.key(fresh), 8)] == mean_cost([step for step in stats.steps if step[0]], True)
 
 
 def test_medusa_default_trees_are_nested_by_their_selection_order():
