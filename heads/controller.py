@@ -102,7 +102,8 @@ class CallController:
         self.fewer_rows = dict(fewer_rows or {})
         self.switched_at: int | None = None  # drafted steps when drafting stopped
         self.realized: float | None = None  # the last verdict: plain over drafting seconds, for the rest of the call
-        self.effective: float | None = None  # ... and the call's projected seconds per drafted step of its last row
+        self._effective: float | None = None  # see :attr:`effective`
+        self._projected: tuple | None = None  # (rows' steps to finish, steps that proposed) at the last verdict
         self.drafted = 0  # this call's drafted steps so far
 
     def __call__(self, decoder) -> bool:
@@ -132,8 +133,7 @@ class CallController:
         """Plain steps' seconds over drafting's for the rest of the call (above 1: drafting pays).
         Each active row needs its remaining tokens' worth of plain steps, or that many over its own
         rate of drafted steps (tokens per drafted step so far, the policy's tau blended in); steps are
-        costed by the rows they still decode. Also sets :attr:`effective`: the call's projected
-        seconds per step that proposed nodes, over the steps its last row takes."""
+        costed by the rows they still decode. Keeps what :attr:`effective` needs."""
         stats = decoder.stats
         prior, weight = (0.0, 0.0) if self.prior_tau is None else (self.prior_tau, PRIOR_STEPS)
         remaining, finish = [], []
@@ -150,12 +150,27 @@ class CallController:
         plain_seconds = drain_seconds(remaining, lambda rows: rows_cost(plain, rows))
         draft_seconds = drain_seconds(finish, lambda rows: rows_cost(drafted, rows))
         if proposed:
-            costs = self._with_fewer_rows(costs_by_rows(proposed, skip_first=True), 1)
-            counted = max(1, len(proposed) - 1)
-            self.effective = (counted * mean_cost(proposed, skip_first=True) +
-                              drain_seconds(finish, lambda rows: rows_cost(costs, rows))) / \
-                max(counted + max(finish, default=0.0), 1e-12)
+            self._projected, self._effective = (finish, proposed), None
         return plain_seconds / max(draft_seconds, 1e-12)
+
+    @property
+    def effective(self) -> float | None:
+        """The call's projected seconds per step that proposed nodes, over the steps its last row
+        takes, as of the last verdict (what the policy records for a call that stopped drafting);
+        computed when read, not at every verdict."""
+        if self._effective is None and self._projected is not None:
+            finish, proposed = self._projected
+            counted = proposed[1:] or proposed  # the first drafted step also fed the drafter the prompt
+            costs = costs_by_rows(counted)
+            anchors = self._with_fewer_rows(costs, 1)
+            done = sum(costs[step[3]] for step in counted)
+            self._effective = (done + drain_seconds(finish, lambda rows: rows_cost(anchors, rows))) / \
+                max(len(counted) + max(finish, default=0.0), 1e-12)
+        return self._effective
+
+    @effective.setter
+    def effective(self, seconds: float | None) -> None:
+        self._effective, self._projected = seconds, None
 
     def _with_fewer_rows(self, anchors: dict[int, float], which: int, override: dict | None = None) -> dict[int, float]:
         """``anchors`` (rows -> seconds, this call's), ``override`` on top, plus the policy's costs at

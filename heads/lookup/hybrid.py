@@ -85,18 +85,19 @@ class HybridDrafter:
         """Give the gate what the last step's trees got on the path the target produced, and its cost."""
         last, self._last = self._last, None
         previous, self._started = self._started, started
-        if previous is not None:  # what the loop committed since the last propose, and in what time
-            self.gate.step(int(batch.lengths.sum()), started - previous)
+        counts = batch.lengths.tolist()  # tokens each row committed since the last propose
+        if previous is not None:  # ... over all rows, and in what time
+            self.gate.step(sum(counts), started - previous)
         if last is None or self._returned is None:
             return
         alone, keys, proposals, trees = last
         self.gate.rest(alone, started - self._returned)
         if trees.rows != batch.rows:
             return
-        produced, lengths = batch.next_tokens(), batch.lengths
+        produced = batch.next_tokens()
         merged = None if alone is not False else tree_accepted(trees, produced.to(trees.tokens.device),
-                                                               lengths.to(trees.tokens.device))
-        listed = [row[:length] for row, length in zip(produced.tolist(), lengths.tolist())]
+                                                               batch.lengths.to(trees.tokens.device))
+        listed = [row[:length] for row, length in zip(produced.tolist(), counts)]
         self.gate.observe(keys, proposals, listed, merged)
 
     @torch.no_grad()
