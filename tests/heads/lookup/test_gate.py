@@ -12,7 +12,7 @@ import torch
 
 import heads
 from heads.lookup import Proposal
-from heads.lookup.gate import EXPLORE, MIN_SEEN, LookupGate, proposal_accepted, tree_accepted
+from heads.lookup.gate import EXPLORE, MIN_SEEN, SETTLED, LookupGate, proposal_accepted, tree_accepted
 from heads.lookup.hybrid import HybridDrafter
 from tests.conftest import build_model, left_pad
 from tests.heads.lookup.test_lookup_kind import reference, repeated_prompt
@@ -161,6 +161,39 @@ def test_the_decision_weighs_time_at_the_loop_rate():
     for _ in range(200):
         gate.step(2, 0.010)  # ... at 0.2
     assert not gate.lookup_alone([nothing])
+
+
+def _first_run_alone(gate, key, lookup, merged):
+    """Steps the gate runs lookup alone for class ``key`` before it verifies the merged tree again
+    (whose drafts accepted are ``merged(i)`` at its ``i``-th verification)."""
+    run = 0
+    while gate.lookup_alone([key]):
+        _taught(gate, key, lookup=lookup, merged=None, seen=1)
+        run += 1
+        assert run < 1000
+    return run
+
+
+def test_a_settled_decision_explores_less():
+    """Where even the merged tree's upper confidence bound loses to lookup alone (its drafts
+    accepted never vary), the merged tree is explored SETTLED times as rarely as where the bound
+    still wins (the same mean, widely spread): the estimate that could change the decision is the
+    one worth paying for."""
+    runs = {}
+    for name, values in (("steady", [3, 3]), ("spread", [0, 6])):
+        gate = LookupGate()
+        key = (2, True)
+        for value in values:
+            _taught(gate, key, lookup=3, merged=value, seen=1)
+        gate.timed("base_seconds", 0.004)
+        gate.timed("lookup_seconds", 0.0002)
+        gate.rest(False, 0.010)
+        gate.rest(True, 0.010)
+        for _ in range(100):
+            gate.step(5, 0.010)  # 0.5 tokens per ms: the drafter's 4 ms are worth 2 tokens, the mean gap
+        runs[name] = _first_run_alone(gate, key, 3, None)
+    assert runs["spread"] == EXPLORE
+    assert runs["steady"] == SETTLED * EXPLORE >= 4 * EXPLORE
 
 
 def test_sampled_calls_never_gate(monkeypatch):
