@@ -9,9 +9,12 @@
 3. Split and efficiency (``--split``): on the shipped targets, where a speculative step's time
    goes (``DecodeStats.phases``: draft, tree, mask, forward, accept, cache, commit), the work
    outside the backbone and drafter forwards as a share of a plain ``generate`` step, and the
-   efficiency = speedup / (tau x t_generate_step / (t_draft + t_verify_bare)) with the bare
-   verify cost measured in the same run at the mean tree width, for the lookup kind and every
-   adapter given with ``--adapter NAME=TARGET:DIR`` (alone and with lookup).
+   efficiency: speedup over the speedup of a loop with no work of its own, per call (``generate``'s
+   own prefill + the drafter's time + a bare verify forward of each step's tree width, measured on
+   each prompt right before its runs; ``benchmarks.common.bare_call_seconds``), and in the form
+   speedup / (tau x t_generate_step / (t_draft + t_verify_bare)) at the mean tree width
+   (``efficiency_mean_width``), for the lookup kind and every adapter given with ``--adapter
+   NAME=TARGET:DIR`` (alone and with lookup).
 
 Writes ``benchmarks/results/overhead.json`` and prints tables.
 """
@@ -29,7 +32,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import heads  # noqa: E402
-from benchmarks.common import PROMPTS, bare_verify_ms, interpolate, median_seconds, table, write_json  # noqa: E402
+from benchmarks.common import (PROMPTS, bare_call_seconds, bare_verify_ms, interpolate, median_seconds,  # noqa: E402
+                               table, write_json)
 from tree_attention import cache as cache_ops  # noqa: E402
 from tree_attention.mask import prefill_attention_mask, tree_attention_mask, tree_position_ids  # noqa: E402
 from tree_attention.tree import default_tree  # noqa: E402
@@ -112,7 +116,10 @@ def split_specs(model, target_name: str, adapters: dict) -> dict:
 
 def loop_split(target_name: str, adapters: dict, prompt_count: int, new_tokens: int, repeats: int) -> dict:
     """Per method: speedup, tau, per-step phase times, the share of a plain step spent outside the
-    forwards, and the efficiency against the bare-forward bound."""
+    forwards, and the efficiency against the bare-forward bound (:func:`benchmarks.common.bare_call_seconds`:
+    per call, ``generate``'s own prefill + the drafter's time + a bare verify forward of each step's
+    width, over the call's seconds; the bare costs measured on each prompt right before its runs, as
+    the machine's speed drifts); ``efficiency_mean_width`` is the issue's form at the mean width."""
     import json
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -123,30 +130,44 @@ def loop_split(target_name: str, adapters: dict, prompt_count: int, new_tokens: 
     lines = (PROMPTS / SPLIT_TARGETS[target_name]).read_text().splitlines()[:prompt_count]
     prompts = [tokenizer(json.loads(line)["prompt"], return_tensors="pt").input_ids for line in lines]
     specs = split_specs(model, target_name, adapters)
-    length = int(statistics.median(p.shape[1] for p in prompts)) + new_tokens // 2
-    verify = bare_verify_ms(specs["lookup"], length)
     pad = model.generation_config.pad_token_id
-    rows = {}
-    plain_times = [median_seconds(lambda: model.generate(p, do_sample=False, max_new_tokens=new_tokens,
-                                                         pad_token_id=pad), repeats) for p in prompts]
-    step_ms = 1000 * statistics.median(t / new_tokens for t in plain_times)
-    for name, spec in specs.items():
-        speedups, taus, phases, widths = [], [], [], []
-        for prompt, plain in zip(prompts, plain_times):
+    runs = {name: [] for name in specs}
+    plain_times, curves = [], []
+    for index, prompt in enumerate(prompts):
+        verify = bare_verify_ms(specs["lookup"], prompt.shape[1] + new_tokens // 2)
+        curves.append(verify)
+        prefill = median_seconds(lambda: model.generate(prompt, do_sample=False, max_new_tokens=1, pad_token_id=pad),
+                                 repeats)
+        plain = median_seconds(lambda: model.generate(prompt, do_sample=False, max_new_tokens=new_tokens,
+                                                      pad_token_id=pad), repeats)
+        plain_times.append(plain)
+        names = list(specs)
+        for name in names[index % len(names):] + names[:index % len(names)]:  # rotating order
+            spec = specs[name]
             seconds = median_seconds(lambda: spec.generate(prompt, max_new_tokens=new_tokens), repeats)
             stats = spec.last_stats
+            runs[name].append((plain, seconds, stats, bare_call_seconds(stats, verify, prefill), verify))
+    step_ms = 1000 * statistics.median(t / new_tokens for t in plain_times)
+    rows = {}
+    for name, calls in runs.items():
+        speedups, taus, phases, widths, efficiency, mean_width = [], [], [], [], [], []
+        for plain, seconds, stats, bare, verify in calls:
             steps = max(1, stats.target_forwards - 1)
             speedups.append(plain / seconds)
             taus.append(stats.mean_accepted)
             phases.append({key: 1000 * value / steps for key, value in stats.phases.items()})
             widths.append(stats.verified_nodes / steps)
+            efficiency.append(bare / seconds)
+            step = 1000 * plain / new_tokens
+            bound = stats.mean_accepted * step / (1000 * stats.phases["draft"] / steps + interpolate(verify, widths[-1]))
+            mean_width.append((plain / seconds) / bound)
         per_step = {key: statistics.median(p[key] for p in phases) for key in phases[0]}
-        tau, speedup = statistics.median(taus), statistics.median(speedups)
-        draft = per_step["draft"]
-        bound = tau * step_ms / (draft + interpolate(verify, statistics.median(widths)))
-        rows[name] = {"speedup": speedup, "tau": tau, "efficiency": speedup / bound, "bound": bound,
+        rows[name] = {"speedup": statistics.median(speedups), "tau": statistics.median(taus),
+                      "efficiency": statistics.median(efficiency),
+                      "efficiency_mean_width": statistics.median(mean_width),
                       "phases_ms_per_step": per_step, "mean_tree_width": statistics.median(widths),
                       "outside_share_of_generate_step": sum(per_step[key] for key in OUTSIDE) / step_ms}
+    verify = {size: statistics.median(curve[size] for curve in curves) for size in curves[0]}
     return {"generate_step_ms": step_ms, "verify_bare_ms": verify, "methods": rows}
 
 
@@ -176,7 +197,8 @@ def main() -> None:
                      **{f"{k} ms": v for k, v in row["phases_ms_per_step"].items() if k not in ("prefill", "result")}}
                     for name, row in entry["methods"].items()]
             print(f"\n{target}: generate step {entry['generate_step_ms']:.2f} ms")
-            print(table(rows, ["method", "speedup", "tau", "efficiency", "outside_share_of_generate_step",
+            print(table(rows, ["method", "speedup", "tau", "efficiency", "efficiency_mean_width",
+                               "outside_share_of_generate_step",
                                "draft ms", "tree ms", "mask ms", "forward ms", "accept ms", "cache ms", "commit ms"]))
         print(f"\nwrote {write_json('overhead_split.json', {'threads': args.threads, 'split': split})}")
         return

@@ -10,14 +10,15 @@ candidates (``NAME[top-k]``, ``sample="never"``) beside the default sampled cand
 
 Per method: speedup (median over prompts of the ratio of seconds per new token, t_generate / t_method:
 sampled runs stop at eos after different lengths, greedy ones produce the same tokens), tau, and for selfdraft the
-**efficiency** = speedup / bound, bound = tau x t_generate_step / (t_draft + t_verify_bare): the
-draft time per step as measured, and the bare forward cost of a tree of the measured mean size on a
-cache of the prompt's length (measured in the same run, before and after each mix's runs, averaged:
-on this shared machine a one-off measurement moved by up to 30% between runs), so an efficiency near
-1 means the loop adds nothing beyond the two forwards. ``efficiency_decode`` is the same figure over
-the decoding steps alone (each side's prefill taken out: selfdraft's prefill phase, ``generate``'s
-call for one new token on the prompt; tau over the steps after the prefill): the prompt's forward is
-no work of the loop's, yet weighs more per token the fewer steps a method takes. Writes ``results/peers.json``
+**efficiency**: per call, what a loop with no work of its own would take over what the call took
+(``benchmarks.common.bare_call_seconds``: ``generate``'s own prefill of the prompt, the drafter's time
+as measured, and a bare verify forward of each step's tree width on a cache of the prompt's length,
+measured in the same run before and after each mix's runs, averaged: on this shared machine a
+one-off measurement moved by up to 30% between runs); median over prompts. So an efficiency near 1
+means the loop adds nothing beyond the forwards. ``efficiency_mean_width`` is the form speedup /
+(tau x t_generate_step / (t_draft + t_verify_bare)) at the mean tree width, which charges the prompt's
+forward to the loop and prices trees of varying width at the mean width; ``efficiency_decode`` that
+form over the decoding steps alone (each side's prefill taken out). Writes ``results/peers.json``
 (``{target: {mix: {"peers": {name: {speedup, tau}}, "selfdraft": {name: {speedup, tau, efficiency}}}}}``,
 sampled mixes keyed ``"<mix>@T<temperature>"``) and ``results/peers.png``.
 """
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import heads  # noqa: E402
-from benchmarks.common import PROMPTS, RESULTS, bare_verify_ms, interpolate, write_json  # noqa: E402
+from benchmarks.common import PROMPTS, RESULTS, bare_call_seconds, bare_verify_ms, interpolate, write_json  # noqa: E402
 
 TARGETS = {
     "demo-llama": {"path": ROOT / "benchmarks/targets/demo-llama", "mixes": {"code": "code.jsonl",
@@ -152,6 +153,7 @@ def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, samp
     calls = {name: [] for name in names}  # speculate="auto": what each timed call chose and did
     decode = {name: [] for name in names}  # seconds per new token after the first (the prefill's), see summarise
     decode_taus = {name: [] for name in names}
+    calls_bare = {name: [] for name in names}  # (seconds, stats, generate's prefill): the per-call bound, see summarise
     identical = {name: True for name in names}
     pad = model.generation_config.pad_token_id
     for index, prompt in enumerate(prompts):
@@ -183,6 +185,7 @@ def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, samp
             elif not sample and reference is not None:
                 identical[name] &= torch.equal(output, reference)
             if stats is not None:
+                calls_bare[name].append((elapsed, stats, statistics.median(prefill)))
                 taus[name].append(stats.mean_accepted)
                 forwards = max(1, stats.target_forwards - 1)
                 drafts[name].append(stats.draft_seconds / forwards)
@@ -193,7 +196,7 @@ def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, samp
         if not sample:  # the reference may have been timed after others: recheck the others against it
             pass
     return {"times": times, "taus": taus, "drafts": drafts, "sizes": sizes, "steps": steps, "identical": identical,
-            "calls": calls, "decode": decode, "decode_taus": decode_taus}
+            "calls": calls, "decode": decode, "decode_taus": decode_taus, "calls_bare": calls_bare}
 
 
 def summarise(raw: dict, prompts, max_new: int, verify_costs: dict) -> dict:
@@ -210,7 +213,13 @@ def summarise(raw: dict, prompts, max_new: int, verify_costs: dict) -> dict:
         draft_ms = 1000 * statistics.median(raw["drafts"][name])
         verify_ms = interpolate(verify_costs, statistics.median(raw["sizes"][name]))
         bound = tau * step_ms / (draft_ms + verify_ms)
-        result["selfdraft"][name] = {"speedup": speedup, "tau": tau, "efficiency": speedup / bound, "bound": bound,
+        # per call: what a loop with no work of its own would take over what the call took
+        bare = [(bare_call_seconds(stats, verify_costs, prefill), seconds)
+                for seconds, stats, prefill in raw.get("calls_bare", {}).get(name, [])]
+        bare = [part / seconds for part, seconds in bare if part is not None]
+        result["selfdraft"][name] = {"speedup": speedup, "tau": tau,
+                                     "efficiency": statistics.median(bare) if bare else None,
+                                     "efficiency_mean_width": speedup / bound, "bound": bound,
                                      "draft_ms": draft_ms, "verify_bare_ms": verify_ms,
                                      "identical": raw["identical"][name]}
         if raw.get("decode", {}).get(name) and raw["decode"].get("generate"):
@@ -317,7 +326,7 @@ def main() -> None:
                 results[target_name][key]["corpus"] = corpus_facts
                 entry = results[target_name][key]
                 line = ", ".join(f"{n} {v['speedup']:.2f}x" for n, v in entry["peers"].items())
-                line += " | " + ", ".join(f"{n} {v['speedup']:.2f}x tau {v['tau']:.2f} eff {v['efficiency']:.2f}"
+                line += " | " + ", ".join(f"{n} {v['speedup']:.2f}x tau {v['tau']:.2f} eff {v['efficiency'] or 0:.2f}"
                                           + ("" if v["identical"] or sample else " NOT IDENTICAL")
                                           for n, v in entry["selfdraft"].items())
                 print(f"{target_name} / {key}: {line}", flush=True)

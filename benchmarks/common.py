@@ -114,7 +114,7 @@ def speed_row(report, **labels) -> dict:
 
 
 @torch.no_grad()
-def bare_verify_ms(spec, prompt_length: int, sizes=(1, 2, 4, 8, 12, 16, 24, 32), repeats: int = 5) -> dict:
+def bare_verify_ms(spec, prompt_length: int, sizes=(1, 2, 4, 8, 12, 16, 24, 32, 48), repeats: int = 5) -> dict:
     """Bare forward cost (ms) of ``n`` new tokens on a cache of ``prompt_length`` (a chain: the
     mask's shape, not its content, sets the cost)."""
     from heads.backbone import inspect_backbone
@@ -143,6 +143,23 @@ def bare_verify_ms(spec, prompt_length: int, sizes=(1, 2, 4, 8, 12, 16, 24, 32),
             cache_ops.crop(cache, prompt_length)
         costs[size] = 1000 * statistics.median(times[1:])
     return costs
+
+
+def bare_call_seconds(stats, verify_ms: dict, prefill_seconds: float) -> float | None:
+    """What a loop with no work of its own would take for the call ``stats`` describes: ``generate``'s
+    own prefill of the prompt (``prefill_seconds``), the drafter's time in the loop, and a bare verify
+    forward of each step's tree width (``verify_ms``: ms by width, interpolated). None for a call
+    without steps (``speculate="auto"`` handing the call to ``generate``).
+
+    ``speedup / (plain seconds / this)`` = ``this / the call's seconds`` is the loop's efficiency; with
+    no prefill and one tree width throughout it is the issue's ``speedup / (tau x t_generate_step /
+    (t_draft + t_verify_bare))``. Unlike that form it neither charges the prompt's forward (which no
+    loop can speed up) to the loop nor prices trees of varying width at the mean width (the verify
+    cost is concave in the width, so that flatters lookup, whose trees run from 1 to 40 nodes)."""
+    if not stats.steps or "draft" not in stats.phases:
+        return None
+    verify = sum(interpolate(verify_ms, step[4]) for step in stats.steps) / 1000
+    return prefill_seconds + stats.phases["draft"] + verify
 
 
 def interpolate(costs: dict, size: float) -> float:

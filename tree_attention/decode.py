@@ -168,12 +168,13 @@ class DecodeStats:
     speculation: dict | None = None  # the setting an adaptive policy chose, and why
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the loop (:data:`PHASES`); contiguous laps, so they sum to ``total_seconds``."""
-    steps: list[tuple[bool | None, float, int, int]] = field(default_factory=list)
-    """Per step after the prefill: (drafted, seconds, tokens committed over all rows, rows); a step
-    that drafted nothing is a plain decoding step inside the loop (see ``schedule``); ``drafted`` is
-    None where the drafter was asked but proposed no node for any row (prompt lookup before the
-    text repeats: a plain step in cost and effect), left out of a size's tau and step cost and of
-    the plain cost by ``speculate="auto"``, and counted in a call's own verdict on drafting."""
+    steps: list[tuple[bool | None, float, int, int, int]] = field(default_factory=list)
+    """Per step after the prefill: (drafted, seconds, tokens committed over all rows, rows, the
+    tree's width: nodes verified a row); a step that drafted nothing is a plain decoding step in the
+    loop (see ``schedule``); ``drafted`` is None where the drafter was asked but proposed no node for
+    any row (prompt lookup before the text repeats: a plain step in cost and effect), left out of a
+    size's tau and step cost and of the plain cost by ``speculate="auto"``, and counted in a call's
+    own verdict on drafting."""
     row_drafted: list[list[int]] = field(default_factory=list)
     """Per batch row: [tokens committed in drafted steps, drafted steps it took part in] (the steps
     whose drafter was asked, :attr:`row_empty` of them proposing nothing)."""
@@ -433,7 +434,7 @@ class SpeculativeDecoder:
             self.holes = 0
         self._lap("cache")
         self.stats.steps.append((True if proposed else None if draft else False, self._stamp - started,
-                                 sum(counts), rows))
+                                 sum(counts), rows, trees.width))
 
     def _count_nested(self, paths: list[list[int]], lengths: list[int]) -> None:
         """Add to :attr:`DecodeStats.nested` what a tree of each of ``nested_sizes`` would have
@@ -449,11 +450,7 @@ class SpeculativeDecoder:
             order = None if ranks is None else ranks[index]
             drafted = [node - 1 if order is None else order[node] for node in path[1:length]]
             for position, count in enumerate(counts, start=1):
-                accepted = 0
-                for rank in drafted:
-                    if rank >= count:
-                        break
-                    accepted += 1
+                accepted = next((number for number, rank in enumerate(drafted) if rank >= count), len(drafted))
                 record[position] += accepted + 1
 
     def result(self) -> torch.Tensor:
