@@ -50,6 +50,23 @@ def merge_proposal(tree: Tree, proposal: Proposal) -> Tree:
     return Tree(merged.tokens, merged.parents, merged.depths, merged.ancestors, probs)
 
 
+def joined(batches: list[DraftBatch]) -> DraftBatch:
+    """The entries of ``batches`` (the same rows, in order) row by row, with the last one's roots
+    (one concatenation for a batch of one row, where no entry is padding)."""
+    if len(batches) == 1:
+        return batches[0]
+    if batches[0].rows == 1:
+        last = batches[-1]
+        dtype = batches[0].features.dtype
+        return DraftBatch(torch.cat([batch.features.to(dtype) for batch in batches], dim=1),
+                          torch.cat([batch.tokens for batch in batches], dim=1),
+                          sum(batch.lengths for batch in batches), last.roots)
+    result = batches[0]
+    for batch in batches[1:]:
+        result = result.then(batch)
+    return result
+
+
 class HybridDrafter:
     """A trained kind's drafter plus lookup in one verification tree (``tree_attention.decode.Drafter``).
 
@@ -63,7 +80,7 @@ class HybridDrafter:
         self.lookup = lookup
         self.gate = gate
         self.gating = gate is not None
-        self._unseen: DraftBatch | None = None  # committed entries the base has not seen yet
+        self._unseen: list[DraftBatch] = []  # committed entries the base has not seen yet, step by step
         self._last = None  # the last step: (alone: True, False, or None for the roots alone; keys, proposals, trees)
         self._returned: float | None = None  # when the last propose returned
         self._started: float | None = None  # when the last propose started
@@ -71,15 +88,17 @@ class HybridDrafter:
     def reset(self, batch_size: int) -> None:
         self.base.reset(batch_size)
         self.lookup.reset(batch_size)
-        self._unseen = self._last = self._returned = self._started = None
+        self._last = self._returned = self._started = None
+        self._unseen = []
 
     def retire(self, keep: torch.Tensor) -> None:
         self.base.retire(keep)
         self.lookup.retire(keep)
         self._last = None
-        if self._unseen is not None:
-            unseen, rows = self._unseen, keep.to(self._unseen.lengths.device)
-            self._unseen = DraftBatch(unseen.features[rows], unseen.tokens[rows], unseen.lengths[rows], unseen.roots[rows])
+        if self._unseen:
+            rows = keep.to(self._unseen[0].lengths.device)
+            self._unseen = [DraftBatch(unseen.features[rows], unseen.tokens[rows], unseen.lengths[rows],
+                                       unseen.roots[rows]) for unseen in self._unseen]
 
     def _learn(self, batch: DraftBatch, started: float) -> None:
         """Give the gate what the last step's trees got on the path the target produced, and its cost."""
@@ -116,7 +135,10 @@ class HybridDrafter:
             if gate.lookup_alone(keys):  # (found nothing: the roots alone, a plain step)
                 # a drafter that keeps nothing between steps (``stateless``) needs the latest entries only
                 stateless = getattr(self.base, "stateless", False)
-                self._unseen = batch if self._unseen is None or stateless else self._unseen.then(batch)
+                if stateless:
+                    self._unseen = [batch]
+                else:
+                    self._unseen.append(batch)  # (joined once, when the base runs)
                 trees = self.lookup.as_trees(batch, proposals)
                 if found:
                     gate.lookup_steps += 1
@@ -126,8 +148,8 @@ class HybridDrafter:
                 self._returned = time.perf_counter()
                 return trees
             started = looked
-        if self._unseen is not None:
-            batch, self._unseen = self._unseen.then(batch), None
+        if self._unseen:
+            batch, self._unseen = joined(self._unseen + [batch]), []
         trees = self.base.propose(batch)
         if gate is not None:
             gate.timed("base_seconds", time.perf_counter() - started)

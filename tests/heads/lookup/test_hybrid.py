@@ -120,3 +120,29 @@ def test_the_hybrid_is_recorded_in_the_adapter(tmp_path):
     assert heads.load_heads(model, tmp_path / "plain").lookup is None
     spec.set_lookup(None)
     assert spec.lookup is None and type(spec.drafter).__name__ == "MedusaDrafter"
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_skipped_steps_join_as_chained_batches(rows):
+    """What a stateful drafter is handed after skipped steps: the steps' entries joined at once equal
+    them chained step by step (``DraftBatch.then``), in one concatenation for a batch of one row."""
+    from heads.lookup.hybrid import joined
+    from tree_attention.decode import DraftBatch
+
+    generator = torch.Generator().manual_seed(rows)
+    batches = []
+    for step in range(4):
+        lengths = torch.randint(1, 4, (rows,), generator=generator) if rows > 1 else torch.tensor([step % 3 + 1])
+        width = int(lengths.max())
+        batches.append(DraftBatch(torch.randn(rows, width, 3, generator=generator),
+                                  torch.randint(1, 50, (rows, width), generator=generator), lengths,
+                                  torch.randint(1, 50, (rows,), generator=generator)))
+    chained = batches[0]
+    for batch in batches[1:]:
+        chained = chained.then(batch)
+    together = joined(batches)
+    assert torch.equal(together.lengths, chained.lengths) and torch.equal(together.roots, batches[-1].roots)
+    for row, length in enumerate(together.lengths.tolist()):
+        assert torch.equal(together.tokens[row, :length], chained.tokens[row, :length])
+        assert torch.equal(together.features[row, :length], chained.features[row, :length])
+    assert joined(batches[:1]) is batches[0]
