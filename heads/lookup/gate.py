@@ -42,10 +42,14 @@ demo prose, where lookup alone wins by far)."""
 SURE = 2.0
 """Width of the merged tree's upper confidence bound, in standard errors of its drafts accepted a step
 (spread at least one draft). Where even that optimistic tree loses to lookup alone the decision is
-settled, and the class verifies the merged tree only :data:`SETTLED` times as rarely: on demo code,
-where EAGLE's drafter costs as much as a backbone step, exploring the settled classes was most of the
-hybrid's 5-7% gap to lookup alone."""
-SETTLED = 4
+settled: the class does not verify the merged tree again until the bound, widening as its evidence
+ages (:data:`HORIZON`), reaches lookup alone's value. On demo code, where EAGLE's drafter costs as much
+as a backbone step, exploring classes whose decision was clear was most of the hybrid's 5% gap to
+lookup alone over 60 prompts."""
+HORIZON = 100
+"""Steps of a class after which its merged-tree evidence counts half (a third after twice as many...):
+what was measured on other text may no longer hold, so a settled decision is looked at again, later
+the more evidence and the clearer the decision."""
 DECAY = 0.25
 """Weight of the newest timing in the running costs."""
 RATE_DECAY = 0.05
@@ -92,14 +96,15 @@ class _Class:
         self.since_merged = 0  # steps of this class that skipped the merged tree since it was last verified
 
     def merged_bound(self) -> float:
-        """Upper confidence bound of the merged tree's drafts accepted a step (:data:`SURE`)."""
+        """Upper confidence bound of the merged tree's drafts accepted a step (:data:`SURE`), its
+        evidence weighted down as it ages (:data:`HORIZON`)."""
         mean = self.merged_sum / self.merged_seen
         spread = max(1.0, self.merged_squares / self.merged_seen - mean * mean)
-        return mean + SURE * (spread / self.merged_seen) ** 0.5
+        weight = self.merged_seen / (1.0 + self.since_merged / HORIZON)
+        return mean + SURE * (spread / weight) ** 0.5
 
-    def explore_due(self, gap: float, settled: bool = False) -> bool:
-        interval = max(EXPLORE, self.merged_seen * (1.0 + max(0.0, gap)))
-        return self.since_merged >= interval * (SETTLED if settled else 1)
+    def explore_due(self, gap: float) -> bool:
+        return self.since_merged >= max(EXPLORE, self.merged_seen * (1.0 + max(0.0, gap)))
 
 
 class LookupGate:
@@ -185,8 +190,9 @@ class LookupGate:
         gap = (alone - rate * (lookup + rest_alone)) - (merged - rate * merged_seconds)  # tokens a step
         if gap <= 0:
             return False
-        settled = gap > optimistic - merged  # lookup alone wins even against the merged tree's bound
-        return not any(self.classes[key].explore_due(gap / len(keys), settled) for key in keys)
+        if gap > optimistic - merged:  # lookup alone wins even against the merged tree's bound: settled
+            return True
+        return not any(self.classes[key].explore_due(gap / len(keys)) for key in keys)
 
     def summary(self) -> dict:
         """Steps of each mode so far and the timed costs (for benchmarks and diagnostics)."""
