@@ -12,7 +12,7 @@ import torch
 
 import heads
 from heads.lookup import Proposal
-from heads.lookup.gate import EXPLORE, HORIZON, MIN_SEEN, LookupGate, proposal_accepted, tree_accepted
+from heads.lookup.gate import EXPLORE, HORIZON, MIN_SEEN, POOLED, LookupGate, proposal_accepted, tree_accepted
 from heads.lookup.hybrid import HybridDrafter
 from tests.conftest import build_model, left_pad
 from tests.heads.lookup.test_lookup_kind import reference, repeated_prompt
@@ -195,6 +195,40 @@ def test_a_settled_decision_explores_less():
         runs[name] = _first_run_alone(gate, key, 3, None)
     assert runs["spread"] == EXPLORE
     assert HORIZON - 2 <= runs["steady"] <= HORIZON + 2 and runs["steady"] >= 4 * EXPLORE
+
+
+def test_a_new_class_borrows_what_the_drafter_adds_elsewhere():
+    """A class where lookup found something but whose merged tree was never verified is judged by
+    lookup's drafts in it plus what the trained drafter added over lookup's in other classes, once
+    POOLED such steps exist; a class where lookup found nothing has no lookup drafts to add to."""
+    def timed(gate):
+        gate.timed("base_seconds", 0.004)
+        gate.timed("lookup_seconds", 0.0002)
+        gate.rest(False, 0.010)
+        gate.rest(True, 0.010)
+        gate.rest(None, 0.005)
+        for _ in range(100):
+            gate.step(5, 0.010)
+
+    fresh, nothing = (3, True), (0, False)
+    borrowing = LookupGate()
+    timed(borrowing)
+    for key in ((1, True), (2, True)):  # the drafter added nothing over lookup's 2 drafts, steadily
+        _taught(borrowing, key, lookup=2, merged=2, seen=POOLED // 2)
+    _taught(borrowing, fresh, lookup=4, merged=None, seen=MIN_SEEN)
+    _taught(borrowing, nothing, lookup=0, merged=None, seen=MIN_SEEN)
+    assert borrowing.lookup_alone([fresh])  # 4 + 0 drafts either way: the drafter's 4 ms are not paid
+    assert not borrowing.lookup_alone([nothing])  # no merged evidence of its own: verified
+    alone = LookupGate()
+    timed(alone)
+    _taught(alone, (1, True), lookup=2, merged=2, seen=POOLED - 1)
+    _taught(alone, fresh, lookup=4, merged=None, seen=MIN_SEEN)
+    assert not alone.lookup_alone([fresh])  # too little evidence elsewhere: its merged tree is verified
+    generous = LookupGate()
+    timed(generous)
+    _taught(generous, (1, True), lookup=0, merged=6, seen=POOLED)  # the drafter added 6 drafts a step
+    _taught(generous, fresh, lookup=4, merged=None, seen=MIN_SEEN)
+    assert not generous.lookup_alone([fresh])
 
 
 def test_sampled_calls_never_gate(monkeypatch):
