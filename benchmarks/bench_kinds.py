@@ -6,7 +6,11 @@ for on one target and mix, on many held-out prompts, in one process, the methods
 per prompt: the adapters given (``--adapter NAME=DIR``), with ``--hybrid`` also each as a hybrid with
 lookup (10 nodes, no cross-request history) under ``speculate="auto"`` (``NAME+lookup@auto``), with
 ``--lookup N ...`` the lookup kind alone (``lookup_N``, fixed tree and ``@auto``), and with
-``--prompt-lookup N ...`` transformers' prompt lookup (``prompt_lookup_nN``). It reports per
+``--prompt-lookup N ...`` transformers' prompt lookup (``prompt_lookup_nN``), and with ``--history``
+each lookup N also with its default cross-request history under ``speculate="auto"``
+(``lookup_N+history@auto``: a spec of its own whose history holds the earlier held-out requests'
+text, each prompt run once; the warm-up runs on two other prompts; every method then runs on prompts
+that share no 12-word window with each other, :func:`distinct_prompts`). It reports per
 method the median speedup over ``generate`` (seconds per new token), tau and draft ms per step
 (selfdraft), and for each pair the per-prompt ratio of their speedups (both measured against the same
 ``generate`` call): its median, a bootstrap 90% interval of that median, and the share of prompts
@@ -33,6 +37,34 @@ from benchmarks.common import write_json  # noqa: E402
 from benchmarks.bench_peers import TARGETS, load_target, prompts_of  # noqa: E402
 
 
+WINDOW = 12
+"""Words: with ``--history``, no two prompts of a run share a window of this many (the held-out sets
+hold overlapping excerpts, e.g. 20 of demo prose's first 62 prompts share one with another; a
+history holding a near-duplicate request would copy its continuation)."""
+
+
+def distinct_prompts(tokenizer, file: str, count: int) -> list[torch.Tensor]:
+    """The first ``count`` prompts of ``file`` that share no :data:`WINDOW`-word window with an
+    earlier one kept."""
+    import json
+
+    from benchmarks.common import PROMPTS
+
+    kept, seen = [], set()
+    for line in (PROMPTS / file).read_text().splitlines():
+        if not line.strip():
+            continue
+        words = json.loads(line)["prompt"].split()
+        windows = {tuple(words[i:i + WINDOW]) for i in range(max(1, len(words) - WINDOW + 1))}
+        if windows & seen:
+            continue
+        seen |= windows
+        kept.append(tokenizer(json.loads(line)["prompt"], return_tensors="pt").input_ids)
+        if len(kept) == count:
+            break
+    return kept
+
+
 def bootstrap_median(values: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A 90% percentile-bootstrap interval of the median of ``values``."""
     rng = random.Random(seed)
@@ -54,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "fixed and under speculate='auto'")
     parser.add_argument("--prompt-lookup", type=int, nargs="+", default=[], metavar="N",
                         help="transformers' prompt lookup with prompt_lookup_num_tokens=N as peers")
+    parser.add_argument("--history", action="store_true",
+                        help="also each --lookup N with lookup's default cross-request history, under speculate='auto'")
     parser.add_argument("--out", default=None, help="results file name under benchmarks/results")
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -75,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if len(adapters) * (1 + args.hybrid) + len(args.prompt_lookup) + 2 * len(args.lookup) < 2:
         parser.error("give at least two methods to compare (--adapter NAME=DIR, --hybrid, --lookup N, "
                      "--prompt-lookup N)")
+    if args.history and not args.lookup:
+        parser.error("--history adds lookup with its cross-request history for each --lookup N; give --lookup N")
     if args.hybrid and not adapters:
         parser.error("--hybrid makes each --adapter a hybrid with lookup; give an --adapter NAME=DIR")
     for flag, sizes in (("--prompt-lookup", args.prompt_lookup), ("--lookup", args.lookup)):
@@ -97,7 +133,9 @@ def main(argv=None) -> None:
 
     target = TARGETS[args.target]
     model, tokenizer = load_target(target["path"])
-    prompts = prompts_of(tokenizer, target["mixes"][args.mix], args.prompts)
+    pick = distinct_prompts if args.history else prompts_of
+    prompts = pick(tokenizer, target["mixes"][args.mix], args.prompts + 2)
+    prompts, warmup = prompts[:args.prompts], prompts[args.prompts:]  # (a history holds other requests only)
     pad = model.generation_config.pad_token_id
     methods = {}  # name -> (callable(prompt, max_new) -> output, its spec or None)
     for name, directory in args.adapters.items():
@@ -114,11 +152,15 @@ def main(argv=None) -> None:
                                      lookup)
         methods[f"lookup_{size}@auto"] = (lambda p, n, spec=lookup: spec.generate(
             p, max_new_tokens=n, do_sample=False, speculate="auto"), lookup)
+        if args.history:  # its own spec: no other method's run of a prompt may enter its history
+            remembering = heads.attach_heads(model, kind="lookup", tree=size)
+            methods[f"lookup_{size}+history@auto"] = (lambda p, n, spec=remembering: spec.generate(
+                p, max_new_tokens=n, do_sample=False, speculate="auto"), remembering)
     for size in args.prompt_lookup:
         methods[f"prompt_lookup_n{size}"] = (lambda p, n, size=size: model.generate(
             p, max_new_tokens=n, do_sample=False, prompt_lookup_num_tokens=size, pad_token_id=pad), None)
     names = list(methods)
-    for prompt in prompts[:2]:  # warm-up
+    for prompt in warmup:
         model.generate(prompt, max_new_tokens=16, do_sample=False)
         for run, _ in methods.values():
             run(prompt, 16)
@@ -169,7 +211,8 @@ def main(argv=None) -> None:
         print(f"{pair:>33}: median ratio {result['median_ratio']:.3f} (90% {low:.3f}-{high:.3f}), "
               f"first faster on {100 * result['first_faster']:.0f}% of prompts")
     path = write_json(args.out or f"kinds_{args.target}_{args.mix}.json", {
-        "target": args.target, "mix": args.mix, "prompts": len(prompts),
+        "target": args.target, "mix": args.mix, "prompts": len(prompts), "history": args.history,
+        "prompts_distinct_by_words": WINDOW if args.history else None,
         "max_new_tokens": args.max_new_tokens, "adapters": args.adapters, "hybrid_lookup_budget": 10 if args.hybrid else None,
         "results": results, "pairs": pairs,
         "seconds": time.perf_counter() - started,

@@ -30,6 +30,7 @@ def adapters(tmp_path):
     (["--lookup", "-1"], "--lookup sizes must be at least 1"),
     (["--out", "../elsewhere.json"], "--out must be a .json file name"),
     (["--out", "kinds.txt"], "--out must be a .json file name"),
+    (["--history"], "--history adds lookup with its cross-request history for each --lookup N"),
 ])
 def test_bad_arguments_are_named(adapters, capsys, extra, message):
     argv = ["--target", "demo-llama", "--mix", "prose", "--adapter", f"a={adapters[0]}",
