@@ -89,6 +89,17 @@ def proposal_accepted(proposal: Proposal, produced: list[int]) -> int:
 def tree_accepted(trees: TreeBatch, produced: torch.Tensor, lengths: torch.Tensor) -> list[int]:
     """Per row, the deepest node of ``trees`` whose path the target produced (``produced`` ``[R, n]``,
     ``lengths`` ``[R]`` valid entries)."""
+    if trees.rows == 1:  # one row: read the tree to the host once and walk it (a fifth of the tensor form's time)
+        (tokens,), (parents,), (depth_list,) = torch.stack([trees.tokens, trees.parents, trees.depths]).tolist()
+        length, produced_row = int(lengths[0]), produced[0].tolist()
+        size = trees.width if trees.uniform else int(trees.sizes[0])
+        ok, best = [True] + [False] * (size - 1), 0
+        for node in range(1, size):
+            depth = depth_list[node]
+            if ok[parents[node]] and depth <= length and tokens[node] == produced_row[depth - 1]:
+                ok[node] = True
+                best = max(best, depth)
+        return [best]
     depths = trees.depths
     index = (depths - 1).clamp(min=0, max=produced.shape[1] - 1)
     ok = (depths == 0) | ((depths <= lengths[:, None]) & (trees.tokens == produced.gather(1, index)))

@@ -107,6 +107,8 @@ def test_counterfactual_acceptance_matches_a_naive_walk(seed):
     padded[1, 0] = produced[0]
     lengths = torch.tensor([len(produced), 1])
     assert tree_accepted(batch, padded, lengths) == [_naive_accepted(tokens, parents, produced), 1]
+    alone = TreeBatch.from_trees([tree])  # one row: walked on the host
+    assert tree_accepted(alone, padded[:1], lengths[:1]) == [_naive_accepted(tokens, parents, produced)]
 
 
 def _taught(gate, key, lookup, merged, seen=MIN_SEEN):
