@@ -124,13 +124,17 @@ class LookupDrafter:
         return [[min(found, self._scaled(size, scale)) for size in sizes]
                 for scale, found in zip(self.scales, self.found)]
 
-    def proposals(self, batch: DraftBatch, budget: int | None = None) -> list[Proposal]:
-        """Append each row's newly committed tokens to its index and match its text (root included)."""
+    @staticmethod
+    def host(batch: DraftBatch) -> tuple[list[int], list[list[int]], list[int]]:
+        """``batch``'s lengths, tokens and roots as Python lists (three host reads)."""
+        return batch.lengths.tolist(), batch.tokens.tolist(), batch.roots.tolist()
+
+    def proposals(self, batch: DraftBatch, budget: int | None = None, host: tuple | None = None) -> list[Proposal]:
+        """Append each row's newly committed tokens to its index and match its text (root included);
+        ``host``: :meth:`host` of ``batch`` when the caller has read it already."""
         config = self.config
         budget = config.budget if budget is None else budget
-        lengths = batch.lengths.tolist()
-        tokens = batch.tokens.tolist()
-        roots = batch.roots.tolist()
+        lengths, tokens, roots = self.host(batch) if host is None else host
         history = None if self.memory is None else self.memory.history
         found = []
         for row, (index, row_tokens, length, root) in enumerate(zip(self.rows, tokens, lengths, roots)):

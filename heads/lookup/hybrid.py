@@ -100,11 +100,12 @@ class HybridDrafter:
             self._unseen = [DraftBatch(unseen.features[rows], unseen.tokens[rows], unseen.lengths[rows],
                                        unseen.roots[rows]) for unseen in self._unseen]
 
-    def _learn(self, batch: DraftBatch, started: float) -> None:
-        """Give the gate what the last step's trees got on the path the target produced, and its cost."""
+    def _learn(self, batch: DraftBatch, host: tuple, started: float) -> None:
+        """Give the gate what the last step's trees got on the path the target produced, and its cost
+        (``host``: ``batch``'s lengths, tokens and roots as lists, :meth:`LookupDrafter.host`)."""
         last, self._last = self._last, None
         previous, self._started = self._started, started
-        counts = batch.lengths.tolist()  # tokens each row committed since the last propose
+        counts, tokens, roots = host  # tokens each row committed since the last propose, ...
         if previous is not None:  # ... over all rows, and in what time
             self.gate.step(sum(counts), started - previous)
         if last is None or self._returned is None:
@@ -113,19 +114,22 @@ class HybridDrafter:
         self.gate.rest(alone, started - self._returned)
         if trees.rows != batch.rows:
             return
-        produced = batch.next_tokens()
-        merged = None if alone is not False else tree_accepted(trees, produced.to(trees.tokens.device),
-                                                               batch.lengths.to(trees.tokens.device))
-        listed = [row[:length] for row, length in zip(produced.tolist(), counts)]
+        # what the target produced after each row's entries: its tokens after the first, then the root
+        listed = [row[1:length] + [root] for row, length, root in zip(tokens, counts, roots)]
+        merged = None
+        if alone is False:
+            produced = batch.next_tokens()
+            merged = tree_accepted(trees, produced.to(trees.tokens.device), batch.lengths.to(trees.tokens.device))
         self.gate.observe(keys, proposals, listed, merged)
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> TreeBatch:
         gate = self.gate if self.gating else None
         started = time.perf_counter()
+        host = self.lookup.host(batch)
         if gate is not None:
-            self._learn(batch, started)
-        proposals = self.lookup.proposals(batch)
+            self._learn(batch, host, started)
+        proposals = self.lookup.proposals(batch, host=host)
         found = any(proposal.tokens for proposal in proposals)
         keys = None
         if gate is not None:
