@@ -79,6 +79,9 @@ from .controller import (EXPLORE_BELOW, PLAIN_STEPS, PRIOR_STEPS, REFRESH_STEPS,
 MIN_LEARN_TOKENS = PLAIN_STEPS + 2 * SWITCH_STEPS + 1  # a shorter call neither explores nor teaches:
 # its trees are cut to its few remaining tokens, so its tau says nothing about the size (a 4-token
 # warm-up call once set prompt lookup's tau to 1.1 and kept auto on plain decoding for good)
+GROWING_LEARN_TOKENS = 48  # the same for a greedy call with lookup (alone or in a hybrid), whose acceptance
+# grows through a reply: a 16-token warm-up call of lookup 10 on demo prose measured tau 1.6 where whole
+# replies run at 3.7, and nested at size 2's tau that estimate kept size 10 out for good (2 -> 1.8x, 10: 2.3x)
 COST_SAMPLES = 8  # a step cost is the median of the last this many calls' measurements
 REFRESH_PLAIN = 4  # a drafting call takes plain steps REFRESH_STEPS when the plain cost has fewer samples
 # than REFRESH_SAMPLES or none from the last this many calls (a stale or noisy plain cost misjudges every size)
@@ -263,12 +266,13 @@ class SpeculationPolicy:
             explore = max(hopeful) if hopeful else None
             if explore is None:
                 return plain_steps("every size loses, or cannot pay, at a smaller batch size already: plain steps")
-        short = max_new_tokens is not None and max_new_tokens < MIN_LEARN_TOKENS
+        least = MIN_LEARN_TOKENS if steady else GROWING_LEARN_TOKENS
+        short = max_new_tokens is not None and max_new_tokens < least
         base["learns"] = not short
         if explore is not None and short:  # too short to judge a size on: plain steps (which measure plain)
             if plain is None or not measured:
                 return plain_steps(f"{max_new_tokens} new tokens: too few to measure a tree size on "
-                                   f"(at least {MIN_LEARN_TOKENS}); plain steps", measure=plain is None)
+                                   f"(at least {least}); plain steps", measure=plain is None)
             explore = None
         if explore is not None:  # measured on this call's own steps (the mid-call switch bounds the cost)
             prior = (self.observed.get((explore, rule.key, key[0])) or Observed()).tau
@@ -296,7 +300,7 @@ class SpeculationPolicy:
             # prose, lookup size 10 seen for 5 steps of a 16-token call stayed behind size 4 for good, the
             # cell at 0.9x of the fixed size-10 tree)
         chosen = best if bound[best] >= self.margin else 0
-        retry = self._retry((key[0], rule.key), chosen, max_new_tokens)
+        retry = self._retry((key[0], rule.key), chosen, None if short else max_new_tokens, short)
         if retry:
             chosen = best
         return {
@@ -331,13 +335,13 @@ class SpeculationPolicy:
         """The :class:`CallController` of a call drafting ``size`` nodes per row over ``batch`` rows."""
         return CallController(plain, size, prior, refresh, steady, self._fewer_rows(key, size, batch) if size else None)
 
-    def _retry(self, key, chosen: int, max_new_tokens: int | None) -> bool:
+    def _retry(self, key, chosen: int, max_new_tokens: int | None, short: bool = False) -> bool:
         """Whether a call that would decode plainly measures the best size again instead: after
         :data:`RETRY_AFTER` consecutive plain choices in this bucket and rule, then after twice as
         many, and so on (an estimate from one call's few drafted steps can be far off, and a plain
         call teaches nothing; a setting where drafting really loses pays one short stopped call per
         doubling interval). Calls too short to learn from neither count nor retry."""
-        if chosen or (max_new_tokens is not None and max_new_tokens < MIN_LEARN_TOKENS):
+        if chosen or short or (max_new_tokens is not None and max_new_tokens < MIN_LEARN_TOKENS):
             if chosen:
                 self.plain_streak[key] = 0
                 self.retry_interval.pop(key, None)

@@ -386,18 +386,18 @@ def test_auto_measures_only_sizes_that_could_pay():
     rule = SimpleNamespace(key="greedy")
     policy = SpeculationPolicy((2, 8, 16))
     key = policy.key(ids)
-    first = policy.choose(ids, rule, 20)
+    first = policy.choose(ids, rule, 64)
     assert first["tree"] == 16 and first["exploring"] and first["controller"].plain_first > 0
     policy.record_cost(key, 0, 1.0)
     policy.record_cost(key, 16, 3.0)
     policy.observed[(16, "greedy", 4)] = Observed(tokens=150, row_steps=100)  # tau 1.5 at 3x the cost
     # size 8: optimistic 1.5 / (1 + 2 * 8/16) = 0.75; size 2: 1.5 / 1.25 = 1.2 >= 1.1: measure size 2
-    choice = policy.choose(ids, rule, 20)
+    choice = policy.choose(ids, rule, 64)
     assert choice["tree"] == 2 and choice["exploring"] and list(choice["controller"].refresh_steps) == [1, 2]  # refresh
     assert choice["controller"].prior_tau == 1.5  # size 16's tau bounds it: judged by the strict rule
     policy.record_cost(key, 2, 1.3)
     policy.observed[(2, "greedy", 4)] = Observed(tokens=110, row_steps=100)  # 1.1 / 1.3: no
-    choice = policy.choose(ids, rule, 20)
+    choice = policy.choose(ids, rule, 64)
     assert choice["tree"] == 0 and set(choice["predicted_speedup"]) == {2, 16}  # 8 never measured
     # another sampling setting has seen no tau: the largest size whose every node accepted (n + 1) could pay
     sampled = SimpleNamespace(key="sample T=0.7")
@@ -429,7 +429,7 @@ def test_auto_borrows_costs_for_a_nearby_prompt_length():
     far = torch.ones(1, 60, dtype=torch.long)  # bucket 64: 8x from 8, but 2x from 32
     assert policy.choose(far, rule, max_new_tokens=4)["tree"] == 2
     batch = torch.ones(2, 8, dtype=torch.long)  # another batch bucket
-    other = policy.choose(batch, rule, max_new_tokens=20)
+    other = policy.choose(batch, rule, max_new_tokens=64)
     assert other["exploring"] and other["plain_step_ms"] is None and other["controller"].plain_first > 0
 
 
@@ -521,7 +521,7 @@ def test_auto_refreshes_a_thin_or_stale_plain_cost():
     policy.observed[(4, "greedy", 1)] = Observed(tokens=300, row_steps=100)
     opened = []
     for call in range(REFRESH_SAMPLES + 2 * REFRESH_PLAIN + 3):
-        choice = policy.choose(ids, rule, 20)
+        choice = policy.choose(ids, rule, 64)
         assert choice["tree"] == 4
         controller = choice["controller"]
         plain_first, refresh = controller.plain_first, list(controller.refresh_steps)
@@ -545,14 +545,19 @@ def test_a_short_call_neither_explores_nor_teaches():
     steps while nothing is measured, may use a measured size, and records no tau either way."""
     from types import SimpleNamespace
 
-    from heads.policy import MIN_LEARN_TOKENS, Observed, SpeculationPolicy
+    from heads.policy import GROWING_LEARN_TOKENS, MIN_LEARN_TOKENS, Observed, SpeculationPolicy
     from tree_attention.decode import DecodeStats
 
     ids = torch.ones(1, 8, dtype=torch.long)
-    policy, rule = SpeculationPolicy((4,)), SimpleNamespace(key="greedy")
-    short = policy.choose(ids, rule, MIN_LEARN_TOKENS - 1)
-    assert short["tree"] == 0 and "too few" in short["reason"]
-    assert policy.choose(ids, rule, MIN_LEARN_TOKENS)["tree"] == 4  # a long one explores
+    rule = SimpleNamespace(key="greedy")
+    # a trained drafter alone (steady): MIN_LEARN_TOKENS; with lookup, whose acceptance grows through
+    # a reply, GROWING_LEARN_TOKENS (a short call's tau is its reply's start, not the reply)
+    for steady, least in ((True, MIN_LEARN_TOKENS), (False, GROWING_LEARN_TOKENS)):
+        policy = SpeculationPolicy((4,), steady=steady)
+        short = policy.choose(ids, rule, least - 1)
+        assert short["tree"] == 0 and "too few" in short["reason"] and f"at least {least}" in short["reason"]
+        assert policy.choose(ids, rule, least)["tree"] == 4  # a long one explores
+    assert GROWING_LEARN_TOKENS > 2 * MIN_LEARN_TOKENS
     key = policy.key(ids)
     policy.record_cost(key, 0, 1.0)
     policy.record_cost(key, 4, 1.2)
@@ -628,7 +633,7 @@ def test_auto_measures_the_best_size_again_after_plain_choices_in_a_row():
     policy.record_cost(key, 0, 1.0)
     policy.record_cost(key, 4, 3.0)  # tau 1.3 at three times a plain step: a clear loss
     policy.observed[(4, "greedy", 1)] = Observed(tokens=130, row_steps=100)
-    choices = [policy.choose(ids, rule, 40) for _ in range(3 * RETRY_AFTER + 4)]
+    choices = [policy.choose(ids, rule, 64) for _ in range(3 * RETRY_AFTER + 4)]
     trees = [choice["tree"] for choice in choices]
     retries = [index for index, tree in enumerate(trees) if tree]
     retried = choices[retries[0]]  # judged afresh: exploring, no prior tau (the lenient thresholds)
@@ -636,7 +641,7 @@ def test_auto_measures_the_best_size_again_after_plain_choices_in_a_row():
     assert retries == [RETRY_AFTER - 1, 3 * RETRY_AFTER - 1]  # after 2, then 4 plain choices
     assert policy.choose(ids, rule, MIN_LEARN_TOKENS - 1)["tree"] == 0  # a short call neither counts nor retries
     policy.observed[(4, "greedy", 1)] = Observed(tokens=400, row_steps=100)  # it pays now: chosen, interval reset
-    assert policy.choose(ids, rule, 40)["tree"] == 4 and (key[0], "greedy") not in policy.retry_interval
+    assert policy.choose(ids, rule, 64)["tree"] == 4 and (key[0], "greedy") not in policy.retry_interval
 
 
 def test_auto_retries_count_plain_choices_across_prompt_lengths():
@@ -676,16 +681,16 @@ def test_auto_tries_another_size_only_if_it_could_beat_the_winner():
     policy.record_cost(key, 8, 4.5)
     policy.observed[(8, rule.key, 4)] = Observed(tokens=200, row_steps=100)  # tau 2: predicted 1.47x
     # no drafting cost known: size 4 interpolated to 3.9 (1.69x > 1.47 x 1.1): tried
-    assert policy.choose(ids, rule, 40)["tree"] == 4
+    assert policy.choose(ids, rule, 64)["tree"] == 4
     # drafting costs 0.6 of size 8's 4.5: size 4 at most 3.3 + 0.6 + 0.3 = 4.2 (1.57x < 1.62x): not tried
     policy.record_draft_cost(key, 8, 0.6)
-    choice = policy.choose(ids, rule, 40)
+    choice = policy.choose(ids, rule, 64)
     assert choice["tree"] == 8 and not choice["exploring"]
     assert 1.57 < 1.47 * (1 + IMPROVE)
     # when no measured size beats plain decoding, any size that could is tried
     policy.record_cost(key, 8, 6.5)
     policy.record_cost(key, 8, 6.5)  # median 6.5: size 8 predicted 1.02x; size 4 at most 5.2 (1.27x)
-    assert policy.choose(ids, rule, 40)["tree"] == 4
+    assert policy.choose(ids, rule, 64)["tree"] == 4
 
 
 def _sizes_4_and_10(cost_4: float, cost_10: float):
@@ -711,13 +716,13 @@ def test_the_most_measured_size_keeps_its_place_unless_another_is_clearly_faster
     ids, rule, policy, key = _sizes_4_and_10(1.55, 1.6)
     policy.observed[(10, "greedy", 4)] = Observed(tokens=300, row_steps=100)  # tau 3.0: predicted 1.875x
     policy.observed[(4, "greedy", 4)] = Observed(tokens=3.0 * 25, row_steps=25)  # tau 3.0 too: predicted 1.94x
-    choice = policy.choose(ids, rule, 40)
+    choice = policy.choose(ids, rule, 64)
     predicted, bound = choice["predicted_speedup"], choice["upper_bound"]
     assert predicted[4] > predicted[10] and bound[4] < bound[10] * (1 + IMPROVE)
     assert choice["tree"] == 10  # the most measured size keeps its place
     for _ in range(2):
         policy.record_cost(key, 10, 2.5)  # size 10 measured dearer (median 2.5): predicted 1.2x against 1.94x
-    choice = policy.choose(ids, rule, 40)
+    choice = policy.choose(ids, rule, 64)
     assert choice["upper_bound"][4] > choice["upper_bound"][10] * (1 + IMPROVE) and choice["tree"] == 4
 
 
@@ -731,12 +736,12 @@ def test_a_size_seen_for_too_few_steps_is_not_kept_behind_the_incumbent():
     ids, rule, policy, _ = _sizes_4_and_10(1.3, 1.45)
     policy.observed[(4, "greedy", 4)] = Observed(tokens=3.2 * 500, row_steps=500)  # predicted 2.46x
     policy.observed[(10, "greedy", 4)] = Observed(tokens=2.0 * (SWITCH_STEPS - 1), row_steps=SWITCH_STEPS - 1)
-    choice = policy.choose(ids, rule, 40)
+    choice = policy.choose(ids, rule, 64)
     bound = choice["upper_bound"]
     assert bound[4] < bound[10] < bound[4] * (1 + IMPROVE)
     assert choice["tree"] == 10  # not judged yet: measured
     policy.observed[(10, "greedy", 4)] = Observed(tokens=2.0 * SWITCH_STEPS, row_steps=SWITCH_STEPS)
-    choice = policy.choose(ids, rule, 40)
+    choice = policy.choose(ids, rule, 64)
     bound = choice["upper_bound"]
     assert bound[4] < bound[10] < bound[4] * (1 + IMPROVE) and choice["tree"] == 4  # judged: the margin holds
 
