@@ -300,7 +300,7 @@ class SpeculationPolicy:
             # prose, lookup size 10 seen for 5 steps of a 16-token call stayed behind size 4 for good, the
             # cell at 0.9x of the fixed size-10 tree)
         chosen = best if bound[best] >= self.margin else 0
-        retry = self._retry((key[0], rule.key), chosen, None if short else max_new_tokens, short)
+        retry = self._retry((key[0], rule.key), chosen, max_new_tokens, short)
         if retry:
             chosen = best
         return {
