@@ -300,7 +300,7 @@ class SpeculationPolicy:
             # prose, lookup size 10 seen for 5 steps of a 16-token call stayed behind size 4 for good, the
             # cell at 0.9x of the fixed size-10 tree)
         chosen = best if bound[best] >= self.margin else 0
-        retry = self._retry((key[0], rule.key), chosen, max_new_tokens, short)
+        retry = self._retry((key[0], rule.key), chosen, short)
         if retry:
             chosen = best
         return {
@@ -335,13 +335,13 @@ class SpeculationPolicy:
         """The :class:`CallController` of a call drafting ``size`` nodes per row over ``batch`` rows."""
         return CallController(plain, size, prior, refresh, steady, self._fewer_rows(key, size, batch) if size else None)
 
-    def _retry(self, key, chosen: int, max_new_tokens: int | None, short: bool = False) -> bool:
+    def _retry(self, key, chosen: int, short: bool) -> bool:
         """Whether a call that would decode plainly measures the best size again instead: after
         :data:`RETRY_AFTER` consecutive plain choices in this bucket and rule, then after twice as
         many, and so on (an estimate from one call's few drafted steps can be far off, and a plain
         call teaches nothing; a setting where drafting really loses pays one short stopped call per
-        doubling interval). Calls too short to learn from neither count nor retry."""
-        if chosen or short or (max_new_tokens is not None and max_new_tokens < MIN_LEARN_TOKENS):
+        doubling interval). Calls too short to learn from (``short``) neither count nor retry."""
+        if chosen or short:
             if chosen:
                 self.plain_streak[key] = 0
                 self.retry_interval.pop(key, None)
