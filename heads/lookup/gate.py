@@ -86,23 +86,27 @@ def proposal_accepted(proposal: Proposal, produced: list[int]) -> int:
     return best
 
 
-def tree_accepted(trees: TreeBatch, produced: torch.Tensor, lengths: torch.Tensor) -> list[int]:
-    """Per row, the deepest node of ``trees`` whose path the target produced (``produced`` ``[R, n]``,
-    ``lengths`` ``[R]`` valid entries)."""
+def tree_accepted(trees: TreeBatch, produced: list[list[int]]) -> list[int]:
+    """Per row, the deepest node of ``trees`` whose path the target produced (``produced``: each row's
+    tokens committed after its root, as lists)."""
     if trees.rows == 1:  # one row: read the tree to the host once and walk it (a fifth of the tensor form's time)
         (tokens,), (parents,), (depth_list,) = torch.stack([trees.tokens, trees.parents, trees.depths]).tolist()
-        length, produced_row = int(lengths[0]), produced[0].tolist()
+        row = produced[0]
         size = trees.width if trees.uniform else int(trees.sizes[0])
         ok, best = [True] + [False] * (size - 1), 0
         for node in range(1, size):
             depth = depth_list[node]
-            if ok[parents[node]] and depth <= length and tokens[node] == produced_row[depth - 1]:
+            if ok[parents[node]] and depth <= len(row) and tokens[node] == row[depth - 1]:
                 ok[node] = True
                 best = max(best, depth)
         return [best]
+    device = trees.tokens.device
+    longest = max(1, max(len(row) for row in produced))
+    padded = torch.tensor([row + [0] * (longest - len(row)) for row in produced], dtype=torch.long, device=device)
+    lengths = torch.tensor([len(row) for row in produced], dtype=torch.long, device=device)
     depths = trees.depths
-    index = (depths - 1).clamp(min=0, max=produced.shape[1] - 1)
-    ok = (depths == 0) | ((depths <= lengths[:, None]) & (trees.tokens == produced.gather(1, index)))
+    index = (depths - 1).clamp(min=0, max=longest - 1)
+    ok = (depths == 0) | ((depths <= lengths[:, None]) & (trees.tokens == padded.gather(1, index)))
     path_ok = ~(trees.visibility & ~ok[:, None, :]).any(dim=-1)  # (R, N): the node and all its ancestors
     return (depths * path_ok).max(dim=1).values.tolist()
 

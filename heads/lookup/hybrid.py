@@ -116,10 +116,7 @@ class HybridDrafter:
             return
         # what the target produced after each row's entries: its tokens after the first, then the root
         listed = [row[1:length] + [root] for row, length, root in zip(tokens, counts, roots)]
-        merged = None
-        if alone is False:
-            produced = batch.next_tokens()
-            merged = tree_accepted(trees, produced.to(trees.tokens.device), batch.lengths.to(trees.tokens.device))
+        merged = None if alone is not False else tree_accepted(trees, listed)
         self.gate.observe(keys, proposals, listed, merged)
 
     @torch.no_grad()

@@ -102,13 +102,9 @@ def test_counterfactual_acceptance_matches_a_naive_walk(seed):
     tree = Tree.from_parents(torch.tensor([9] + tokens), [-1] + [parent + 1 for parent in parents])
     other = Tree.from_parents(torch.tensor([9, produced[0]]), [-1, 0])
     batch = TreeBatch.from_trees([tree, other])
-    padded = torch.zeros(2, 6, dtype=torch.long)
-    padded[0, :len(produced)] = torch.tensor(produced)
-    padded[1, 0] = produced[0]
-    lengths = torch.tensor([len(produced), 1])
-    assert tree_accepted(batch, padded, lengths) == [_naive_accepted(tokens, parents, produced), 1]
+    assert tree_accepted(batch, [produced, produced[:1]]) == [_naive_accepted(tokens, parents, produced), 1]
     alone = TreeBatch.from_trees([tree])  # one row: walked on the host
-    assert tree_accepted(alone, padded[:1], lengths[:1]) == [_naive_accepted(tokens, parents, produced)]
+    assert tree_accepted(alone, [produced]) == [_naive_accepted(tokens, parents, produced)]
 
 
 def _taught(gate, key, lookup, merged, seen=MIN_SEEN):
