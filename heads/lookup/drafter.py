@@ -82,15 +82,13 @@ class LookupDrafter:
         self.rows = []
 
     def retire(self, keep: torch.Tensor) -> None:
-        kept = set(keep.tolist())
+        order = keep.tolist()
         if self.memory is not None:
+            kept = set(order)
             self.memory.remember([index.tokens(0) for number, index in enumerate(self.rows) if number not in kept])
-        self.rows = [self.rows[number] for number in keep.tolist()]
-        self.expected = [self.expected[number] for number in keep.tolist()]
-        self.proposed = [self.proposed[number] for number in keep.tolist()]
-        self.scales = [self.scales[number] for number in keep.tolist()]
-        self.found = [self.found[number] for number in keep.tolist()]
-        self.depths = [self.depths[number] for number in keep.tolist()]
+        for name in ("rows", "expected", "proposed", "scales", "found", "depths"):  # the per-row lists
+            values = getattr(self, name)
+            setattr(self, name, [values[number] for number in order])
 
     def _row_scale(self, row: int, length: int) -> float:
         """The row's budget scale after the last step accepted ``length - 1`` drafts (adaptive:
