@@ -54,12 +54,13 @@ def distinct_prompts(tokenizer, file: str, count: int) -> list[torch.Tensor]:
     for line in (PROMPTS / file).read_text().splitlines():
         if not line.strip():
             continue
-        words = json.loads(line)["prompt"].split()
+        text = json.loads(line)["prompt"]
+        words = text.split()
         windows = {tuple(words[i:i + WINDOW]) for i in range(max(1, len(words) - WINDOW + 1))}
         if windows & seen:
             continue
         seen |= windows
-        kept.append(tokenizer(json.loads(line)["prompt"], return_tensors="pt").input_ids)
+        kept.append(tokenizer(text, return_tensors="pt").input_ids)
         if len(kept) == count:
             break
     return kept
