@@ -70,3 +70,28 @@ def test_bootstrap_interval_holds_the_median_and_narrows_with_more_prompts():
     low_many, high_many = bootstrap_median(many)
     assert high_many - low_many < high - low
     assert bootstrap_median([1.0] * 5) == (1.0, 1.0)
+
+
+def test_history_runs_keep_only_prompts_that_share_no_window(tmp_path, monkeypatch):
+    """With --history no two prompts of a run share a WINDOW-word window (a history holding a
+    near-duplicate request would copy its continuation); the first of each overlapping pair is kept."""
+    import json
+
+    import benchmarks.common
+    from benchmarks.bench_kinds import WINDOW, distinct_prompts
+
+    words = [f"w{i}" for i in range(60)]
+    texts = [" ".join(words[0:20]), " ".join(words[5:25]), " ".join(words[30:50]),  # 2nd overlaps the 1st
+             " ".join(words[30:30 + WINDOW - 1] + ["x"]), "short prompt", "short prompt"]
+    (tmp_path / "mix.jsonl").write_text("\n".join(json.dumps({"prompt": text}) for text in texts) + "\n")
+    monkeypatch.setattr(benchmarks.common, "PROMPTS", tmp_path)
+
+    class Tokenizer:
+        def __call__(self, text, return_tensors):
+            import torch
+            return type("Encoded", (), {"input_ids": torch.tensor([[len(text)]])})()
+
+    kept = distinct_prompts(Tokenizer(), "mix.jsonl", 10)
+    # kept: the 1st, the 3rd; the 4th shares only WINDOW - 1 words with the 3rd; one "short prompt"
+    assert [int(p) for p in kept] == [len(texts[0]), len(texts[2]), len(texts[3]), len(texts[4])]
+    assert len(distinct_prompts(Tokenizer(), "mix.jsonl", 2)) == 2
