@@ -281,23 +281,53 @@ class RaggedCache:
 
     def __init__(self, batch_size: int, device: torch.device | str) -> None:
         self.cache = new_cache()
+        # slots kept whole by a one-row step while the cache had no hole, not yet in the tensors:
+        # (positions [R, N], index [R, L]) each, their positions ``positions.gather(1, index)``
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.visible = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+
+    def _settle(self) -> None:
+        """Append the pending slots to ``visible`` and ``positions`` (all visible: the cache stays dense)."""
+        pending, self._pending = self._pending, []
+        rows = self._visible.shape[0]
+        count = sum(int(index.shape[1]) for _, index in pending)
+        self._visible = torch.cat([self._visible, self._visible.new_ones(rows, count)], dim=1)
+        self._positions = torch.cat([self._positions] + [positions.gather(1, index) for positions, index in pending],
+                                    dim=1)
 
     @property
     def visible(self) -> torch.Tensor:
         """``[R, S]`` bool: which slots each row attends to."""
+        if self._pending:
+            self._settle()
         return self._visible
 
     @visible.setter
     def visible(self, value: torch.Tensor) -> None:
+        if self._pending:
+            self._settle()
         self._visible = value
+        self._width = int(value.shape[1])
         self._dense: bool | None = None  # dense(), read from the tensor at most once per change
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[R, S]`` long: each slot's position id."""
+        if self._pending:
+            self._settle()
+        return self._positions
+
+    @positions.setter
+    def positions(self, value: torch.Tensor) -> None:
+        if self._pending:
+            self._settle()
+        self._positions = value
 
     @property
     def width(self) -> int:
         """Slots per row that the bookkeeping covers (the cache may hold more, see :meth:`crop`)."""
-        return int(self.visible.shape[1])
+        return self._width
 
     def mask(self, query_positions: torch.Tensor, new_visible: torch.Tensor, layout, dtype: torch.dtype,
              new_key_positions: torch.Tensor | None = None):
@@ -325,15 +355,23 @@ class RaggedCache:
         self._dense = dense
         self.positions = torch.cat([self.positions, positions], dim=1)
 
-    def keep(self, index: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor, full: bool = False) -> None:
+    def keep(self, index: torch.Tensor, kept: torch.Tensor | None, positions: torch.Tensor, full: bool = False) -> None:
         """After a forward appended ``N`` slots per row at ``positions`` ``[R, N]`` past
         :attr:`width`, row ``b`` keeps slots ``index[b]`` (``[R, L]``) of them, moved to the front
         of that region; ``kept`` ``[R, L]`` marks the real ones (the rest are holes; ``full``: the
-        caller knows there are none, so a cache without holes stays one without a host read)."""
+        caller knows there are none, so a cache without holes stays one without a host read, and
+        ``kept`` may be None)."""
         start = self.width
         if positions.shape[1] > 1:  # one appended slot (a plain step) is its own path: nothing moves
             keep_path(self.cache, start, index)
+        if full and self._dense:  # still no hole: the bookkeeping waits until something reads it (a
+            # dense cache without a window needs neither tensor for its masks; 3 tensor calls a step)
+            self._pending.append((positions, index))
+            self._width += int(index.shape[1])
+            return
         dense = self._dense if full else None
+        if kept is None:
+            kept = torch.ones(index.shape, dtype=torch.bool, device=index.device)
         self.visible = torch.cat([self.visible, kept], dim=1)
         self._dense = dense
         self.positions = torch.cat([self.positions, positions.gather(1, index)], dim=1)

@@ -391,8 +391,7 @@ class SpeculativeDecoder:
         paths, lengths = accepted.paths, accepted.lengths  # (R, L) padded with the last kept node, (R,)
         self._lap("accept")
         if len(self.rows) == 1:  # its whole path is real
-            kept = torch.ones(paths.shape, dtype=torch.bool, device=paths.device)
-            self.cache.keep(paths, kept, query_positions, full=True)
+            self.cache.keep(paths, None, query_positions, full=True)
         else:
             kept = torch.arange(paths.shape[1], device=paths.device)[None, :] < lengths[:, None]
             self.cache.keep(paths, kept, query_positions)

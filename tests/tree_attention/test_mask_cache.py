@@ -240,3 +240,30 @@ def test_layers_of_different_shapes_keep_their_own_buffers():
     append(2)
     for ours, theirs in zip(growing.layers, reference.layers):
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5)), min_size=1, max_size=6), st.integers(1, 5))
+def test_one_row_bookkeeping_read_late_equals_the_eager_one(steps, prompt):
+    """A one-row cache without holes defers ``visible`` and ``positions`` (``keep(full=True)``); read at
+    any point, they equal the eager bookkeeping of the same slots (a slot kept per path node)."""
+    lazy = cache_ops.RaggedCache(1, "cpu")
+    eager = cache_ops.RaggedCache(1, "cpu")
+    positions = torch.arange(prompt)[None, :]
+    for ragged in (lazy, eager):
+        ragged.extend(torch.ones(1, prompt, dtype=torch.bool), positions)
+    length = prompt
+    for width, extra in steps:
+        depth = min(extra, width - 1)
+        query_positions = length + torch.arange(width)[None, :].clamp(max=depth)  # a chain, then siblings
+        path = torch.arange(depth + 1)[None, :]
+        lazy.keep(path, None, query_positions, full=True)
+        eager.keep(path, torch.ones(path.shape, dtype=torch.bool), query_positions)
+        length += depth + 1
+        assert lazy.width == eager.width == length
+        assert lazy.dense()
+    assert torch.equal(lazy.positions, eager.positions)
+    assert torch.equal(lazy.visible, eager.visible)
+    assert lazy.positions.tolist() == [list(range(length))]
+    lazy.crop(prompt + 1)  # a crop after the late read keeps both aligned
+    assert lazy.width == prompt + 1 and lazy.positions.shape == (1, prompt + 1) and lazy.dense()
