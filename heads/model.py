@@ -4,7 +4,9 @@ what the backbone's own ``generate`` returns."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Sequence
@@ -21,7 +23,7 @@ from . import kinds
 from .backbone import Backbone
 from .families import position_limit
 from .generation import acceptance_rule, resolve_generation
-from .processors import context_processors
+from .processors import context_processors, custom_processors
 
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,17 @@ def _evaluation(module: nn.Module):
     finally:
         if was_training:
             module.train()
+
+
+def _one_call_at_a_time(method):
+    """``method`` run under its spec's lock (``_lock``, re-entrant): a drafter keeps per-call state
+    (rows, caches, history), so two calls on one spec must not interleave."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 def pad_token_id(model: PreTrainedModel) -> int | None:
@@ -135,19 +148,22 @@ class SpeculativeModel:
         backbone: the unmodified ``PreTrainedModel`` (frozen).
         heads: the drafter, the only trainable parameters.
         target: the :class:`~heads.backbone.Backbone` view of ``backbone`` the loop runs.
-        last_stats: :class:`~tree_attention.decode.DecodeStats` of the last ``generate``.
+        last_stats: :class:`~tree_attention.decode.DecodeStats` of the calling thread's last
+            ``generate`` (a thread that has not called it reads the last call's of any thread).
         backbone_lora: the backbone's peft adapters (:class:`heads.lora.BackboneLora`) or None.
     """
 
     def __init__(self, target: Backbone, heads: nn.Module, kind: str, config,
                  accuracy: Sequence[Sequence[float]] | None = None) -> None:
+        self._lock = threading.RLock()  # held by generate, set_tree and set_lookup
+        self._thread_stats = threading.local()
+        self._latest_stats: DecodeStats | None = None
         self.target = target
         self.backbone = target.model
         self.heads = heads
         self.kind = kind
         self.config = config
         self.accuracy = [list(row) for row in accuracy] if accuracy is not None else None
-        self.last_stats: DecodeStats | None = None
         self.metadata: dict = {}
         self.backbone_lora = None
         """:class:`heads.lora.BackboneLora` when the backbone carries peft adapters (a Medusa-2 LoRA, a
@@ -156,6 +172,16 @@ class SpeculativeModel:
         self.lookup = None
         self._lookup_memory = self._lookup_gate = None
         self.set_tree(config.tree)
+
+    @property
+    def last_stats(self) -> DecodeStats | None:
+        """The calling thread's last ``generate`` statistics; in a thread that has not called
+        ``generate`` (e.g. the one that started a streaming call), the latest of any thread."""
+        return getattr(self._thread_stats, "value", self._latest_stats)
+
+    @last_stats.setter
+    def last_stats(self, stats: DecodeStats | None) -> None:
+        self._thread_stats.value = self._latest_stats = stats
 
     @property
     def tree(self) -> TreeTemplate:
@@ -173,6 +199,7 @@ class SpeculativeModel:
     def shared_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.logits(hidden)
 
+    @_one_call_at_a_time
     def set_tree(self, tree=None) -> None:
         """Choose the verification tree (None: the configured one).
 
@@ -191,6 +218,7 @@ class SpeculativeModel:
 
         return HybridDrafter(drafter, LookupDrafter(self.lookup, self._lookup_memory), self._lookup_gate)
 
+    @_one_call_at_a_time
     def set_lookup(self, lookup=True, **options) -> None:
         """Add lookup drafting to this drafter's trees (a hybrid; ``False``/None: remove it).
 
@@ -215,9 +243,11 @@ class SpeculativeModel:
     def pad_token_id(self) -> int | None:
         return pad_token_id(self.backbone)
 
+    @_one_call_at_a_time
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  generation_config=None, stopping_criteria=None, streamer=None, *,
+                 inputs: torch.Tensor | None = None, logits_processor=None, prefix_allowed_tokens_fn=None,
                  generator: torch.Generator | None = None, acceptance: str = "auto",
                  posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
                  speculate: str | None = None, **kwargs) -> torch.Tensor:
@@ -249,9 +279,25 @@ class SpeculativeModel:
         measured on this machine while serving (:mod:`heads.policy`), down to plain decoding steps,
         and stop drafting within the call when it does not pay; the choice is in
         ``last_stats.speculation``. None: the configured tree.
+
+        ``inputs=`` is another name for ``input_ids`` (as in ``model.generate``; give one).
+        ``logits_processor=``: a ``LogitsProcessorList`` of the processors that the fields above
+        build (no-repeat n-grams, suppressed tokens, minimum lengths) is honoured as those fields,
+        taking precedence over them as in ``generate``; any other processor is refused by name.
+        ``prefix_allowed_tokens_fn`` is refused (it would have to run on every drafted node).
+
+        Threads: calls on one spec run one at a time (a per-spec lock around the whole call, since
+        the drafter keeps per-call state); ``last_stats`` is the calling thread's own.
         """
+        if inputs is not None:
+            if input_ids is not None:
+                raise ValueError("generate() got the prompt twice, as input_ids and as inputs=; give one")
+            input_ids = inputs
         if input_ids is None:
             raise TypeError("generate() needs input_ids (speculative decoding continues a prompt)")
+        if prefix_allowed_tokens_fn is not None:
+            raise NotImplementedError("prefix_allowed_tokens_fn=: speculative decoding does not constrain drafted "
+                                      "nodes with it (a Python call per node); use model.generate")
         check_generate_inputs(input_ids, attention_mask, 0)
         if speculate not in (None, "auto"):
             raise ValueError(f"speculate must be None (the configured tree) or 'auto'; got {speculate!r}")
@@ -264,6 +310,7 @@ class SpeculativeModel:
                              f"exceeds this model's {limit} positions (n_positions / max_position_embeddings)")
         rule = acceptance_rule(config, bool(config.do_sample), config.temperature, config.top_k, config.top_p,
                                generator, acceptance, posterior_threshold, posterior_alpha)
+        custom_processors(logits_processor, config, settings.eos_token_ids, int(input_ids.shape[1]))
         process = context_processors(config, settings.eos_token_ids, int(input_ids.shape[1]))
         if process is not None:
             rule.key = f"{rule.key} {process.key}"

@@ -15,6 +15,10 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers.generation.logits_process import (
+    MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor, SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor,
+)
 
 from tree_attention.context import Contexts
 
@@ -143,3 +147,47 @@ def context_processors(config, eos_token_ids, prompt_width: int) -> GenerateProc
     runs untouched)."""
     processors = GenerateProcessors(config, eos_token_ids, prompt_width)
     return processors if processors.active else None
+
+
+def _ids(value) -> frozenset[int]:
+    return frozenset(torch.as_tensor(value).flatten().tolist())
+
+
+def custom_processors(processors, config, eos_token_ids, prompt_width: int) -> None:
+    """Honour ``generate(logits_processor=...)``: each processor that one of :data:`FIELDS` builds is
+    written into ``config`` as that field (a custom processor takes precedence over the field's,
+    as in ``generate``); any other processor, or one whose parameters no field expresses, is a
+    NotImplementedError naming it. ``None`` and an empty list change nothing."""
+    if processors is None:
+        return
+    if isinstance(processors, (str, bytes)) or not hasattr(processors, "__iter__"):
+        raise TypeError(f"logits_processor must be a LogitsProcessorList (or a list of processors); got "
+                        f"{type(processors).__name__}")
+    eos = frozenset(eos_token_ids)
+    for processor in processors:
+        name = type(processor).__name__
+        reason = None
+        if type(processor) is NoRepeatNGramLogitsProcessor:
+            config.no_repeat_ngram_size = int(processor.ngram_size)
+        elif type(processor) is SuppressTokensLogitsProcessor:
+            config.suppress_tokens = sorted(_ids(processor.suppress_tokens))
+        elif type(processor) is MinLengthLogitsProcessor:
+            if _ids(processor.eos_token_id) != eos:
+                reason = "its eos ids differ from the call's eos_token_id; set min_length= instead"
+            config.min_length = int(processor.min_length)
+        elif type(processor) is MinNewTokensLengthLogitsProcessor:
+            if _ids(processor.eos_token_id) != eos or processor.prompt_length_to_skip != prompt_width:
+                reason = "its eos ids or prompt length differ from the call's; set min_new_tokens= instead"
+            config.min_new_tokens = int(processor.min_new_tokens)
+        elif type(processor) is SuppressTokensAtBeginLogitsProcessor:
+            if processor.begin_index != prompt_width:
+                reason = f"its begin_index is not the prompt width {prompt_width}; set begin_suppress_tokens= instead"
+            config.begin_suppress_tokens = sorted(_ids(processor.begin_suppress_tokens))
+        elif type(processor) is RepetitionPenaltyLogitsProcessor:
+            reason = "set repetition_penalty= instead (applied per drafted node, each row's padding skipped)"
+        else:
+            reason = ("speculative decoding applies only the processors of repetition_penalty, no_repeat_ngram_size, "
+                      "min_length, min_new_tokens, suppress_tokens and begin_suppress_tokens to drafted nodes; use "
+                      "model.generate")
+        if reason is not None:
+            raise NotImplementedError(f"logits_processor: {name} is not supported: {reason}")

@@ -150,3 +150,55 @@ def test_a_request_past_the_position_table_is_refused_up_front():
     with pytest.raises(ValueError, match="exceeds this model's 256 positions"):
         spec.generate(prompt, max_new_tokens=10)
     assert spec.generate(prompt, max_new_tokens=6).shape[1] == 256
+
+
+def test_inputs_is_another_name_for_input_ids():
+    """issue 36 item 11: ``model.generate(inputs=ids)`` works, ``spec.generate(inputs=ids)`` said it needs input_ids."""
+    model, spec = _spec()
+    prompt = _prompt()
+    expected = model.generate(inputs=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=10)
+    assert torch.equal(spec.generate(inputs=prompt, max_new_tokens=10), expected)
+    with pytest.raises(ValueError, match="input_ids and as inputs="):
+        spec.generate(prompt, inputs=prompt, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kind", ["lookup", "medusa"])
+def test_a_logits_processor_list_of_known_processors_is_honoured(kind):
+    """issue 36 item 13: processors that GenerationConfig fields build are honoured as those fields,
+    with the same output as ``model.generate(logits_processor=...)``; an empty list or None changes nothing."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList, MinNewTokensLengthLogitsProcessor, NoRepeatNGramLogitsProcessor,
+        SuppressTokensLogitsProcessor,
+    )
+
+    model, spec = _spec(kind=kind)
+    model.generation_config.eos_token_id = 5
+    prompt = _prompt()
+    width = prompt.shape[1]
+    plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12)
+    for empty in (None, LogitsProcessorList(), []):
+        assert torch.equal(spec.generate(prompt, max_new_tokens=12, logits_processor=empty), plain)
+    processors = LogitsProcessorList([NoRepeatNGramLogitsProcessor(2), SuppressTokensLogitsProcessor([7, 9]),
+                                      MinNewTokensLengthLogitsProcessor(width, 6, [5])])
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12,
+                              logits_processor=processors)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=12, logits_processor=processors), expected)
+
+
+def test_other_logits_processors_and_prefix_functions_are_refused_by_name():
+    from transformers.generation.logits_process import (
+        LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+    )
+
+    model, spec = _spec()
+    prompt = _prompt()
+    with pytest.raises(NotImplementedError, match="SequenceBiasLogitsProcessor is not supported"):
+        spec.generate(prompt, max_new_tokens=4,
+                      logits_processor=LogitsProcessorList([SequenceBiasLogitsProcessor({(5,): 2.0})]))
+    with pytest.raises(NotImplementedError, match="RepetitionPenaltyLogitsProcessor.*repetition_penalty="):
+        spec.generate(prompt, max_new_tokens=4, logits_processor=[RepetitionPenaltyLogitsProcessor(1.2)])
+    with pytest.raises(NotImplementedError, match="prefix_allowed_tokens_fn"):
+        spec.generate(prompt, max_new_tokens=4, prefix_allowed_tokens_fn=lambda batch, ids: [1, 2])
+    with pytest.raises(TypeError, match="logits_processor must be"):
+        spec.generate(prompt, max_new_tokens=4, logits_processor=3)
