@@ -113,8 +113,14 @@ def last_axis_argmax(logits: torch.Tensor) -> torch.Tensor:
 def greedy_accept_batch(trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
     """Greedy acceptance of every row at once: ``logits`` ``[R, N, V]``. Equal to
     :func:`greedy_accept` row by row (ties between equally deep paths go to the lower index)."""
+    return accept_choices(trees, last_axis_argmax(logits))
+
+
+def accept_choices(trees: TreeBatch, target: torch.Tensor) -> BatchAcceptance:
+    """The greedy walk given the target's choice at every node, ``target`` ``[R, N]`` long: a node
+    is kept when every node on its root path holds its parent's choice; the deepest such path is
+    kept (the lowest index among the deepest) and its last node's choice is the bonus token."""
     rows, width = trees.tokens.shape
-    target = last_axis_argmax(logits)  # (R, N)
     if width == 1:  # roots only: nothing drafted
         return roots_acceptance(target[:, 0])
     if rows == 1:
@@ -333,24 +339,37 @@ def typical_accept(tree: Tree, probs: torch.Tensor, posterior_threshold: float, 
 
 
 class AcceptanceRule:
-    """How the loop picks the first token after the prompt and which tree path it keeps."""
+    """How the loop picks the first token after the prompt and which tree path it keeps.
+
+    The loop passes every call where its logits stand: ``batch_rows`` (the batch index of each row
+    of ``logits``; rows leave the batch as they finish) and ``positions`` (the position id of each
+    logits row's query, padding excluded: ``[R]`` for :meth:`first_tokens`, ``[R, N]`` for
+    :meth:`accept_batch`). Rules whose draws are keyed by row and position
+    (:class:`tree_attention.gumbel.GumbelRule`) need them; the others ignore them."""
 
     lossless = True
     key = "rule"
     """What acceptance depends on besides the drafts (rule and sampling settings): statistics of
     accepted lengths are only comparable under one key."""
 
+    def for_prompts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> "AcceptanceRule":
+        """The rule for one call on the left-padded prompts ``input_ids`` ``[B, T]``: this rule,
+        unless its draws depend on the prompts (then a copy bound to them)."""
+        return self
+
     def first_token(self, logits: torch.Tensor) -> int:  # logits (V,)
         raise NotImplementedError
 
-    def first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+    def first_tokens(self, logits: torch.Tensor, batch_rows: list[int] | None = None,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
         """The first new token of every row: logits ``[R, V]`` → ``[R]`` long."""
         return torch.tensor([self.first_token(row) for row in logits], dtype=torch.long, device=logits.device)
 
     def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:  # logits (N, V)
         raise NotImplementedError
 
-    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
+    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor, batch_rows: list[int] | None = None,
+                     positions: torch.Tensor | None = None) -> BatchAcceptance:
         """Every row of ``trees`` (logits ``[R, N, V]``), rows in order (draws stay in row order)."""
         return stack_acceptances([self.accept(tree, logits[index, :tree.size])
                                   for index, tree in enumerate(trees.trees())], logits.device)
@@ -362,13 +381,15 @@ class GreedyRule(AcceptanceRule):
     def first_token(self, logits: torch.Tensor) -> int:
         return int(logits.argmax())
 
-    def first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+    def first_tokens(self, logits: torch.Tensor, batch_rows: list[int] | None = None,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
         return last_axis_argmax(logits)
 
     def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
         return greedy_accept(tree, logits)
 
-    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
+    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor, batch_rows: list[int] | None = None,
+                     positions: torch.Tensor | None = None) -> BatchAcceptance:
         return greedy_accept_batch(trees, logits)
 
 
@@ -390,7 +411,8 @@ class SamplingRule(AcceptanceRule):
     def first_token(self, logits: torch.Tensor) -> int:
         return _draw(self.probabilities(logits[None])[0], self.generator)
 
-    def first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+    def first_tokens(self, logits: torch.Tensor, batch_rows: list[int] | None = None,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
         """One draw per row of ``logits`` ``[R, V]`` from its warped distribution, in one call."""
         return torch.multinomial(self.probabilities(logits), 1, generator=self.generator)[:, 0]
 
@@ -399,7 +421,8 @@ class SamplingRule(AcceptanceRule):
         return sample_accept(tree, self.probabilities(logits), self.generator, tree.draft_probs,
                              self.use_residual)
 
-    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
+    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor, batch_rows: list[int] | None = None,
+                     positions: torch.Tensor | None = None) -> BatchAcceptance:
         if trees.width == 1:  # roots only, a plain step: each row's next token drawn from p
             return roots_acceptance(self.first_tokens(logits[:, 0]))
         if logits[0].numel() > LAZY_ELEMENTS:
@@ -423,7 +446,8 @@ class TypicalRule(SamplingRule):
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
 
-    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor) -> BatchAcceptance:
+    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor, batch_rows: list[int] | None = None,
+                     positions: torch.Tensor | None = None) -> BatchAcceptance:
         """Row by row (:func:`typical_accept`), roots-only steps included (lossy either way)."""
         return AcceptanceRule.accept_batch(self, trees, logits)
 

@@ -1,0 +1,160 @@
+"""Counter-based Gumbel noise: seeded sampling whose output depends on the seed, never on the drafts.
+
+**Gumbel-max.** With ``G(v)`` i.i.d. standard Gumbel, ``argmax_v(w(v) + G(v))`` is an exact sample of
+``softmax(w)`` (``w`` the warped logits: ``-inf`` entries are never drawn). If the noise of the token
+at sequence position ``t`` is a fixed function ``G(key, t, v)`` of a row key and ``t``, every token
+is a deterministic function of its prefix: sampling becomes greedy decoding on perturbed logits, and
+speculative verification is the greedy rule on those perturbed logits: a drafted child is kept iff
+its token equals the perturbed argmax at its parent. The committed text is then exactly what plain
+sequential Gumbel-max sampling produces, whatever was drafted, however large the tree, in whichever
+batch row; and it follows the target's distribution: the noise at position ``t`` is independent of
+the noise at earlier positions, which alone decided the prefix, so given the prefix token ``t`` is an
+exact draw from the target's distribution there.
+
+**The stream.** ``G`` comes from a counter-based generator (no state): splitmix64's output function
+applied to ``stream(key, t) + (v + 1) * golden``, read as a uniform ``u`` in (0, 1) (53 bits) and
+mapped to ``-log(-log u)``. Integer arithmetic wraps modulo ``2**64`` on int64 tensors; right shifts
+are made logical by masking. The same ``(key, t, v)`` gives the same noise on any device and in any
+tensor shape, so only the noise of the tokens a rule looks at is ever computed.
+
+**Keys.** A row's key mixes the seed with a hash of its prompt tokens (padding excluded), so rows with
+different prompts draw independent noise and a row's output does not depend on its place in a batch;
+two rows with the same prompt and seed give the same text (give them different seeds to get
+different samples). Positions are position ids (padding excluded): the token drawn after a query at
+position ``p`` has position ``p + 1``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import torch
+
+from .tree import Tree, TreeBatch
+from .verify import Acceptance, BatchAcceptance, GreedyRule, accept_choices
+
+GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64: splitmix64's increment
+_MIX_1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX_2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+_PROMPT = 0x5EED_0F_9E0  # domain constants: a prompt token's term and a position's stream differ
+_POSITION = 0x7A11_0C_A7
+
+
+def _shift(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 ``values`` (torch's ``>>`` keeps the sign)."""
+    return (values >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix(values: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function on int64 ``values`` (any shape): a bijection of 64-bit words
+    whose outputs for consecutive inputs look independent."""
+    values = (values ^ _shift(values, 30)) * _MIX_1
+    values = (values ^ _shift(values, 27)) * _MIX_2
+    return values ^ _shift(values, 31)
+
+
+def as_word(value: int) -> int:
+    """A Python int reduced modulo ``2**64`` to the signed int64 with the same bits."""
+    value %= 1 << 64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def row_keys(seeds: Sequence[int], input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """``[B]`` int64 keys of left-padded prompts ``input_ids`` ``[B, T]`` (``attention_mask`` zeros
+    first): row ``b`` mixes ``seeds[b]`` with its prompt's tokens and their places among the row's
+    tokens, so the same prompt and seed give the same key wherever the row sits and however it is
+    padded."""
+    ids = input_ids.long()
+    mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if len(seeds) != ids.shape[0]:
+        raise ValueError(f"one seed per row: got {len(seeds)} seeds for {ids.shape[0]} rows")
+    place = mask.long().cumsum(dim=1)  # (B, T) 1 at a row's first token
+    terms = mix(mix(ids ^ _PROMPT) + place * GOLDEN)  # (B, T) order-dependent through the place
+    prompt = (terms * mask.long()).sum(dim=1)  # (B,) wrapping sum: the same in any summation order
+    seed = torch.tensor([as_word(int(seed)) for seed in seeds], dtype=torch.long, device=ids.device)
+    return mix(mix(seed) ^ mix(prompt + mask.long().sum(dim=1)))
+
+
+def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise ``G(key, position, token)`` as float64 ``[..., K]`` for int64 ``keys``
+    and ``positions`` ``[...]`` (the position of the token being drawn) and ``tokens`` ``[..., K]``
+    (or ``[K]``, broadcast)."""
+    stream = mix(keys.long() ^ mix(positions.long() + _POSITION))[..., None]  # (..., 1)
+    words = mix(stream + (tokens.long() + 1) * GOLDEN)  # (..., K) splitmix64's sequence from `stream`
+    uniform = (_shift(words, 11).double() + 0.5) * 2.0 ** -53  # (0, 1): never log(0)
+    return -torch.log(-torch.log(uniform))
+
+
+SUPPORT_SHARE = 4
+"""Warped rows whose widest support (finite entries) is under 1/``SUPPORT_SHARE`` of the vocabulary
+(top-k, top-p) get noise only on their support, found by one ``topk``; others on every entry."""
+
+
+def perturbed_argmax(warped: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``argmax_v(warped[..., v] + G(keys, positions, v))``: the Gumbel-max draw of each row of
+    ``warped`` ``[..., V]`` (warped logits, ``-inf`` outside the support), ``keys`` and
+    ``positions`` ``[...]`` int64 (the position of the drawn token). Returns ``[...]`` long.
+
+    The noise is evaluated in float64 and only where it can win (the support), so the result does
+    not depend on how many rows are computed together."""
+    vocab = warped.shape[-1]
+    scores = warped.double()
+    support = int(torch.isfinite(scores).sum(dim=-1).max()) if scores.numel() else 0
+    if 0 < support * SUPPORT_SHARE < vocab:
+        values, tokens = torch.topk(scores, support, dim=-1)  # every finite entry of every row (ties: any order)
+        winner = (values + gumbel_noise(keys, positions, tokens)).argmax(dim=-1, keepdim=True)
+        return tokens.gather(-1, winner)[..., 0]
+    tokens = torch.arange(vocab, device=warped.device)
+    return (scores + gumbel_noise(keys, positions, tokens)).argmax(dim=-1)
+
+
+class GumbelRule(GreedyRule):
+    """Seeded lossless sampling: the greedy rule on Gumbel-perturbed warped logits (module
+    docstring). ``warp`` maps logits ``[M, V]`` to warped logits (temperature, top-k, top-p, as
+    ``generate`` applies them, after any context processors); ``seeds`` is one seed for every row or
+    one per row. A :class:`GreedyRule` in every other respect: which tree is verified, or whether
+    one is, never changes the output. Bind it to a call's prompts with :meth:`for_prompts`; the loop
+    then passes ``batch_rows`` and ``positions`` with every call."""
+
+    key = "gumbel"
+
+    def __init__(self, warp: Callable[[torch.Tensor], torch.Tensor], seeds: int | Sequence[int]) -> None:
+        self.warp = warp
+        self.seeds = seeds
+        self.keys: torch.Tensor | None = None  # (B,) int64 row keys, once bound
+
+    def for_prompts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> "GumbelRule":
+        rows = int(input_ids.shape[0])
+        seeds = [self.seeds] * rows if isinstance(self.seeds, int) else list(self.seeds)
+        bound = copy.copy(self)
+        bound.keys = row_keys(seeds, input_ids, attention_mask)
+        return bound
+
+    def choices(self, logits: torch.Tensor, batch_rows: list[int] | None, positions: torch.Tensor | None
+                ) -> torch.Tensor:
+        """The token drawn after each query: ``logits`` ``[R, ..., V]``, ``positions`` ``[R, ...]`` the
+        queries' position ids, ``batch_rows`` ``[R]``; returns ``[R, ...]`` long."""
+        if self.keys is None or batch_rows is None or positions is None:
+            raise ValueError("GumbelRule draws by row and position: bind it with for_prompts() and pass "
+                             "batch_rows and positions with every call")
+        index = torch.as_tensor(batch_rows, dtype=torch.long, device=self.keys.device)
+        keys = self.keys[index].to(logits.device)
+        keys = keys.view(-1, *([1] * (positions.dim() - 1))).expand(positions.shape)
+        warped = self.warp(logits.reshape(-1, logits.shape[-1]).float()).view(logits.shape)
+        return perturbed_argmax(warped, keys, positions.to(logits.device) + 1)
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        raise ValueError("GumbelRule draws by row and position: use first_tokens with batch_rows and positions")
+
+    def first_tokens(self, logits: torch.Tensor, batch_rows: list[int] | None = None,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.choices(logits, batch_rows, positions)
+
+    def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
+        raise ValueError("GumbelRule draws by row and position: use accept_batch with batch_rows and positions")
+
+    def accept_batch(self, trees: TreeBatch, logits: torch.Tensor, batch_rows: list[int] | None = None,
+                     positions: torch.Tensor | None = None) -> BatchAcceptance:
+        return accept_choices(trees, self.choices(logits, batch_rows, positions))
