@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; its exit code. A user mistake (:class:`~training.commands.common.UsageError`,
-    a bad adapter, checkpoint or data file) is printed as one line and gives exit code 2."""
+    a bad adapter, checkpoint or data file) is printed as one line and gives exit code 2, as does no
+    subcommand (after the usage); Ctrl-C prints one line (what was kept, e.g. where training can
+    resume from) and gives 130, the shell's code for SIGINT."""
     from heads.adapter import AdapterError
 
     from .checkpoint import CheckpointError
@@ -42,13 +44,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 0
+        parser.print_usage(sys.stderr)
+        names = ", ".join(command.__name__.rsplit(".", 1)[-1] for command in SUBCOMMANDS)
+        print(f"selfdraft: error: a command is required ({names}); selfdraft --help "
+              "describes them", file=sys.stderr)
+        return 2
     try:
         return args.handler(args)
     except (UsageError, AdapterError, CheckpointError, DataFormatError) as error:
         print(f"selfdraft {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:
+        print(f"\nselfdraft {args.command}: interrupted" + (f": {interrupt}" if str(interrupt) else ""),
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Prompt sets: the files prompts come in, chat rendering, and tokenization.
 
 - `load_prompts` reads jsonl (``{"prompt"}``, ``{"text"}``, ShareGPT ``{"conversations"}`` or
-  OpenAI ``{"messages"}`` records), a JSON array of such records, or plain text.
+  OpenAI ``{"messages"}`` records), a JSON array of such records, or plain text (one prompt per
+  line, or per blank-line-separated paragraph with ``paragraphs=True``).
 - `tokenize_prompts` / `text_sequences` turn texts into 1D token tensors (`encode_text`: one
   text, never with two BOS tokens when a chat template wrote one).
 - `tokenizer_pad_id`: the id batches of a tokenizer's sequences are padded with.
+- `hold_out`: a seeded validation split of a prompt set (prompts a trainer never sees).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -136,12 +139,17 @@ def _json_array_prompts(text: str, path: Path, tokenizer: Any | None) -> list[st
     ]
 
 
+def _lines(text: str) -> list[str]:
+    """Non-blank lines, stripped of their line ending and surrounding white space."""
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
 def _paragraphs(text: str) -> list[str]:
     """Blank-line-separated paragraphs, stripped; lines inside one keep their newlines."""
     return [block.strip() for block in re.split(r"\n[ \t\r\f\v]*\n", text) if block.strip()]
 
 
-def load_prompts(path: str | os.PathLike[str], tokenizer: Any | None = None) -> list[str]:
+def load_prompts(path: str | os.PathLike[str], tokenizer: Any | None = None, paragraphs: bool = False) -> list[str]:
     """Read a prompt set.
 
     Formats, chosen by file name:
@@ -150,7 +158,9 @@ def load_prompts(path: str | os.PathLike[str], tokenizer: Any | None = None) -> 
       ``{"text": str}``, ShareGPT ``{"conversations": [{"from": "human"|"gpt"|"system",
       "value": str}, ...]}`` or OpenAI ``{"messages": [{"role", "content"}, ...]}``.
     - ``.json``: a JSON array of such records if the file starts with ``[``, else JSON lines.
-    - anything else: plain text, one prompt per blank-line-separated paragraph.
+    - anything else: plain text, one prompt per non-blank line; with ``paragraphs`` one prompt per
+      blank-line-separated paragraph (prompts that span lines, such as code). How the file was read
+      (the format and the prompt count) is logged at INFO.
 
     A chat record's prompt is its turns up to and including the first human/user turn, rendered
     by ``tokenizer.apply_chat_template(..., add_generation_prompt=True, tokenize=False)`` when
@@ -172,11 +182,26 @@ def load_prompts(path: str | os.PathLike[str], tokenizer: Any | None = None) -> 
     elif suffix == ".json":
         prompts = _json_array_prompts(text, path, tokenizer)
     else:
-        prompts = _paragraphs(text)
+        prompts = _paragraphs(text) if paragraphs else _lines(text)
     if not prompts:
         raise DataFormatError(f"{path}: file contains no prompts")
-    logger.info("loaded %d prompts from %s", len(prompts), path)
+    if suffix in (".jsonl", ".json"):
+        logger.info("read %d prompts from %s (JSON records)", len(prompts), path)
+    else:
+        unit = "blank-line-separated paragraph" if paragraphs else "line (blank lines skipped)"
+        logger.info("read %d prompts from %s (plain text: one prompt per %s)", len(prompts), path, unit)
     return prompts
+
+
+def hold_out(prompts: Sequence[str], count: int, seed: int) -> tuple[list[str], list[str]]:
+    """``(kept, held_out)``: ``count`` prompts drawn with ``random.Random(seed)`` (the same split for
+    the same file, count and seed, whatever the file's order groups together), both lists in file
+    order. ``0 <= count <= len(prompts)``."""
+    if not 0 <= count <= len(prompts):
+        raise ValueError(f"count must lie in 0..{len(prompts)}; got {count}")
+    chosen = set(random.Random(seed).sample(range(len(prompts)), count))
+    kept = [prompt for index, prompt in enumerate(prompts) if index not in chosen]
+    return kept, [prompt for index, prompt in enumerate(prompts) if index in chosen]
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> torch.Tensor:

@@ -133,3 +133,90 @@ def target_options(args: argparse.Namespace, vocab_size: int) -> dict:
         return {}
     size = auto_draft_vocab(vocab_size)
     return {} if size is None else {"draft_vocab_size": size}
+
+
+ENGINE_FORMATS = {"vllm": ("speculators", "eagle3", "eagle"), "sglang": ("eagle3", "eagle")}
+"""``selfdraft export --format`` layouts of an EAGLE drafter that each serving engine loads."""
+
+ENGINE_LAYOUT = "eagle3"
+"""The layout ``selfdraft train --for vllm|sglang|any`` trains unless ``--eagle-layout eagle1`` is given:
+EAGLE-3's midlayer, which exports to ``eagle3`` (vLLM, SGLang) and ``speculators`` (vLLM)."""
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """The three target layers an engine-bound EAGLE-3 drafter fuses (``feature_layers``: hidden-state
+    indices, 1..num_layers-1 as the loaders capture them): EAGLE-3's own choice of decoder outputs
+    (2, L/2, L-3), which are ``feature_layers`` 3, L/2+1, L-2, from 8 layers up; 1, L/2, L-1 below."""
+    if num_layers >= 8:
+        return [3, num_layers // 2 + 1, num_layers - 2]
+    return [1, num_layers // 2, num_layers - 1]
+
+
+def _engine_conflicts(args: argparse.Namespace) -> list[str]:
+    """The given flags that ask for what EAGLE checkpoint formats cannot hold (parallel depths, the
+    native layout, other than three fused layers or several EAGLE-3 midlayers)."""
+    conflicts = []
+    if args.parallel is not None and args.parallel > 1:
+        conflicts.append(f"--parallel {args.parallel}")
+    if args.drafting in ("auto", "parallel"):
+        conflicts.append(f"--drafting {args.drafting}")
+    if args.eagle_layout == "native":
+        conflicts.append("--eagle-layout native")
+    if args.feature_layers is not None and (args.eagle_layout == "eagle1" or len(args.feature_layers) != 3):
+        conflicts.append(f"--feature-layers {','.join(map(str, args.feature_layers))}")
+    if args.num_layers is not None and args.num_layers > 1 and args.eagle_layout != "eagle1":
+        conflicts.append(f"--num-layers {args.num_layers}")
+    for flag, dest in (("--parallel-mode", "parallel_mode"), ("--parallel-tokens", "parallel_tokens"),
+                       ("--head-input", "head_input")):
+        if getattr(args, dest, None) is not None:
+            conflicts.append(flag)
+    return conflicts
+
+
+def deploy(args: argparse.Namespace, engine: str | None, model_config) -> str:
+    """Resolve ``selfdraft train --for``: the engine the run trains for (``vllm``, ``sglang``, ``any``
+    or ``hf``), with EAGLE's flags that were not given set to what that engine loads (the
+    :data:`ENGINE_LAYOUT` or ``eagle1`` layout, sequential drafting, three feature layers).
+
+    ``engine`` None (``--for`` not given) means ``any`` unless a given flag asks for selfdraft-only
+    drafting or the target cannot hold an exportable drafter: then ``hf`` (the export line says
+    why). An explicit engine with such a flag or target is a ValueError naming them."""
+    from ..families import LLAMA_EXPORT_FAMILIES, is_llama
+
+    if engine == "hf":
+        return engine
+    text = model_config.get_text_config()
+    family, layers = text.model_type, int(text.num_hidden_layers)
+    label = f"--for {engine}" if engine else "--for (default any)"
+    conflicts = _engine_conflicts(args)
+    target = None
+    if not is_llama(family):
+        target = (f"the EAGLE checkpoint formats engines load build Llama decoder layers "
+                  f"({', '.join(LLAMA_EXPORT_FAMILIES)}); this target is {family!r}")
+    elif args.eagle_layout != "eagle1" and layers < 4:
+        target = (f"EAGLE-3 fuses three of the target's decoder-layer outputs 1..{layers - 1}; this target has "
+                  f"{layers} layers (train with --eagle-layout eagle1)")
+    if engine is None and (conflicts or target):
+        return "hf"
+    if target:
+        raise ValueError(f"{label}: {target}; use --for hf for a drafter only selfdraft serves")
+    if conflicts:
+        raise ValueError(f"{label}: {', '.join(conflicts)}: engines load sequential EAGLE drafters of the eagle1 or "
+                         "eagle3 layout; drop these flags, or use --for hf for selfdraft-only drafting")
+    args.eagle_layout = args.eagle_layout or ENGINE_LAYOUT
+    args.parallel = 1
+    if args.eagle_layout == ENGINE_LAYOUT and args.feature_layers is None:
+        args.feature_layers = default_feature_layers(layers)
+    return engine or "any"
+
+
+def exports(drafter: dict, model_config) -> dict[str, list[str]]:
+    """``{format: reasons it cannot be written}`` (empty: it exports) for a drafter config
+    ``drafter`` (``EagleConfig.to_dict()``) on a target of ``model_config``, before training."""
+    from .checkpoint import eagle_refusals
+
+    text = model_config.get_text_config()
+    config = {"drafter": drafter, "target": {"model_type": text.model_type}}
+    layers = int(text.num_hidden_layers)
+    return {fmt: eagle_refusals(config, "eagle3" if fmt == "speculators" else fmt, layers)
+            for fmt in ("eagle3", "speculators", "eagle")}

@@ -74,3 +74,33 @@ def train_options(args: argparse.Namespace) -> dict:
     return {"hard_label_weight": args.hard_label_weight, "joint": args.joint, **lora_flags.train_options(args),
             "lora_learning_rate": args.lora_lr, "joint_heads_only_steps": args.joint_heads_only_steps,
             "joint_lambda": args.joint_lambda, "joint_lambda_warmup_steps": args.joint_lambda_warmup}
+
+
+ENGINE_FORMATS = {"vllm": ("medusa-vllm",), "sglang": ()}
+"""``selfdraft export --format`` layouts of Medusa heads that each serving engine loads (SGLang's
+speculative decoding takes EAGLE drafters and draft models, no Medusa heads)."""
+
+
+def deploy(args: argparse.Namespace, engine: str | None, model_config) -> str:
+    """Resolve ``selfdraft train --for`` for Medusa heads: every Medusa configuration exports to
+    vLLM's layout, so only ``--for sglang`` is refused (ValueError)."""
+    if engine == "sglang":
+        raise ValueError("--for sglang: SGLang serves no Medusa heads (its speculative decoding takes EAGLE drafters "
+                         "and draft models): use --kind eagle, or --for vllm")
+    return engine or "any"
+
+
+def exports(drafter: dict, model_config) -> dict[str, list[str]]:
+    """``{format: reasons it cannot be written}`` (empty: it exports) for a Medusa drafter config
+    ``drafter`` on a target of ``model_config``, before training."""
+    from ..families import MEDUSA_EXPORT_FAMILIES, medusa_exportable
+
+    family = model_config.get_text_config().model_type
+    reasons = []
+    if drafter.get("draft_vocab_size") is not None:
+        reasons.append("FasterDecoding's MedusaModel scores the full vocabulary (train with --draft-vocab-size full)")
+    if not medusa_exportable(family):
+        reasons.append(f"FasterDecoding's MedusaModel loads {MEDUSA_EXPORT_FAMILIES} targets; this one is {family!r}")
+    if drafter.get("num_layers", 1) > 1:
+        reasons.append("FasterDecoding repeats one residual block per head (train with --num-layers 1)")
+    return {"medusa-vllm": [], "medusa": reasons}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .common import (
-    UsageError, check_input_directory, check_int, check_model, check_number, check_output_file, load_model,
-    read_prompts, write_json,
+    UsageError, add_paragraphs_argument, check_input_directory, check_int, check_model, check_number, check_output_file,
+    load_model, read_prompts, write_json,
 )
 
 
@@ -31,6 +31,7 @@ def add_parser(commands) -> None:
                         help="sampling temperature (0: greedy; sampling arrives with lossless speculative sampling)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    add_paragraphs_argument(parser)
     parser.set_defaults(handler=run)
 
 
@@ -52,13 +53,14 @@ def run(args) -> int:
         raise UsageError("give --adapter DIR, or --lookup N to measure the lookup kind (no adapter)")
     check_int(args.lookup, "--lookup", 0)
     if args.lookup_corpus is not None:
-        read_prompts(args.lookup_corpus, None, "--lookup-corpus")
-    read_prompts(args.data, None)
+        read_prompts(args.lookup_corpus, None, "--lookup-corpus", paragraphs=args.paragraphs)
+    read_prompts(args.data, None, paragraphs=args.paragraphs)
     check_output_file(args.json, "--json")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    corpus = read_prompts(args.lookup_corpus, tokenizer, "--lookup-corpus") if args.lookup_corpus else None
+    corpus = (read_prompts(args.lookup_corpus, tokenizer, "--lookup-corpus", paragraphs=args.paragraphs)
+              if args.lookup_corpus else None)
     lookup = {"corpus": corpus, "tokenizer": tokenizer if corpus else None}
     if args.adapter is None:
         spec = heads.attach_heads(model, kind="lookup", tree=args.lookup, **lookup)
@@ -74,7 +76,7 @@ def run(args) -> int:
             spec.set_tree(args.tree)
         except ValueError as error:
             raise UsageError(f"--tree {args.tree}: {error}") from error
-    prompts = encode_prompts(tokenizer, read_prompts(args.data, tokenizer), args.prompts)
+    prompts = encode_prompts(tokenizer, read_prompts(args.data, tokenizer, paragraphs=args.paragraphs), args.prompts)
     report = measure(spec, prompts, args.max_new_tokens, temperature=args.temperature)
     sampled = args.temperature > 0
     rows = [

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import (
-    check_input_directory, check_int, check_model, check_output_file, load_model, read_prompts, require, write_json,
+    add_paragraphs_argument, check_input_directory, check_int, check_model, check_output_file, load_model, read_prompts,
+    require, write_json,
 )
 
 DEFAULT_CHECK_PROMPTS = 8
@@ -42,6 +43,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help=f"tokens per prompt (default: as recorded, else {DEFAULT_CHECK_TOKENS})")
     parser.add_argument("--json", default=None, help="write the comparison to this JSON file")
+    add_paragraphs_argument(parser)
     parser.set_defaults(handler=run)
 
 
@@ -74,7 +76,7 @@ def run(args) -> int:
     check_int(args.max_new_tokens, "--max-new-tokens", 1)
     check_model(args.model)
     check_input_directory(args.adapter, "--adapter")
-    read_prompts(args.data, None)
+    read_prompts(args.data, None, paragraphs=args.paragraphs)
     check_output_file(args.json, "--json")
     model, tokenizer = load_model(args.model)
     spec = heads.load_heads(model, args.adapter, strict=False)  # a changed target warns, still loads
@@ -84,7 +86,7 @@ def run(args) -> int:
     mix, entry = recorded if recorded else (None, None)
     count = args.prompts or (entry or {}).get("prompts") or DEFAULT_CHECK_PROMPTS
     tokens = args.max_new_tokens or (entry or {}).get("max_new_tokens") or DEFAULT_CHECK_TOKENS
-    prompts = encode_prompts(tokenizer, read_prompts(args.data, tokenizer), count)
+    prompts = encode_prompts(tokenizer, read_prompts(args.data, tokenizer, paragraphs=args.paragraphs), count)
     require(bool(prompts), f"--data {args.data}: no usable prompts")
     report = measure(spec, prompts, tokens)
     drop = (entry["tau"] - report.tau) / entry["tau"] if entry and entry["tau"] > 0 else None

@@ -24,6 +24,11 @@ class UsageError(Exception):
     """A mistake in a command's arguments or inputs: printed as one line, exit code 2."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a command's long step; the message says what was kept (e.g. where training
+    can resume from). :func:`training.cli.main` prints it as one line and exits 130."""
+
+
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise UsageError(message)
@@ -128,13 +133,21 @@ def load_model(directory: str, dtype: str = "float32", revision: str | None = No
     return model, tokenizer
 
 
-def read_prompts(path: str, tokenizer=None, flag: str = "--data") -> list[str]:
-    """:func:`training.prompts.load_prompts`, its errors as one-line :class:`UsageError`."""
+def add_paragraphs_argument(parser) -> None:
+    """``--paragraphs``: how a command reads plain-text prompt files (``args.paragraphs``)."""
+    parser.add_argument("--paragraphs", action="store_true",
+                        help="plain-text prompt files hold one prompt per blank-line-separated paragraph (prompts "
+                             "that span lines, such as code) instead of one prompt per line")
+
+
+def read_prompts(path: str, tokenizer=None, flag: str = "--data", paragraphs: bool = False) -> list[str]:
+    """:func:`training.prompts.load_prompts`, its errors as one-line :class:`UsageError`; a plain-text
+    file is one prompt per line, or per blank-line-separated paragraph with ``paragraphs``."""
     from ..prompts import DataFormatError, load_prompts
 
     check_input_file(path, flag)
     try:
-        return load_prompts(path, tokenizer)
+        return load_prompts(path, tokenizer, paragraphs=paragraphs)
     except DataFormatError as error:
         raise UsageError(f"{flag}: {error}") from error
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import check_int, check_model, check_output_file, load_model, read_prompts
+from .common import add_paragraphs_argument, check_int, check_model, check_output_file, load_model, read_prompts
 
 
 def add_parser(commands) -> None:
@@ -18,6 +18,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--prompts", type=int, default=None, help="use at most this many prompts (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    add_paragraphs_argument(parser)
     parser.set_defaults(handler=run)
 
 
@@ -32,12 +33,12 @@ def run(args) -> int:
         check_int(args.prompts, "--prompts", 1)
     check_int(args.threads, "--threads", 1)
     check_model(args.model)
-    read_prompts(args.data, None)
+    read_prompts(args.data, None, paragraphs=args.paragraphs)
     check_output_file(args.out, "--out")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    prompts = encode_prompts(tokenizer, read_prompts(args.data, tokenizer), args.prompts)
+    prompts = encode_prompts(tokenizer, read_prompts(args.data, tokenizer, paragraphs=args.paragraphs), args.prompts)
     sequences, facts = target_corpus(model, prompts, args.max_new_tokens)
     texts = [tokenizer.decode(sequence, skip_special_tokens=True) for sequence in sequences]
     path = write_corpus(args.out, texts)

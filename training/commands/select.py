@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from .common import (
-    UsageError, check_input_directory, check_int, check_model, check_number, check_output_file, load_model,
-    read_prompts, require, write_json,
+    UsageError, add_paragraphs_argument, check_input_directory, check_int, check_model, check_number, check_output_file,
+    load_model, read_prompts, require, write_json,
 )
 
 VERIFY_PHASES = ("mask", "forward", "accept", "cache", "commit")
@@ -55,6 +55,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of sampled generation")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", default=None, help="write the ranking to this JSON file")
+    add_paragraphs_argument(parser)
     parser.set_defaults(handler=run)
 
 
@@ -76,7 +77,7 @@ def check_arguments(args) -> None:
     for directory in args.draft:
         check_model(directory, "--draft")
         require(Path(directory).is_dir(), f"--draft {directory}: no such directory (a draft model directory)")
-    read_prompts(args.data, None)
+    read_prompts(args.data, None, paragraphs=args.paragraphs)
     check_output_file(args.json, "--json")
 
 
@@ -245,7 +246,8 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    texts = [text for text in read_prompts(args.data, tokenizer) if text.strip()][: args.prompts]
+    texts = read_prompts(args.data, tokenizer, paragraphs=args.paragraphs)
+    texts = [text for text in texts if text.strip()][: args.prompts]
     require(bool(texts), f"--data {args.data}: no non-empty prompt")
     specs = candidates(args, model)
     prompt_batches = list(batches(tokenizer, texts, args.batch_size))

@@ -4,20 +4,39 @@
 adds its own flags (``heads/<kind>/cli.py``) and turns them into ``attach_heads`` options and
 ``TrainConfig`` fields. A flag of another kind that was given reaches ``attach_heads`` too, which
 refuses it by name.
+
+``--for`` names where the adapter will be served: a kind's ``cli.deploy`` sets the flags not given
+to a configuration that engine's loaders take (EAGLE: the EAGLE-3 layout, sequential drafting) and
+refuses given flags that contradict it; the command prints, before loading the model, which export
+formats and engines the configuration reaches.
+
+Without ``--eval-data``, tau is measured on a seeded share of the training prompts held out from
+training (``--eval-fraction``); the adapter records which split each figure comes from.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from heads import _refuse_foreign_options, kinds
 
 from ..losses import DIVERGENCES
 from .common import (
-    UsageError, check_input_file, check_int, check_model, check_number, check_output_directory, check_output_file,
-    load_model, logger, read_prompts, require, write_json,
+    Interrupted, UsageError, add_paragraphs_argument, check_input_file, check_int, check_model, check_number, check_output_directory,
+    check_output_file, load_model, logger, read_prompts, require, write_json,
 )
+
+ENGINES = ("any", "vllm", "sglang", "hf")
+"""``--for`` choices: serving engines (``vllm``, ``sglang``), ``any`` (what every engine the kind has a
+format for loads) and ``hf`` (selfdraft's own generate only, which allows selfdraft-only settings)."""
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+EVAL_FRACTION = 0.1
+"""``--eval-fraction``'s default: the share of the training prompts held out to measure tau on (at most
+``--eval-prompts`` of them)."""
+MIN_TRAINING_PROMPTS = 2
+"""Fewest prompts left to train on after the held-out split; with fewer, tau is measured in-sample."""
 
 
 class _KindArguments:
@@ -56,8 +75,16 @@ def add_parser(commands) -> None:
     )
     parser.add_argument("--model", required=True, help="local Hugging Face model directory (or hub id)")
     parser.add_argument("--kind", choices=kinds.trainable(), default="medusa", help="drafter kind")
+    parser.add_argument("--for", dest="target_engine", choices=ENGINES, default=None,
+                        help="where the adapter will be served: vllm or sglang (a configuration their loaders take, "
+                             "e.g. EAGLE-3 layout and sequential drafting for --kind eagle; flags that contradict it "
+                             "are refused), any (every engine the kind exports to), hf (selfdraft's generate only: "
+                             "allows selfdraft-only settings such as EAGLE's parallel depths). Default: any, or hf "
+                             "where a given flag or the target rules engines out (printed before training)")
     parser.add_argument("--data", required=True,
-                        help="prompts: jsonl ({'prompt'}, {'text'} or ShareGPT {'conversations'}) or plain text")
+                        help="prompts: jsonl ({'prompt'}, {'text'} or ShareGPT {'conversations'}) or plain text (one "
+                             "prompt per line; see --paragraphs)")
+    add_paragraphs_argument(parser)
     parser.add_argument("--out", required=True, help="adapter directory to write")
     parser.add_argument("--lookup", type=int, default=None, metavar="N",
                         help="save the adapter as a hybrid: its trees plus lookup drafting of N nodes per step")
@@ -92,8 +119,14 @@ def add_parser(commands) -> None:
     parser.add_argument("--checkpoint-dir", default=None, help="directory for resumable checkpoints")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     parser.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
-    parser.add_argument("--eval-data", default=None, help="held-out prompts for the final tau evaluation")
-    parser.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts to evaluate (0: skip)")
+    parser.add_argument("--eval-data", default=None,
+                        help="prompts for the final tau evaluation (default: a held-out share of --data, see "
+                             "--eval-fraction)")
+    parser.add_argument("--eval-fraction", type=float, default=None,
+                        help="without --eval-data: share of the --data prompts held out from training (a seeded "
+                             f"choice, at least 1, at most --eval-prompts) to measure tau on (default {EVAL_FRACTION:g}; "
+                             "0: measure on training prompts, recorded as in-sample)")
+    parser.add_argument("--eval-prompts", type=int, default=8, help="prompts to evaluate (0: skip)")
     parser.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens per evaluation prompt")
     parser.add_argument("--seed", type=int, default=0, help="seed of batches and sampled data")
     parser.add_argument("--revision", default=None,
@@ -194,12 +227,40 @@ def _sequences(args, model, tokenizer, prompts, accelerator):
     return [sequence[: args.max_length] for sequence in sequences if sequence.numel() > 2]
 
 
-def _held_out_acceptance(args, spec, tokenizer, config) -> dict:
-    """``{data stem: entry}`` (or a list of entries, one per temperature) measured on held-out prompts."""
+def evaluation_split(args, prompts: list[str]) -> tuple[list[str], list[str], str | None]:
+    """``(training prompts, evaluation prompts, split)`` of ``--data``'s prompts. ``split`` is what
+    the adapter records with tau: ``held-out`` (a seeded ``--eval-fraction`` of the prompts, never
+    trained on), ``in-sample`` (``--eval-fraction 0``, or too few prompts to hold any out: the first
+    training prompts), ``eval-data`` (``--eval-data``'s prompts, read later) or None (no evaluation)."""
+    from ..prompts import hold_out
+
+    if not args.eval_prompts:
+        return prompts, [], None
+    if args.eval_data:
+        return prompts, [], "eval-data"
+    fraction = EVAL_FRACTION if args.eval_fraction is None else args.eval_fraction
+    count = min(args.eval_prompts, max(1, math.ceil(len(prompts) * fraction))) if fraction else 0
+    if count and len(prompts) - count < MIN_TRAINING_PROMPTS:
+        logger.warning("%d prompts in %s: too few to hold %d out for the evaluation; tau is measured on training "
+                       "prompts (recorded as in-sample)", len(prompts), args.data, count)
+        count = 0
+    if not count:
+        return prompts, prompts[: args.eval_prompts], "in-sample"
+    kept, held_out = hold_out(prompts, count, args.seed)
+    logger.info("held out %d of the %d prompts of %s to measure tau on (--eval-fraction %g)", count, len(prompts),
+                args.data, fraction)
+    return kept, held_out, "held-out"
+
+
+def _held_out_acceptance(args, spec, tokenizer, config, texts: list[str], split: str) -> dict:
+    """``{data stem: entry}`` (or a list of entries, one per temperature) measured on the evaluation
+    prompts ``texts`` (``--eval-data``'s when ``split`` is ``eval-data``); each entry records ``split``."""
     from ..evaluate import encode_prompts, measure
 
     eval_path = args.eval_data or args.data
-    eval_prompts = encode_prompts(tokenizer, read_prompts(eval_path, tokenizer), args.eval_prompts)
+    if split == "eval-data":
+        texts = read_prompts(eval_path, tokenizer, "--eval-data", paragraphs=args.paragraphs)
+    eval_prompts = encode_prompts(tokenizer, texts, args.eval_prompts)
     # greedy, and the serving temperature an on-policy run was matched to
     temperatures = sorted({0.0, config.serving_temperature if config.on_policy_ratio else 0.0})
     entries = []
@@ -208,15 +269,17 @@ def _held_out_acceptance(args, spec, tokenizer, config) -> dict:
                          seed=args.seed)
         entry = {"tau": report.tau, "acceptance_by_position": report.acceptance_by_position,
                  "prompts": report.prompts, "max_new_tokens": args.eval_max_new_tokens,
-                 "tokens_per_s_spec": report.tokens_per_s_spec}
+                 "tokens_per_s_spec": report.tokens_per_s_spec, "split": split}
         entries.append({**entry, "temperature": temperature} if temperature else entry)
-        logger.info("held-out tau %.3f on %s at temperature %g", report.tau, eval_path, temperature)
+        logger.info("%s tau %.3f on %d prompts of %s at temperature %g", split, report.tau, report.prompts, eval_path,
+                    temperature)
     return {Path(eval_path).stem: entries[0] if len(entries) == 1 else entries}
 
 
-def _recipe(args, config, prompts, accelerator) -> dict:
+def _recipe(args, config, prompts, accelerator, engine: str, held_out: int) -> dict:
     return {
-        "data": str(args.data), "prompts": len(prompts), "divergence": args.divergence,
+        "data": str(args.data), "prompts": len(prompts), "held_out_prompts": held_out, "for": engine,
+        "divergence": args.divergence,
         "temperature": args.temperature, "data_temperature": args.data_temperature,
         "on_policy": config.on_policy_ratio > 0, "on_policy_ratio": config.on_policy_ratio,
         "on_policy_refresh": config.on_policy_refresh if config.on_policy_ratio else None,
@@ -226,11 +289,57 @@ def _recipe(args, config, prompts, accelerator) -> dict:
     }
 
 
+def resolve_engine(args, model_config) -> str:
+    """``--for`` resolved by the kind (``cli.deploy``, which sets the flags not given to what the
+    engine loads); a kind without engine formats keeps ``--for`` as given (``any`` by default)."""
+    deploy = getattr(kinds.get(args.kind).cli, "deploy", None)
+    if deploy is None:
+        return args.target_engine or "any"
+    try:
+        return deploy(args, args.target_engine, model_config)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+
+def export_line(args, engine: str, drafter: dict, model_config) -> str:
+    """One line: the export formats (and the engines that load them) the drafter config ``drafter``
+    will reach, and the engines it will not load in, with the first reason."""
+    cli = kinds.get(args.kind).cli
+    exports = getattr(cli, "exports", None)
+    head = f"--for {engine}{'' if args.target_engine else ' (default)'}: this {args.kind} drafter"
+    if exports is None:
+        return f"{head} has no engine checkpoint format (selfdraft export); selfdraft's generate serves it"
+    refusals, engine_formats = exports(drafter, model_config), cli.ENGINE_FORMATS
+    loaders = {fmt: [ENGINE_NAMES[name] for name, formats in engine_formats.items() if fmt in formats]
+               for fmt in refusals}
+    ready = [f"{fmt} ({', '.join(loaders[fmt]) or 'its reference loader'})" for fmt, why in refusals.items() if not why]
+    line = f"{head} will export to {', '.join(ready) if ready else 'no engine format'}"
+    missing = [name for name, formats in engine_formats.items() if not any(not refusals[fmt] for fmt in formats)]
+    if missing:
+        reasons = [why[0] for name in missing for fmt in engine_formats[name] for why in [refusals[fmt]] if why]
+        engines = " or ".join(ENGINE_NAMES[name] for name in missing)
+        line += f"; it will not load in {engines}" + (f": {reasons[0]}" if reasons else "")
+        if engine == "hf" and reasons:
+            line += " (train with --for vllm or --for sglang for an engine)"
+    return line
+
+
+def _target_config(args):
+    """The target's ``config.json`` (no weights), a :class:`UsageError` naming ``--model`` when unreadable."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(args.model, revision=args.revision)
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"--model {args.model}: cannot read its config: {error}") from error
+
+
 def check_arguments(args, processes: int):
-    """Every check of the flags and paths that needs no model: counts, input files (the prompt
-    files are parsed), output paths, the kind's options and, with ``--resume``, the checkpoint
-    and its recipe. Returns the ``TrainConfig``; :class:`UsageError` (or ``CheckpointError``) on
-    the first problem."""
+    """Every check of the flags and paths that needs no model weights: counts, input files (the
+    prompt files are parsed), output paths, ``--for`` against the target's config and the other
+    flags (the flags not given are set to the engine's configuration), the kind's options and, with
+    ``--resume``, the checkpoint and its recipe. Returns ``(TrainConfig, engine, export line)``;
+    :class:`UsageError` (or ``CheckpointError``) on the first problem."""
     from heads.adapter import CONFIG_NAME, WEIGHTS_NAME
     from heads.lora import FOLDER_NAME as LORA_FOLDER
     from .. import checkpoint
@@ -250,6 +359,10 @@ def check_arguments(args, processes: int):
             ("--lookup", args.lookup, 1, " (lookup nodes per step of the hybrid)")):
         check_int(value, flag, minimum, meaning)
     check_number(args.lr, "--lr", 0.0, inclusive=False)
+    require(args.eval_fraction is None or 0 <= args.eval_fraction < 1,
+            f"--eval-fraction must be a number >= 0 and < 1 (the share of --data held out); got {args.eval_fraction}")
+    require(not (args.eval_fraction is not None and args.eval_data),
+            "--eval-fraction holds out --data prompts; with --eval-data tau is measured on that file: give one of them")
     check_number(args.temperature, "--temperature", 0.0, inclusive=False)
     require(0 < args.jsd_beta < 1, f"--jsd-beta must lie in (0, 1) (the target's weight in JSD); got {args.jsd_beta}")
     check_number(args.data_temperature, "--data-temperature", 0.0)
@@ -260,9 +373,9 @@ def check_arguments(args, processes: int):
     require(not (args.checkpoint_every and not args.checkpoint_dir),
             f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir (where to write the checkpoints)")
     check_model(args.model)
-    read_prompts(args.data, None, "--data")  # parsed now (chat records rendered plainly) so errors come first
+    read_prompts(args.data, None, "--data", args.paragraphs)  # parsed now (chats rendered plainly): errors come first
     if args.eval_data:
-        read_prompts(args.eval_data, None, "--eval-data")
+        read_prompts(args.eval_data, None, "--eval-data", paragraphs=args.paragraphs)
     own_files = tuple(name for kind in kinds.registry().values() for name in kind.adapter_files)  # e.g. draft_model/
     check_output_directory(args.out, "--out", replaceable=(CONFIG_NAME, WEIGHTS_NAME, LORA_FOLDER, *own_files))
     check_output_file(args.json, "--json")
@@ -271,31 +384,40 @@ def check_arguments(args, processes: int):
             require(Path(path).is_dir(), f"{flag} {path}: exists and is not a directory")
         elif path is not None:
             check_output_file(path, flag)
+    model_config = _target_config(args)
+    engine = resolve_engine(args, model_config)
     try:
         config = train_config(args)
         options = drafter_options(args)
         _refuse_foreign_options(kinds.get(args.kind), options)  # the check attach_heads makes, naming the owner
-        drafter = kinds.get(args.kind).make_config(**options)
+        kinds.get(args.kind).make_config(**options)
+        drafter = kinds.get(args.kind).make_config(**resolved_options(args, model_config))  # as built on the target
     except ValueError as error:
         raise UsageError(str(error)) from error
     joint = [name for name, kind in kinds.registry().items() if kind.extra.get("joint_training")]
     require(not config.joint or args.kind in joint,
             f"--joint: joint training (a LoRA on the backbone) is for --kind {' or '.join(joint)}, not {args.kind}")
-    if args.resume:
-        from transformers import AutoConfig
-
-        try:  # the run's drafter as it will be built on this target, to compare with the checkpoint's
-            model_config = AutoConfig.from_pretrained(args.model, revision=args.revision)
-            drafter = kinds.get(args.kind).make_config(**resolved_options(args, model_config))
-        except OSError as error:
-            raise UsageError(f"--model {args.model}: cannot read its config: {error}") from error
-        except ValueError as error:
-            raise UsageError(str(error)) from error
+    if args.resume:  # the run's drafter as it will be built on this target, compared with the checkpoint's
         directory = checkpoint.latest_checkpoint(args.checkpoint_dir)
         saved = checkpoint.read_state(directory)
         current = checkpoint.recipe(config.__dict__, args.kind, drafter.to_dict(), processes)
         checkpoint.check_recipe(saved, current, directory)
-    return config
+    return config, engine, export_line(args, engine, drafter.to_dict(), model_config)
+
+
+def resume_hint(args) -> str:
+    """Where an interrupted run can resume from, and how (one line)."""
+    from ..checkpoint import CheckpointError, latest_checkpoint
+
+    if not args.checkpoint_dir:
+        return "no checkpoint was written; give --checkpoint-dir DIR --checkpoint-every N to make training resumable"
+    try:
+        directory = latest_checkpoint(args.checkpoint_dir)
+    except CheckpointError:
+        return (f"no checkpoint under {args.checkpoint_dir} yet"
+                + ("" if args.checkpoint_every else " (--checkpoint-every N writes one every N steps)"))
+    again = "run the same command again" if args.resume else "run the same command with --resume"
+    return f"the latest checkpoint is {directory}; {again} to continue from it"
 
 
 def run(args) -> int:
@@ -307,14 +429,17 @@ def run(args) -> int:
     from ..trainer import make_trainer
 
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
-    config = check_arguments(args, accelerator.num_processes)
+    config, engine, exports = check_arguments(args, accelerator.num_processes)
+    if accelerator.is_main_process:
+        print(exports)
     model, tokenizer = load_model(args.model, revision=args.revision)
     if config.joint:  # LoRA targets are checked against the model before any data is generated
         try:
             heads.lora.check_targets(model, config.lora_targets)
         except ValueError as error:
             raise UsageError(f"--lora-targets: {error}") from error
-    prompts = read_prompts(args.data, tokenizer)[: args.max_prompts]
+    prompts = read_prompts(args.data, tokenizer, paragraphs=args.paragraphs)[: args.max_prompts]
+    prompts, eval_texts, split = evaluation_split(args, prompts)
     sequences = _sequences(args, model, tokenizer, prompts, accelerator)
     torch.manual_seed(args.seed)  # drafters initialised at random (EAGLE) start alike in every run and process
     try:
@@ -331,18 +456,22 @@ def run(args) -> int:
                                accelerator=accelerator, prompts=prompt_ids)
     except ValueError as error:  # e.g. too few usable sequences in the data
         raise UsageError(str(error)) from error
-    result = trainer.train(resume=args.resume)
+    try:
+        result = trainer.train(resume=args.resume)
+    except KeyboardInterrupt:
+        raise Interrupted(resume_hint(args)) from None
     final_loss = result.losses[-1] if result.losses else None
     summary = {"final_loss": final_loss, **result.to_dict()}
     if accelerator.is_main_process:
-        acceptance = _held_out_acceptance(args, spec, tokenizer, config) if args.eval_prompts else {}
-        if args.eval_prompts:
+        acceptance = _held_out_acceptance(args, spec, tokenizer, config, eval_texts, split) if split else {}
+        if split:
             summary["eval"] = acceptance
         if spec.backbone_lora is not None:
             summary["backbone_drift"] = spec.backbone_lora.drift
         if args.lookup:
             spec.set_lookup(budget=args.lookup)
-        spec.save_pretrained(args.out, training=_recipe(args, config, prompts, accelerator), acceptance=acceptance,
+        spec.save_pretrained(args.out, training=_recipe(args, config, prompts, accelerator, engine, len(eval_texts) if split == "held-out" else 0),
+                             acceptance=acceptance,
                              revision=args.revision)
         write_json(args.json, summary)
         finished = (" (the checkpoint had finished the run: no step trained)"
