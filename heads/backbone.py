@@ -41,7 +41,7 @@ from tree_attention.mask import AttentionMask, MaskLayout, additive_mask, prefil
 
 from . import lora
 from .families import SUPPORTED_ARCHITECTURES, UnsupportedBackboneError
-from .fingerprint import state_fingerprint, strided_sample
+from .fingerprint import state_fingerprint, strided_sample, weight_sample
 
 logger = logging.getLogger(__name__)
 
@@ -352,12 +352,19 @@ def weights_fingerprint(model: nn.Module, samples_per_tensor: int = 1024) -> str
     (:func:`heads.fingerprint.state_fingerprint`).
 
     Cost is ``O(samples_per_tensor)`` elements per tensor whatever its size or memory layout, so
-    it is cheap on large models; the rounding makes fp32, fp16 and bf16 copies of one checkpoint
-    agree in almost all cases. A model carrying peft adapters (LoRA) is fingerprinted as its base
-    model (:func:`heads.lora.base_state_dict`); the adapters have their own fingerprint
+    it is cheap on large models. Exact identity: fp32 and bf16 copies of one checkpoint agree, an
+    fp16 copy may not (the pin's ``weights_sample``, :func:`weights_sample`, is the dtype-tolerant
+    check). A model carrying peft adapters (LoRA) is fingerprinted as its base model
+    (:func:`heads.lora.base_state_dict`); the adapters have their own fingerprint
     (:func:`heads.lora.adapter_fingerprint`).
     """
     return state_fingerprint(lora.base_state_dict(model), samples_per_tensor)
+
+
+def weights_sample(model: nn.Module) -> dict:
+    """A few float32 values of every base-model tensor (:func:`heads.fingerprint.weight_sample`),
+    compared with a rounding tolerance so that fp32, fp16 and bf16 copies of one checkpoint match."""
+    return weight_sample(lora.base_state_dict(model))
 
 
 _HUB_SNAPSHOT = re.compile(r"(?:^|[\\/])snapshots[\\/]([0-9a-f]{40})[\\/]?$")
@@ -389,6 +396,7 @@ def target_fingerprint(model: PreTrainedModel, revision: str | None = None) -> d
         "model_type": config.model_type,
         "config_sha256": config_hash(config),
         "weights_sha256": weights_fingerprint(model),
+        "weights_sample": weights_sample(model),
         "vocab_size": int(output_head.out_features),
         "hidden_size": int(output_head.in_features),
         "dtype": str(output_head.weight.dtype).replace("torch.", ""),

@@ -28,7 +28,7 @@ from ..backbone import target_fingerprint
 from ..lora import FOLDER_NAME as LORA_FOLDER
 from ..lora import write_folder
 from .directory import write_directory
-from .schema import FORMAT_VERSION, LORA_FORMAT_VERSION, AdapterError, validate_config
+from .schema import FORMAT_VERSION, LORA_FORMAT_VERSION, SAMPLE_FORMAT_VERSION, AdapterError, validate_config
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,13 @@ def json_writer(payload: object) -> Callable[[Path], None]:
     return write
 
 
+def _format_version(target: dict) -> int:
+    """The oldest format version that holds ``target``'s fields."""
+    if target.get("weights_sample") is not None:
+        return SAMPLE_FORMAT_VERSION
+    return LORA_FORMAT_VERSION if target.get("lora_sha256") else FORMAT_VERSION
+
+
 def adapter_config(spec, **metadata) -> dict:
     """The ``adapter_config.json`` payload of ``spec``. ``metadata`` may give ``training`` (the
     recipe), ``acceptance`` (``{mix: entry}``) and ``revision`` (the target checkpoint's commit)."""
@@ -53,7 +60,7 @@ def adapter_config(spec, **metadata) -> dict:
     else:
         target = target_fingerprint(spec.backbone, revision=metadata.get("revision"))
     return {
-        "format_version": LORA_FORMAT_VERSION if target.get("lora_sha256") else FORMAT_VERSION,
+        "format_version": _format_version(target),
         "library": "selfdraft",
         "kind": spec.kind,
         "drafter": spec.config.to_dict(),

@@ -7,7 +7,7 @@ import warnings
 from dataclasses import dataclass
 
 from ..backbone import target_fingerprint
-from .schema import TargetMismatchError, target_differences
+from .schema import TargetMismatchError, target_differences, weights_note
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,9 @@ class TargetPin:
               purpose: str | None = None) -> "TargetPin":
         """Compare with ``model``; returns ``model``'s pin.
 
+        Weights match up to fp32/fp16/bf16 rounding (:func:`heads.fingerprint.sample_mismatches`); an
+        older pin without a weights sample that cannot be checked against an fp16 model loads with a
+        logged warning (:func:`heads.adapter.schema.weights_note`).
         A size mismatch always raises :class:`TargetMismatchError`. Another difference raises when
         ``strict`` (or when ``purpose`` is given: the model's own tensors are about to be written
         into an export, so it must be the target) and warns otherwise; an unverifiable pin warns.
@@ -66,6 +69,9 @@ class TargetPin:
                 f"{where}: this {source} checkpoint records no target fingerprint, so it cannot be verified that it "
                 f"was trained on this model (it names base model {self.recorded.get('name_or_path')!r}). Outputs "
                 "stay correct; measure acceptance with `selfdraft check`.", stacklevel=3)
+        note = weights_note(self.recorded, current.recorded)
+        if note is not None and not shape:
+            logger.warning("adapter %s: %s", where, note)
         if self.recorded.get("dtype") not in (None, current.recorded["dtype"]):
             logger.info("adapter %s was saved from a %s target; the model is %s (tensors are cast)",
                         where, self.recorded["dtype"], current.recorded["dtype"])

@@ -9,8 +9,12 @@ the keys that have a meaning here.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from numbers import Real
+
+from ..fingerprint import sample_mismatches
 
 
 FORMAT_VERSION = 1
@@ -19,13 +23,18 @@ LORA_FORMAT_VERSION = 2
 """Version written when the target carries a LoRA (``target.lora_sha256``, ``backbone_lora``), the
 first with those fields, and the newest this selfdraft reads. Plain adapters keep version 1, so
 selfdraft versions that read 1 only still load them (and refuse LoRA adapters as newer)."""
-NEWEST_FORMAT_VERSION = LORA_FORMAT_VERSION
+SAMPLE_FORMAT_VERSION = 3
+"""Version written when the target records ``weights_sample`` (the dtype-tolerant part of the pin,
+:func:`heads.fingerprint.weight_sample`): every adapter this selfdraft saves. Versions 1 and 2
+(``weights_sha256`` only) still load; their weights are checked exactly, which an fp16 copy of the
+target cannot always pass (see :func:`weights_note`)."""
+NEWEST_FORMAT_VERSION = SAMPLE_FORMAT_VERSION
 
 TOP_LEVEL_FIELDS = ("format_version", "library", "kind", "drafter", "target", "tree_accuracy", "training",
                     "lookup", "backbone_lora",
                     "acceptance")
 TARGET_FIELDS = ("name_or_path", "revision", "model_type", "config_sha256", "weights_sha256", "vocab_size",
-                 "hidden_size", "dtype", "lora_sha256")
+                 "hidden_size", "dtype", "lora_sha256", "weights_sample")
 PINNED_FIELDS = ("model_type", "config_sha256", "weights_sha256", "vocab_size", "hidden_size", "lora_sha256")
 """Target fields that must match the model an adapter is loaded on (``strict=True``)."""
 
@@ -93,6 +102,28 @@ def check_target(target: object, where: str, pinned: bool = True) -> None:
     dtype = target.get("dtype")
     if dtype is not None and dtype not in _DTYPES:
         raise AdapterError(f"{where}: target.dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    if target.get("weights_sample") is not None:
+        check_weights_sample(target["weights_sample"], where)
+
+
+def check_weights_sample(sample: object, where: str) -> None:
+    """``target.weights_sample``: ``{"per_tensor": int >= 1, "layout_sha256": sha256, "float32": base64}``."""
+    expected = "an object {per_tensor: positive int, layout_sha256: sha256 hex, float32: base64 of float32 values}"
+    if not isinstance(sample, dict) or set(sample) != {"per_tensor", "layout_sha256", "float32"}:
+        raise AdapterError(f"{where}: target.weights_sample must be {expected}; got {str(sample)[:80]!r}")
+    if not _count(sample["per_tensor"]) or sample["per_tensor"] == 0:
+        raise AdapterError(f"{where}: target.weights_sample.per_tensor must be a positive int; got "
+                           f"{sample['per_tensor']!r}")
+    if not isinstance(sample["layout_sha256"], str) or not _SHA256.match(sample["layout_sha256"]):
+        raise AdapterError(f"{where}: target.weights_sample.layout_sha256 must be a 64-digit lowercase sha256 hex "
+                           f"string; got {sample['layout_sha256']!r}")
+    try:
+        raw = base64.b64decode(sample["float32"], validate=True) if isinstance(sample["float32"], str) else None
+    except (binascii.Error, ValueError):
+        raw = None
+    if raw is None or len(raw) % 4:
+        raise AdapterError(f"{where}: target.weights_sample.float32 must be base64 of little-endian float32 values; "
+                           f"got {str(sample['float32'])[:40]!r}")
 
 
 def check_tree_accuracy(accuracy: object, where: str) -> None:
@@ -184,22 +215,64 @@ def validate_config(config: object, where: str, pinned: bool = True) -> dict:
         raise AdapterError(f"{where}: field 'training' must be an object; got {config['training']!r}")
     check_acceptance(config.get("acceptance", {}), where)
     check_backbone_lora(config, where)
+    if config["target"].get("weights_sample") is not None and config["format_version"] < SAMPLE_FORMAT_VERSION:
+        raise AdapterError(f"{where}: target.weights_sample needs format_version >= {SAMPLE_FORMAT_VERSION}")
     if not isinstance(config.get("lookup", {}), dict):
         raise AdapterError(f"{where}: field 'lookup' (the lookup settings of a hybrid) must be an object; got "
                            f"{config['lookup']!r}")
     return config
 
 
+def _rounding_may_differ(recorded: dict, current: dict) -> bool:
+    """Whether an exact ``weights_sha256`` (samples rounded to bf16) can differ between two copies
+    of one checkpoint: when fp16 is on either side (fp32 -> fp16 -> bf16 rounds twice)."""
+    return "float16" in (recorded.get("dtype"), current.get("dtype"))
+
+
+def weights_difference(recorded: dict, current: dict) -> str | None:
+    """What differs between the recorded weights and ``current``'s, or None when they match: the
+    exact ``weights_sha256``, else the rounding-tolerant ``weights_sample`` when both have one.
+    An older pin (no sample) whose hash differs only where rounding may explain it is not a
+    difference: :func:`weights_note` says it could not be checked."""
+    if recorded.get("weights_sha256") is None or recorded["weights_sha256"] == current.get("weights_sha256"):
+        return None
+    if recorded.get("weights_sample") is not None and current.get("weights_sample") is not None:
+        found = sample_mismatches(recorded["weights_sample"], current["weights_sample"],
+                                  (recorded.get("dtype"), current.get("dtype")))
+        return None if found is None else f"weights: {found}"
+    if weights_note(recorded, current):
+        return None
+    return f"weights: adapter has {recorded['weights_sha256']!r}, model has {current.get('weights_sha256')!r}"
+
+
+def weights_note(recorded: dict, current: dict) -> str | None:
+    """A note when an older pin (``weights_sha256`` only) cannot be checked against ``current``:
+    its hash differs, and fp16 on either side makes rounding a possible cause."""
+    if recorded.get("weights_sha256") in (None, current.get("weights_sha256")) \
+            or recorded.get("weights_sample") is not None or not _rounding_may_differ(recorded, current):
+        return None
+    return ("its weights pin (format_version < 3: an exact hash of bf16-rounded samples) cannot be checked against an "
+            f"fp16 copy of the target (adapter saved from {recorded.get('dtype') or 'an unknown dtype'}, model is "
+            f"{current.get('dtype')}): rounding twice changes some samples. Loaded without the weights check; the "
+            "config, model type and sizes were checked. Re-save the adapter (load it on the target in fp32 or bf16, "
+            "then save_pretrained) to record a dtype-tolerant pin")
+
+
 def target_differences(recorded: dict, current: dict) -> list[str]:
     """Human-readable differences between two target fingerprints (pinned fields only; a field
-    the recorded fingerprint leaves unknown (None) is not compared)."""
-    names = {"model_type": "model type", "config_sha256": "config", "weights_sha256": "weights",
+    the recorded fingerprint leaves unknown (None) is not compared; weights are compared with a
+    rounding tolerance, :func:`weights_difference`)."""
+    names = {"model_type": "model type", "config_sha256": "config",
              "vocab_size": "vocab size", "hidden_size": "hidden size", "lora_sha256": "backbone LoRA"}
     differences = [
         f"{names[key]}: adapter has {recorded.get(key)!r}, model has {current.get(key)!r}"
         for key in PINNED_FIELDS
-        if key in recorded and recorded[key] is not None and recorded[key] != current.get(key)
+        if key != "weights_sha256" and key in recorded and recorded[key] is not None
+        and recorded[key] != current.get(key)
     ]
+    weights = weights_difference(recorded, current)
+    if weights is not None:
+        differences.append(weights)
     # a pinned target without a LoRA is the plain base model: the same base with adapters is another target
     if recorded.get("weights_sha256") is not None and recorded.get("lora_sha256") is None \
             and current.get("lora_sha256") is not None:

@@ -117,7 +117,7 @@ def _rewrite_config(directory, change) -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda c: c.update(format_version=3), "newer selfdraft.*upgrade selfdraft"),
+    (lambda c: c.update(format_version=4), "newer selfdraft.*upgrade selfdraft"),
     (lambda c: c.update(format_version="1"), "format_version must be an int"),
     (lambda c: c.update(extra=1), r"unknown field\(s\) \['extra'\]"),
     (lambda c: c.update(library="medusa"), "library 'medusa'"),
