@@ -9,7 +9,7 @@ STAMP := $(VENV)/.selfdraft-installed
 # the CI machine has two cores; one intra-op thread per process avoids spinning on a busy core
 THREADS ?= 1
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-fast demo bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest
+
+# the tests marked `fast` (pyproject.toml): greedy parity against generate on three families, the
+# generate contract, the adapter format; a few minutes where the full suite takes much longer
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest -m fast
 
 demo: $(STAMP)
 	$(BIN)/python benchmarks/demo.py

@@ -106,7 +106,35 @@ def test_real_chat_template(tmp_path: Path, tokenizer: PreTrainedTokenizerFast) 
 def test_plain_text_paragraphs(tmp_path: Path, name: str) -> None:
     path = tmp_path / name
     path.write_text("\nfirst para\nstill first\n\n  \n\nsecond\n\n\nthird\n", encoding="utf-8")
-    assert prompts.load_prompts(path) == ["first para\nstill first", "second", "third"]
+    assert prompts.load_prompts(path, paragraphs=True) == ["first para\nstill first", "second", "third"]
+
+
+@pytest.mark.parametrize("name", ["prompts.txt", "prompts", "prompts.md"])
+def test_plain_text_is_one_prompt_per_line(tmp_path: Path, name: str, caplog) -> None:
+    """Issue 36 item 5: 76 lines in blank-line-separated groups became 9 prompts without a word."""
+    path = tmp_path / name
+    lines = [f"prompt number {index}" for index in range(76)]
+    groups = ["\n".join(lines[start:start + 9]) for start in range(0, 76, 9)]
+    path.write_text("\n\n".join(groups) + "\n", encoding="utf-8")
+    with caplog.at_level("INFO", logger=prompts.logger.name):
+        assert prompts.load_prompts(path) == lines
+    assert f"read 76 prompts from {path} (plain text: one prompt per line" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger=prompts.logger.name):
+        assert len(prompts.load_prompts(path, paragraphs=True)) == 9
+    assert "read 9 prompts" in caplog.text and "one prompt per blank-line-separated paragraph" in caplog.text
+    (tmp_path / "crlf.txt").write_bytes(b"  one \r\ntwo\r\n\r\n")
+    assert prompts.load_prompts(tmp_path / "crlf.txt") == ["one", "two"]
+
+
+def test_hold_out_is_seeded_and_keeps_file_order() -> None:
+    texts = [str(index) for index in range(10)]
+    kept, held = prompts.hold_out(texts, 3, seed=5)
+    assert len(held) == 3 and sorted(kept + held, key=int) == texts
+    assert kept == sorted(kept, key=int) and held == sorted(held, key=int)
+    assert prompts.hold_out(texts, 3, seed=5) == (kept, held) and prompts.hold_out(texts, 0, seed=5) == (texts, [])
+    with pytest.raises(ValueError, match="count must lie in 0..10"):
+        prompts.hold_out(texts, 11, seed=0)
 
 
 def test_json_array_file(tmp_path: Path) -> None:
