@@ -24,7 +24,9 @@ from torch.nn.modules import module as module_hooks
 from transformers import PreTrainedModel
 
 from . import interop, kinds, lora
-from .adapter import WEIGHTS_NAME, AdapterError, TargetPin, read_config, read_header, read_weights
+from .adapter import (
+    WEIGHTS_NAME, AdapterError, TargetPin, check_fields, check_tensor_dtypes, read_config, read_header, read_weights,
+)
 from .backbone import inspect_backbone
 from .model import SpeculativeModel, build_spec
 
@@ -101,6 +103,7 @@ def drafter_config(config: dict, directory) -> object:
         kind = kinds.get(config["kind"])
     except ValueError:
         raise AdapterError(f"{directory}: kind {config['kind']!r} is not supported (known: {kinds.names()})") from None
+    check_fields(kind.config_class, config["drafter"], str(directory), "drafter")  # JSON types by field name
     if kind.check_drafter is not None:
         kind.check_drafter(config["drafter"], str(directory))
     try:
@@ -210,6 +213,7 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
         raise AdapterError(f"{directory}: {error}") from error
     if tensors is None:
         tensors = read_weights(directory)
+    check_tensor_dtypes(directory, tensors, spec.heads.state_dict())  # load_state_dict would cast silently
     spec.heads.load_state_dict(tensors, strict=True)
     spec.backbone_lora = backbone_lora
     spec.metadata = {"training": config.get("training", {}), "acceptance": config.get("acceptance", {}),

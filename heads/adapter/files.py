@@ -90,10 +90,49 @@ def save_adapter(spec, directory: str | os.PathLike, **metadata) -> None:
     write_directory(Path(directory), files, replaceable=(LORA_FOLDER,))
 
 
+def _hub_cache_blobs(directory: Path) -> Path | None:
+    """The ``blobs`` folder of the Hugging Face cache repository holding ``directory`` when it lies
+    under a ``snapshots/<revision>`` folder there (whose files are links into ``blobs``)."""
+    for ancestor in (directory, *directory.parents):
+        if ancestor.parent.name == "snapshots":
+            return ancestor.parent.parent / "blobs"
+    return None
+
+
+def check_inside(path: Path) -> Path:
+    """``path`` after checking that what it resolves to lies inside its own directory (a symbolic
+    link pointing elsewhere is refused: the adapter directory is what the user vetted), or inside
+    the ``blobs`` folder of the Hugging Face cache repository it belongs to."""
+    path = Path(path)
+    directory = Path(os.path.realpath(path.parent))
+    resolved = Path(os.path.realpath(path))
+    blobs = _hub_cache_blobs(Path(os.path.abspath(path.parent)))
+    allowed = [directory] + ([Path(os.path.realpath(blobs))] if blobs is not None else [])
+    if not any(resolved == root or root in resolved.parents for root in allowed):
+        raise AdapterError(f"{path} is a symbolic link to {resolved}, outside the adapter directory {path.parent}: "
+                           "refusing to read files from elsewhere; copy the file into the directory")
+    return path
+
+
+def check_tensor_dtypes(directory, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """:class:`AdapterError` naming the first tensor of ``tensors`` stored with a non-floating
+    dtype where the drafter's own tensor of that name (``expected``, its state dict) is floating
+    (loading would cast it silently), or the reverse (an index buffer stored as floats)."""
+    for name, tensor in sorted(tensors.items()):
+        wanted = expected.get(name)
+        if wanted is None or tensor.dtype.is_floating_point == wanted.dtype.is_floating_point:
+            continue
+        kind = "floating" if wanted.dtype.is_floating_point else f"integer ({wanted.dtype})"
+        raise AdapterError(f"{directory}: tensor {name} is stored as {str(tensor.dtype).replace('torch.', '')}; "
+                           f"the drafter expects a {kind} tensor")
+
+
 def read_json(path: Path) -> object:
-    """Parsed JSON of ``path``; :class:`AdapterError` when missing or invalid."""
+    """Parsed JSON of ``path``; :class:`AdapterError` when missing or invalid (or a link to a file
+    outside its directory, :func:`check_inside`)."""
     if not path.is_file():
         raise AdapterError(f"{path} not found")
+    check_inside(path)
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -109,9 +148,11 @@ def read_config(directory: str | os.PathLike) -> dict:
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors file; :class:`AdapterError` when missing, corrupt or truncated."""
+    """All tensors of a safetensors file; :class:`AdapterError` when missing, corrupt or truncated
+    (or a link to a file outside its directory, :func:`check_inside`)."""
     if not path.is_file():
         raise AdapterError(f"{path} not found")
+    check_inside(path)
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as error:
@@ -120,9 +161,10 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def read_header(path: Path) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of a safetensors file, from its header only (no tensor data is read);
-    :class:`AdapterError` when missing or corrupt."""
+    :class:`AdapterError` when missing or corrupt (or a link outside its directory)."""
     if not path.is_file():
         raise AdapterError(f"{path} not found")
+    check_inside(path)
     try:
         with safe_open(str(path), framework="pt") as handle:
             return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from ..adapter import FORMAT_VERSION, AdapterError, TargetPin, json_writer, read_safetensors
+from ..adapter import FORMAT_VERSION, AdapterError, TargetPin, check_inside, json_writer, read_safetensors
 from ..families import MEDUSA_EXPORT_FAMILIES, medusa_exportable
 from ..kind import CheckpointFormat
 
@@ -188,6 +188,7 @@ def _read_medusa_tensors(directory: Path) -> dict[str, torch.Tensor]:
     path = directory / MEDUSA_PICKLE
     if not path.is_file():
         raise AdapterError(f"{directory}: a FasterDecoding Medusa checkpoint holds {MEDUSA_TENSORS} or {MEDUSA_PICKLE}")
+    check_inside(path)
     try:
         tensors = torch.load(str(path), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
