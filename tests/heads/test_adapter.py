@@ -11,6 +11,8 @@ import heads
 from heads.adapter import files as adapter_module
 from tests.conftest import build_model, random_prompt
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 @pytest.fixture()
 def trained_spec():

@@ -16,6 +16,8 @@ import heads
 from conftest import build_model, left_pad, random_prompt
 from heads.generation import HONOURED, NEUTRAL, NO_EFFECT
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 def _spec(name="llama", kind="lookup", **options):
     model = build_model(name, seed=7)

@@ -10,6 +10,8 @@ import heads.backbone as backbone_module
 from tests.conftest import ARCHITECTURES, build_model, greedy_reference, random_prompt, record_drafted_tokens
 from tree_attention.tree import DEFAULT_TREE_SIZES
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 PROMPT_LENGTHS = (1, 7, 19)
 
 
