@@ -8,7 +8,7 @@ from typing import Callable, Generator, Mapping
 
 import torch
 
-from .tree import InvalidTreeError, Tree
+from .tree import InvalidTreeError, Tree, check_tree_size
 
 # --- Dynamic trees (EAGLE-2 style) ------------------------------------------------------------
 #
@@ -73,10 +73,18 @@ def dynamic_shape_overrides(tree, depth: int, label: str) -> dict | None:
     return shape
 
 
+def check_dynamic_size(depth: int, top_k: int, total_tokens: int, label: str) -> None:
+    """Refuse a dynamic tree shape beyond :data:`~tree_attention.tree.MAX_TREE_NODES` in any of its
+    fields (ints), naming ``label.field``: drafted nodes, children per expanded node, levels."""
+    for name, value in (("total_tokens", total_tokens), ("top_k", top_k), ("depth", depth)):
+        check_tree_size(value, f"{label}.{name}")
+
+
 def _check_dynamic_shape(depth: int, top_k: int, total_tokens: int) -> None:
     for name, value, low in (("depth", depth, 1), ("top_k", top_k, 1), ("total_tokens", total_tokens, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise InvalidTreeError(f"dynamic tree {name} must be an int >= {low}; got {value!r}")
+    check_dynamic_size(depth, top_k, total_tokens, "dynamic tree")
 
 
 def best_nodes(scores: torch.Tensor, depths: torch.Tensor, count: int) -> torch.Tensor:

@@ -31,6 +31,21 @@ class InvalidTreeError(ValueError):
     """A tree description that cannot be verified (cycle, bad parent, rank beyond top-k...)."""
 
 
+MAX_TREE_NODES = 1024
+"""The most drafted nodes (root excluded) one row's tree may have, wherever a size is given (a
+node count, a choice list, a dynamic tree's ``total_tokens``/``top_k``, a lookup budget). A verify
+forward holds an ``[N, N]`` mask and ``N`` cache positions per row, and a static template's
+construction is ``O(N^2)``: 1024 is 16x the largest shipped default (a 64-node Medusa tree; EAGLE-2
+uses 60)."""
+
+
+def check_tree_size(nodes: int, name: str) -> None:
+    """Refuse ``nodes`` drafted nodes beyond :data:`MAX_TREE_NODES`, naming the setting ``name``."""
+    if nodes > MAX_TREE_NODES:
+        raise InvalidTreeError(f"{name}={nodes} asks for more drafted nodes than MAX_TREE_NODES={MAX_TREE_NODES} "
+                               f"(tree_attention.tree) allows in one step's tree")
+
+
 def _check_parents(parents: Sequence[int]) -> None:
     if len(parents) == 0:
         raise InvalidTreeError("a tree needs at least the root node; got parents=[]")
@@ -260,6 +275,8 @@ def from_choices(choices: Iterable[Sequence[int]], top_k: int | None = None,
         InvalidTreeError: empty or duplicate paths, negative ranks, a rank ``>= top_k``, a path deeper
             than ``max_depth``, or a path whose parent path is missing.
     """
+    choices = list(choices)
+    check_tree_size(len(choices), "a choice list of paths")
     paths: list[Path] = []
     for choice in choices:
         path = tuple(choice)
@@ -297,6 +314,7 @@ def chain(length: int) -> TreeTemplate:
     """A single path of ``length`` drafted nodes below the root (``length=0``: no speculation)."""
     if not isinstance(length, int) or length < 0:
         raise InvalidTreeError(f"chain length must be a non-negative int; got {length!r}")
+    check_tree_size(length, "chain length")
     return from_choices([(0,) * depth for depth in range(1, length + 1)])
 
 
@@ -313,6 +331,7 @@ def best_first_choices(accuracy: Sequence[Sequence[float]], size: int) -> list[P
 
     if size < 0:
         raise InvalidTreeError(f"tree size must be >= 0; got {size}")
+    check_tree_size(size, "tree")
     depth_count = len(accuracy)
     chosen: list[Path] = []
     frontier: list[tuple[float, Path]] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from tree_attention.dynamic import DYNAMIC_FIELDS, dynamic_shape_overrides
+from tree_attention.dynamic import DYNAMIC_FIELDS, check_dynamic_size, dynamic_shape_overrides
 
 # A chain of 4 (Leviathan et al.'s gamma): on this CPU every drafting level is one more forward of
 # the draft model, so chains beat wide trees unless the draft is nearly free (see heads/eagle/config.py).
@@ -51,6 +51,7 @@ class DraftConfig:
         _positive_int(self.depth, "depth")
         _positive_int(self.top_k, "top_k")
         _positive_int(self.total_tokens, "total_tokens", low=0)
+        check_dynamic_size(self.depth, self.top_k, self.total_tokens, "DraftConfig")
         if 0 < self.total_tokens < self.depth:
             raise ValueError(f"DraftConfig.total_tokens ({self.total_tokens}) must be >= depth ({self.depth}): a "
                              f"tree of {self.total_tokens} drafted nodes is at most {self.total_tokens} deep "

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Mapping, Sequence
 
-from tree_attention.dynamic import DYNAMIC_FIELDS, dynamic_shape_overrides
+from tree_attention.dynamic import DYNAMIC_FIELDS, check_dynamic_size, dynamic_shape_overrides
+from tree_attention.tree import check_tree_size
 
 from ..families import EAGLE_LAYOUT_FAMILIES
 from ..kind import SAMPLE_MODES
@@ -143,6 +144,8 @@ class EagleConfig:
         _positive_int(self.parallel, "parallel")
         _positive_int(self.parallel_tokens, "parallel_tokens")
         _positive_int(self.siblings, "siblings", low=0)
+        check_dynamic_size(self.depth, self.top_k, self.total_tokens, "EagleConfig")
+        check_tree_size(self.parallel_tokens, "EagleConfig.parallel_tokens")
         if self.parallel_mode is None:
             self.parallel_mode = "mask"
         if self.parallel_mode not in PARALLEL_MODES:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from tree_attention.tree import check_tree_size
+
 from ..kind import SAMPLE_MODES
 
 
@@ -46,8 +48,11 @@ class MedusaConfig:
                                  "combined with share_lm_head=True")
         if self.sample not in SAMPLE_MODES:
             raise ValueError(f"MedusaConfig.sample must be one of {SAMPLE_MODES}; got {self.sample!r}")
-        if self.tree is not None and not isinstance(self.tree, int):
+        if isinstance(self.tree, int):
+            check_tree_size(int(self.tree), "MedusaConfig.tree")
+        elif self.tree is not None:
             self.tree = [list(path) for path in self.tree]
+            check_tree_size(len(self.tree), "MedusaConfig.tree (a choice list of paths)")
 
     def to_dict(self) -> dict:
         return asdict(self)

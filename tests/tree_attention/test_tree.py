@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from tree_attention.dynamic import check_dynamic_size
 from tree_attention.tree import (
-    DEFAULT_TREE_SIZES, PRIOR_ACCURACY, InvalidTreeError, Tree, best_first_choices, chain, default_tree,
+    DEFAULT_TREE_SIZES, MAX_TREE_NODES, PRIOR_ACCURACY, InvalidTreeError, Tree, best_first_choices, chain, default_tree,
     from_choices, truncate_depth, chain_with_siblings,
 )
 from tree_attention.tree import TreeBatch
@@ -208,3 +211,17 @@ def test_last_axis_argmax_is_torchs_argmax(rows, dtype, strided):
     with torch.inference_mode():
         inference = logits.clone()
         assert torch.equal(last_axis_argmax(inference[None]), inference[None].argmax(dim=-1))
+
+
+def test_tree_sizes_beyond_the_bound_are_refused_before_building():
+    """issue 36 item 10: a size of 10**6 built an 11,111-node template (15 s); every way a size
+    enters the tree module is refused by name, at once."""
+    start = time.perf_counter()
+    for build in (lambda: default_tree(10 ** 9, 4), lambda: chain(10 ** 9),
+                  lambda: from_choices([(rank,) for rank in range(MAX_TREE_NODES + 1)]),
+                  lambda: check_dynamic_size(8, 1, 10 ** 9, "EagleConfig")):
+        with pytest.raises(InvalidTreeError, match="MAX_TREE_NODES=1024"):
+            build()
+    assert time.perf_counter() - start < 1.0
+    assert default_tree(MAX_TREE_NODES, 4).size == MAX_TREE_NODES + 1
+    assert chain(MAX_TREE_NODES).size == MAX_TREE_NODES + 1
