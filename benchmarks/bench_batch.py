@@ -187,7 +187,7 @@ def main() -> None:
                             plain=new_tokens(plain, ids.shape[1], pad) / plain_seconds,
                             spec=new_tokens(output, ids.shape[1], pad) / spec_seconds,
                             tau=stats.tau, tree=stats.speculation["tree"] if stats.speculation else stats.tree_size - 1,
-                            drafted=sum(bool(step[0]) for step in stats.steps) / max(1, len(stats.steps)),
+                            drafted=sum(step.kind == "drafted" for step in stats.steps) / max(1, len(stats.steps)),
                             delegated=bool(stats.speculation and stats.speculation.get("delegate")),
                             identical=bool(torch.equal(plain, output)) if not sampled else None,
                             draft=stats.draft_seconds, verify=stats.verify_seconds,

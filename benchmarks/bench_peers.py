@@ -137,8 +137,7 @@ def methods_for(model, target_name: str, adapters: dict, sample: bool, drafts: d
 
 
 args_temperature = [0.7]
-AUTO_FIELDS = ("tree", "exploring", "delegate", "plain_steps", "drafted_steps", "slowest_row_tau",
-               "stopped_drafting_after", "realized_speedup")
+AUTO_FIELDS = ("steps", "verified_widths", "reasons", "last_choice")
 
 
 def run_mix(model, target_name: str, prompts, max_new: int, adapters: dict, sample: bool,

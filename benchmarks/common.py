@@ -158,7 +158,7 @@ def bare_call_seconds(stats, verify_ms: dict, prefill_seconds: float) -> float |
     cost is concave in the width, so that flatters lookup, whose trees run from 1 to 40 nodes)."""
     if not stats.steps or "draft" not in stats.phases:
         return None
-    verify = sum(interpolate(verify_ms, step[4]) for step in stats.steps) / 1000
+    verify = sum(interpolate(verify_ms, step.width) for step in stats.steps) / 1000
     return prefill_seconds + stats.phases["draft"] + verify
 
 

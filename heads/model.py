@@ -3,12 +3,10 @@ what the backbone's own ``generate`` returns."""
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import threading
-import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -20,6 +18,7 @@ from tree_attention.tree import TreeTemplate
 from tree_attention.verify import GreedyRule
 
 from . import kinds
+from .adaptive import Adaptive, recorded_acceptance
 from .backbone import Backbone
 from .families import position_limit
 from .generation import acceptance_rule, resolve_generation
@@ -250,7 +249,7 @@ class SpeculativeModel:
                  inputs: torch.Tensor | None = None, logits_processor=None, prefix_allowed_tokens_fn=None,
                  generator: torch.Generator | None = None, acceptance: str = "auto",
                  posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
-                 speculate: str | None = None, **kwargs) -> torch.Tensor:
+                 speculate: str | None = None, seed: int | Sequence[int] | None = None, **kwargs) -> torch.Tensor:
         """Speculative generation; ``[B, prompt + new]`` ids, what ``backbone.generate`` returns.
 
         Takes what ``model.generate`` takes: ``input_ids`` ``[B, T]`` (left-padded, with
@@ -273,12 +272,17 @@ class SpeculativeModel:
         id (``pad_token_id``, else the first eos id). ``do_sample=False``: token-identical to
         ``backbone.generate(do_sample=False)``. ``do_sample=True``: lossless speculative sampling
         following the distribution of ``backbone.generate(do_sample=True, ...)`` at the same
-        settings; draws come from ``generator`` (or torch's global RNG). ``acceptance="typical"``
+        settings, its draws from ``generator`` (or torch's global RNG): reproducible only with the
+        same drafter in the same state (lookup's history changes the drafts, the drafts which numbers
+        are drawn). ``seed`` (an int, or one per row) samples by Gumbel-max from a counter-based
+        stream instead (:mod:`tree_attention.gumbel`): the output is a function of the prompt, the
+        settings and the seed alone, whatever drafts, whatever tree, wherever the row sits in a batch
+        (two rows with one prompt and one seed give the same text). ``acceptance="typical"``
         selects Medusa's typical acceptance (``posterior_threshold``/``posterior_alpha``): faster,
-        **lossy**. ``speculate="auto"``: choose the tree size for this batch size from costs
-        measured on this machine while serving (:mod:`heads.policy`), down to plain decoding steps,
-        and stop drafting within the call when it does not pay; the choice is in
-        ``last_stats.speculation``. None: the configured tree.
+        **lossy**. ``speculate="auto"``: each step verifies the cut of the drafter's tree (none: a
+        plain decoding step) with the most expected tokens per second, from verify costs measured
+        on this machine while serving and the drafter's calibrated acceptance (:mod:`heads.adaptive`);
+        what it chose is in ``last_stats.speculation``. None: the configured tree, whole.
 
         ``inputs=`` is another name for ``input_ids`` (as in ``model.generate``; give one).
         ``logits_processor=``: a ``LogitsProcessorList`` of the processors that the fields above
@@ -309,7 +313,7 @@ class SpeculativeModel:
             raise ValueError(f"the prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({settings.max_new_tokens}) "
                              f"exceeds this model's {limit} positions (n_positions / max_position_embeddings)")
         rule = acceptance_rule(config, bool(config.do_sample), config.temperature, config.top_k, config.top_p,
-                               generator, acceptance, posterior_threshold, posterior_alpha)
+                               generator, acceptance, posterior_threshold, posterior_alpha, seed)
         custom_processors(logits_processor, config, settings.eos_token_ids, int(input_ids.shape[1]))
         process = context_processors(config, settings.eos_token_ids, int(input_ids.shape[1]))
         if process is not None:
@@ -321,62 +325,25 @@ class SpeculativeModel:
         if attention_mask is None:
             attention_mask = infer_attention_mask(self.backbone, input_ids, settings)
         attention_mask = attention_mask.to(input_ids.device).long()
-        choice = self.policy.choose(input_ids, rule, settings.max_new_tokens) if speculate == "auto" else None
-        if choice is not None and choice.get("delegate"):  # no drafting in this call: the backbone's own loop
-            with _evaluation(self.backbone):
-                output, stats = self._plain_generate(input_ids, attention_mask, settings, stopping_criteria,
-                                                     streamer, generator)
-            self.policy.observe(choice, stats)
-            stats.speculation = choice
-            self.last_stats = stats
-            return output
+        rule = rule.for_prompts(input_ids, attention_mask)  # a seeded rule keys its draws by prompt
+        planner = self.adaptive.planner(rule.key, rule.deterministic) if speculate == "auto" else None
         criteria = stopping(stopping_criteria, config, input_ids)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        drafter, schedule, nested = self._drafter, None, ()
         with _evaluation(self.backbone), _evaluation(self.heads):
-            if choice is not None:
-                schedule, nested = choice["controller"], choice.get("nested_sizes", ())
-                if choice["tree"]:
-                    drafter = self.drafter_for(choice["tree"])
-            drafter = self._bind(drafter, rule)
+            drafter = self._bind(self._drafter, rule)
             decoder = SpeculativeDecoder(self.target, drafter, input_ids, settings.max_new_tokens,
                                          settings.eos_token_ids, rule, attention_mask, settings.pad_token_id,
                                          stop=criteria, on_commit=None if streamer is None else
                                          (lambda row, tokens: streamer.put(torch.tensor(tokens))), process=process,
-                                         schedule=schedule, nested_sizes=nested)
+                                         planner=planner)
             output, stats = decoder.run()
         if streamer is not None:
             streamer.end()
-        if choice is not None:
-            self.policy.observe(choice, stats)
-            stats.speculation = choice
+        if planner is not None:
+            stats.speculation = planner.summary.as_dict(self.adaptive, rule.key)
         self.last_stats = stats
         return output
-
-    def _plain_generate(self, input_ids, attention_mask, settings, stopping_criteria, streamer,
-                        generator) -> tuple[torch.Tensor, DecodeStats]:
-        """The backbone's own ``generate`` at the same settings, for an ``auto`` call that drafts
-        nothing (no loop bookkeeping at all; a roots-only step of the loop costs about the same as one of
-        ``generate`` now, 5-7% more before), seeded from ``generator`` when one is given."""
-        start = time.perf_counter()
-        config = copy.deepcopy(settings.config)
-        config.max_new_tokens, config.pad_token_id = settings.max_new_tokens, settings.pad_token_id
-        seed = None if generator is None else int(torch.randint(1 << 62, (1,), generator=generator))
-        context = nullcontext() if seed is None else torch.random.fork_rng(devices=[])
-        with context:
-            if seed is not None:
-                torch.manual_seed(seed)
-            output = self.backbone.generate(input_ids, attention_mask=attention_mask, generation_config=config,
-                                            stopping_criteria=stopping_criteria, streamer=streamer)
-        new = output[:, input_ids.shape[1]:]
-        pad = settings.pad_token_id
-        stats = DecodeStats(batch_size=input_ids.shape[0], target_forwards=new.shape[1])
-        stats.new_tokens = int((new != pad).sum()) if pad is not None else new.numel()
-        stats.row_forwards = stats.new_tokens
-        stats.tree_size = 1
-        stats.total_seconds = stats.verify_seconds = time.perf_counter() - start
-        return output, stats
 
     def _bind(self, drafter, rule):
         """The drafter set up for ``rule`` by its kind (``DrafterKind.bind_rule``), if the kind has a hook."""
@@ -393,17 +360,15 @@ class SpeculativeModel:
         return drafter if bind is None else bind(drafter, rule)
 
     @property
-    def policy(self):
-        """The ``speculate="auto"`` policy of this spec (:class:`heads.policy.SpeculationPolicy`),
-        its measured costs kept across calls."""
+    def adaptive(self) -> Adaptive:
+        """What ``speculate="auto"`` has learned on this spec (:class:`heads.adaptive.Adaptive`: the
+        cost curve and the calibrated acceptance per sampling setting), kept across calls; seeded
+        with the acceptance by depth the adapter recorded at save time."""
         if self._policy is None:
-            from .policy import SpeculationPolicy
-
-            # lookup (alone or in a hybrid) finds repeats only once there is text to repeat, so its
-            # acceptance grows through a reply; a trained drafter's does not (SpeculationPolicy.steady)
-            entry = kinds.get(self.kind)
-            self._policy = SpeculationPolicy(entry.policy_sizes(self), steady=entry.trainable and self.lookup is None)
+            self._policy = Adaptive(recorded_acceptance(self.metadata.get("acceptance", {})))
         return self._policy
+
+    policy = adaptive  # the name of earlier releases
 
     def save_pretrained(self, directory: str, **metadata) -> None:
         """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (atomically); a kind with

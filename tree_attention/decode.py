@@ -149,6 +149,64 @@ class PerRowDrafter:
             for index, row in enumerate(self.live)])
 
 
+STEP_KINDS = ("plain", "empty", "drafted")
+"""How a step went: ``plain`` verified each row's root alone without asking the drafter; ``empty``
+asked the drafter (or cut its trees) and verified no drafted node (in cost and effect a plain step);
+``drafted`` verified at least one drafted node for some row."""
+
+
+@dataclass
+class StepRecord:
+    """What one step of the loop did, handed to the :class:`Planner` and kept in
+    :attr:`DecodeStats.steps`.
+
+    Attributes:
+        kind: one of :data:`STEP_KINDS`.
+        rows: rows the step decoded.
+        width: nodes verified per row (the verify forward's query length, root included).
+        draft_seconds: the drafter's ``propose`` and cutting the trees (0 on a plain step).
+        verify_seconds: the rest of the step: mask, target forward, acceptance, cache, commit.
+        tokens: tokens committed over all rows (bonus tokens included).
+        first_draft: this was the call's first ``propose`` (a drafter catching up on the prompt).
+        context: the mean committed length of the rows before the step (the cache the step attends to).
+    """
+
+    kind: str
+    rows: int
+    width: int
+    draft_seconds: float
+    verify_seconds: float
+    tokens: int
+    first_draft: bool = False
+    context: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.draft_seconds + self.verify_seconds
+
+
+class Planner(Protocol):
+    """Decides, step by step, how much of the drafter's trees the loop verifies (``speculate="auto"``).
+
+    The loop asks :meth:`draft` before each step; on a drafting step it verifies
+    :meth:`trim` of the proposed trees, which must be a cut that keeps the acceptance rule lossless
+    (a prefix in node order for deterministic rules, a depth cut for sampling rules); after the step
+    it reports a :class:`StepRecord` and the accepted paths to :meth:`observe`.
+    """
+
+    def draft(self, rows: int) -> bool:
+        """Whether to ask the drafter for trees this step (False: a plain decoding step)."""
+
+    def trim(self, trees: TreeBatch) -> TreeBatch:
+        """The part of the proposed ``trees`` to verify (``trees`` itself, a cut of it, or roots only)."""
+
+    def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
+                lengths: torch.Tensor) -> None:
+        """One finished step: its record, the verified ``trees`` (None where the loop cut them to
+        the rows' token budgets after :meth:`trim`), each row's accepted node indices ``paths``
+        ``[R, L]`` (padded with the last kept node) and path lengths ``lengths`` ``[R]`` (root included)."""
+
+
 @dataclass
 class DecodeStats:
     """What one ``generate`` call did. ``mean_accepted`` (tau) counts tokens committed per target
@@ -168,34 +226,8 @@ class DecodeStats:
     speculation: dict | None = None  # the setting an adaptive policy chose, and why
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the loop (:data:`PHASES`); contiguous laps, so they sum to ``total_seconds``."""
-    steps: list[tuple[bool | None, float, int, int, int]] = field(default_factory=list)
-    """Per step after the prefill: (drafted, seconds, tokens committed over all rows, rows, the
-    tree's width: nodes verified a row); a step that drafted nothing is a plain decoding step in the
-    loop (see ``schedule``); ``drafted`` is None where the drafter was asked but proposed no node for
-    any row (prompt lookup before the text repeats: a plain step in cost and effect), left out of a
-    size's tau and step cost and of the plain cost by ``speculate="auto"``, and counted in a call's
-    own verdict on drafting."""
-    row_drafted: list[list[int]] = field(default_factory=list)
-    """Per batch row: [tokens committed in drafted steps, drafted steps it took part in] (the steps
-    whose drafter was asked, :attr:`row_empty` of them proposing nothing)."""
-    row_empty: list[int] = field(default_factory=list)
-    """Per batch row: its drafted steps where no row's tree held a drafted node (``steps`` entries
-    marked None); each committed one token."""
-    nested: list[list[float]] = field(default_factory=list)
-    """Per batch row (when the decoder was given ``nested_sizes`` and the drafter nests its trees):
-    [drafted steps counted, then per size the tokens a tree of that size would have committed on
-    those same steps]; see :meth:`SpeculativeDecoder.step`."""
-
-    def slowest_row_tau(self, prior: float | None = None, weight: float = 0.0, proposed: bool = False) -> float | None:
-        """Tokens per drafted step of the row that advanced slowest (a batch call lasts as long as
-        its slowest row), each row's rate blended with ``prior`` worth ``weight`` steps; None
-        before any drafted step. ``proposed``: over the steps that proposed something only (the
-        tau of a tree size; :attr:`row_empty` left out)."""
-        prior, weight = (0.0, 0.0) if prior is None else (prior, weight)
-        empty = self.row_empty if proposed and self.row_empty else [0] * len(self.row_drafted)
-        rates = [(tokens - skipped + prior * weight) / (steps - skipped + weight)
-                 for (tokens, steps), skipped in zip(self.row_drafted, empty) if steps - skipped]
-        return min(rates) if rates else None
+    steps: list["StepRecord"] = field(default_factory=list)
+    """One :class:`StepRecord` per step after the prefill (what it verified, committed and cost)."""
 
     @property
     def mean_accepted(self) -> float:
@@ -260,25 +292,17 @@ class SpeculativeDecoder:
                  attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None,
                  stop: Callable[[int, list[int]], bool] | None = None,
                  on_commit: Callable[[int, list[int]], None] | None = None,
-                 process: ContextProcessor | None = None,
-                 schedule: Callable[["SpeculativeDecoder"], bool] | None = None,
-                 nested_sizes: Sequence[int] = ()) -> None:
+                 process: ContextProcessor | None = None, planner: Planner | None = None) -> None:
         """``stop(row, output)``: checked after every committed token (True ends the row there);
         ``on_commit(row, tokens)``: called with each chunk a row commits (streaming); ``process``:
         logits processors that read each position's sequence (repetition penalty, n-gram bans, ...),
         applied to the prefill's last logits and to every tree node's with that node's own sequence.
 
-        ``schedule(decoder)``: asked before every step whether to draft (None: always). A step
-        that does not draft verifies each row's root alone (a plain decoding step) and keeps what
-        it committed for the drafter's next call; setting ``decoder.drafting = False`` ends
-        drafting for the rest of the call (nothing more is kept for the drafter).
-
-        ``nested_sizes``: tree sizes whose greedy acceptance to count on every drafted step, when the
-        drafter's trees are nested (its ``nested_counts(sizes)`` says how many of each row's drafted
-        nodes a drafter of each size would have proposed, the first in node order or in its
-        ``nested_ranks`` order): a smaller tree accepts the leading nodes of the accepted path that
-        it holds, so ``speculate="auto"`` compares sizes on the same text (:attr:`DecodeStats.nested`).
-        Greedy only (a sampled smaller tree's draws would differ)."""
+        ``planner``: decides before each step whether to draft and which cut of the proposed trees
+        to verify (:class:`Planner`; None: always draft, verify whole trees). A step that does not
+        draft verifies each row's root alone (a plain decoding step) and keeps what it committed for
+        the drafter's next call; setting ``decoder.drafting = False`` ends drafting for the rest of
+        the call (nothing more is kept for the drafter)."""
         self.target, self.drafter, self.rule = target, drafter, rule or GreedyRule()
         self.stop, self.on_commit = stop, on_commit
         self.input_ids = input_ids
@@ -289,21 +313,16 @@ class SpeculativeDecoder:
         self.pad_token_id = pad_token_id
         batch = input_ids.shape[0]
         self.outputs: list[list[int]] = [[] for _ in range(batch)]
-        self.stats = DecodeStats(batch_size=batch, row_drafted=[[0, 0] for _ in range(batch)], row_empty=[0] * batch)
+        self.stats = DecodeStats(batch_size=batch)
         self.cache = cache_ops.RaggedCache(batch, input_ids.device)
         self.rows: list[int] = list(range(batch))
         self.max_depth = 0
         self.stats.phases = dict.fromkeys(PHASES, 0.0)
         self._stamp = time.perf_counter()
         self.holes = 0  # slots appended since the last compaction that no row kept (a bound on any row's holes)
-        self.schedule = schedule
+        self.planner = planner
         self.drafting = True  # False: plain steps until the end of the call
-        if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in nested_sizes):
-            raise ValueError(f"nested_sizes must be positive tree sizes (drafted node counts); got {list(nested_sizes)!r}")
-        nests = getattr(drafter, "nested_counts", None) is not None and getattr(drafter, "nests", True)
-        self.nested_sizes = list(nested_sizes) if nests and isinstance(self.rule, GreedyRule) else []
-        if self.nested_sizes:
-            self.stats.nested = [[0] + [0] * len(self.nested_sizes) for _ in range(batch)]
+        self.proposals = 0  # the drafter's propose calls so far (the first catches up on the prompt)
 
     # -- state per row ------------------------------------------------------------------------
 
@@ -353,7 +372,7 @@ class SpeculativeDecoder:
         self.cache.extend(mask.clone(), positions)
         self.lengths = mask.long().sum(dim=1)
         last = logits[:, -1] if self.process is None else self.process(self.contexts.prompts(), logits[:, -1])
-        roots = self.rule.first_tokens(last)  # (B,)
+        roots = self.rule.first_tokens(last, list(range(batch)), positions[:, -1])  # (B,)
         self.draft = DraftBatch(left_align(features, mask), left_align(ids, mask), self.lengths.clone(), roots)
         self._keep_rows([self._emit(row, [root]) for row, root in enumerate(roots.tolist())])
 
@@ -365,19 +384,29 @@ class SpeculativeDecoder:
 
     def step(self, draft: bool | None = None) -> None:
         """One draft → verify → accept → commit step for every row still decoding (``draft``
-        False: verify the roots alone; None: as :attr:`schedule` says, drafting by default)."""
+        False: verify the roots alone; None: as :attr:`planner` says, drafting by default)."""
         started = time.perf_counter()
+        rows = len(self.rows)
         if draft is None:
-            draft = self.drafting and (self.schedule is None or bool(self.schedule(self)))
-        trees = self.drafter.propose(self.draft) if draft else TreeBatch.roots_only(self.draft.roots)
+            draft = self.drafting and (self.planner is None or self.planner.draft(rows))
+        first_draft = draft and self.proposals == 0
+        if draft:
+            self.proposals += 1
+            trees = self.drafter.propose(self.draft)
+            if self.planner is not None:
+                trees = self.planner.trim(trees)
+        else:
+            trees = TreeBatch.roots_only(self.draft.roots)
         self._lap("draft")
-        drafted = trees
+        planned = trees
         trees = truncate_batch(trees, [self.max_new_tokens - 1 - len(self.outputs[row]) for row in self.rows])
         self._lap("tree")
+        draft_seconds = self._stamp - started
+        context = int(self.lengths.float().mean()) if self.planner is not None else 0
         query_positions = self.lengths[:, None] + trees.depths  # (R, N)
         if trees.width == 1 and self.target.layout is None and self.cache.dense():
             # one query per row over a cache without holes: it sees every key, as in the backbone's
-            # own decoding step, which passes no 4D mask either (building one cost ~60 us a step)
+            # own decoding step, which passes no 4D mask either
             mask = None
         else:
             mask = self.cache.mask(query_positions, trees.visibility, self.target.layout, self.target.dtype)
@@ -387,10 +416,10 @@ class SpeculativeDecoder:
         if self.process is not None:
             contexts = self.contexts.nodes(self.rows, trees)
             logits = self.process(contexts, logits.reshape(-1, logits.shape[-1])).view(*logits.shape[:2], -1)
-        accepted = self.rule.accept_batch(trees, logits)
+        accepted = self.rule.accept_batch(trees, logits, self.rows, query_positions)
         paths, lengths = accepted.paths, accepted.lengths  # (R, L) padded with the last kept node, (R,)
         self._lap("accept")
-        if len(self.rows) == 1:  # its whole path is real
+        if rows == 1:  # its whole path is real
             self.cache.keep(paths, None, query_positions, full=True)
         else:
             kept = torch.arange(paths.shape[1], device=paths.device)[None, :] < lengths[:, None]
@@ -402,7 +431,6 @@ class SpeculativeDecoder:
         committed = DraftBatch(path_features, path_tokens, lengths, accepted.next_tokens)
         # a step that did not draft leaves the drafter's pending entries in place and adds its own
         self.draft = committed if draft or not self.drafting else self.draft.then(committed)
-        rows = len(self.rows)
         self.stats.target_forwards += 1
         self.stats.row_forwards += rows
         self.stats.tree_size = max(self.stats.tree_size, trees.width)
@@ -413,18 +441,9 @@ class SpeculativeDecoder:
             chunks = torch.cat([path_tokens, accepted.next_tokens[:, None]], dim=1).tolist()
         counts = lengths.tolist() if accepted.chunks is None else [len(chunk) - 1 for chunk in chunks]
         done = []
-        proposed = draft and trees.width > 1  # some row's tree holds a drafted node
-        if proposed and self.nested_sizes and trees is drafted:  # (a step cut to the token budget is left out)
-            self._count_nested(paths.tolist(), counts)
         self.holes += trees.width * rows - sum(counts)
         for index, (row, length) in enumerate(zip(self.rows, counts)):
             self.stats.accepted_lengths.append(length - 1)
-            if draft:
-                record = self.stats.row_drafted[row]
-                record[0] += length
-                record[1] += 1
-                if not proposed:
-                    self.stats.row_empty[row] += 1
             chunk = chunks[index]
             done.append(self._emit(row, chunk[1:length] + [chunk[-1]]))
         self._keep_rows(done)
@@ -432,25 +451,13 @@ class SpeculativeDecoder:
         if self.rows and 2 * self.holes >= self.cache.width and self.cache.compact():
             self.holes = 0
         self._lap("cache")
-        self.stats.steps.append((True if proposed else None if draft else False, self._stamp - started,
-                                 sum(counts), rows, trees.width))
-
-    def _count_nested(self, paths: list[list[int]], lengths: list[int]) -> None:
-        """Add to :attr:`DecodeStats.nested` what a tree of each of ``nested_sizes`` would have
-        committed this step: its drafted nodes are each row's ``count`` first in the drafter's
-        selection order (``nested_ranks``: a node's place in it, 0 for the first drafted node; node
-        order when the drafter has none), so it accepts the leading nodes of the accepted path that
-        it holds, plus the bonus token."""
-        ranks = getattr(self.drafter, "nested_ranks", None)
-        for index, (row, counts, path, length) in enumerate(
-                zip(self.rows, self.drafter.nested_counts(self.nested_sizes), paths, lengths)):
-            record = self.stats.nested[row]
-            record[0] += 1
-            order = None if ranks is None else ranks[index]
-            drafted = [node - 1 if order is None else order[node] for node in path[1:length]]
-            for position, count in enumerate(counts, start=1):
-                accepted = next((number for number, rank in enumerate(drafted) if rank >= count), len(drafted))
-                record[position] += accepted + 1
+        kind = "plain" if not draft else "drafted" if trees.width > 1 else "empty"
+        record = StepRecord(kind, rows, trees.width, draft_seconds, self._stamp - started - draft_seconds,
+                            sum(counts), first_draft, context)
+        self.stats.steps.append(record)
+        if self.planner is not None:
+            # a step cut to the token budget renumbered its nodes: its acceptance says nothing of the plan
+            self.planner.observe(record, trees if trees is planned else None, paths, lengths)
 
     def result(self) -> torch.Tensor:
         """Prompts plus new tokens, rows that stopped early filled with ``pad_token_id`` (as ``generate``)."""

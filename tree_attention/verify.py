@@ -348,6 +348,10 @@ class AcceptanceRule:
     (:class:`tree_attention.gumbel.GumbelRule`) need them; the others ignore them."""
 
     lossless = True
+    deterministic = False
+    """True when the kept path is a function of the tree's tokens and the logits alone (no draws):
+    then verifying any sub-tree keeps exactly the nodes the whole tree would keep that it holds,
+    and any cut of a proposed tree leaves the output unchanged."""
     key = "rule"
     """What acceptance depends on besides the drafts (rule and sampling settings): statistics of
     accepted lengths are only comparable under one key."""
@@ -377,6 +381,7 @@ class AcceptanceRule:
 
 class GreedyRule(AcceptanceRule):
     key = "greedy"
+    deterministic = True
 
     def first_token(self, logits: torch.Tensor) -> int:
         return int(logits.argmax())

@@ -14,7 +14,7 @@ def test_the_bare_bound_prices_each_step_at_its_own_width():
     prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9]])
     spec.generate(prompt, max_new_tokens=24)
     stats = spec.last_stats
-    widths = [step[4] for step in stats.steps]
+    widths = [step.width for step in stats.steps]
     assert len(widths) == stats.target_forwards - 1 and sum(widths) == stats.verified_nodes
     assert len(set(widths)) > 1  # lookup's trees vary: a bound at the mean width would differ
     verify = {1: 2.0, 4: 2.5, 16: 5.0}  # ms by width: concave, as measured
@@ -26,7 +26,7 @@ def test_the_bare_bound_prices_each_step_at_its_own_width():
 
 
 def test_a_call_handed_to_generate_has_no_bound():
-    class Delegated:  # what speculate="auto" records when the backbone's generate decoded the call
+    class Delegated:  # statistics of a call decoded by the backbone's own generate
         steps: list = []
         phases: dict = {}
 

@@ -209,72 +209,53 @@ def test_batched_sampling_matches_the_target_in_every_row(model, spec, eagle_spe
     assert pvalue > FALSE_ALARM, pvalue
 
 
-def auto_samples(spec, mixed: bool, runs=RUNS, delegate: bool = False, **settings) -> list[tuple[int, int, int]]:
-    """Samples of ``speculate="auto"`` calls of 3 tokens. ``mixed``: the policy is set up so that each
-    call drafts its first step, then takes plain steps (refreshing its plain cost); otherwise every step
-    after the prefill is a plain step (roots only), or with ``delegate`` the call is the backbone's
-    own ``generate`` seeded from the call's generator."""
-    generator = torch.Generator().manual_seed(3)
-    mixes = []
-    spec.generate(PROMPT, max_new_tokens=1, do_sample=True, speculate="auto", **settings)
-    rule = spec.last_stats.speculation["rule"]  # the key the policy files these settings' tau under
-    samples = []
-    for _ in range(runs):
-        policy = spec.policy
-        policy.step_costs.clear(), policy.cost_samples.clear(), policy.observed.clear()
-        policy.delegate_plain = delegate  # plain steps in the loop, or the backbone's generate
-        key = policy.key(PROMPT)
-        policy.record_cost(key, 0, 1.0)
-        for size in policy.sizes:
-            policy.record_cost(key, size, 1.0 if mixed else 1e9)
-            policy.observed[(size, rule, 1)] = heads.policy.Observed(tokens=300, row_steps=100)
-        output = spec.generate(PROMPT, max_new_tokens=3, do_sample=True, generator=generator,
-                               speculate="auto", **settings)
-        steps = [step[0] for step in spec.last_stats.steps]
-        if mixed:  # a drafted step, then plain ones (none when the drafted step finished the call)
-            assert steps[0] and not any(steps[1:]), steps
-            mixes.append(len(steps) > 1)
-        else:
-            assert steps == ([] if delegate else [False, False]), steps
-        assert bool(spec.last_stats.speculation.get("delegate")) == delegate
-        samples.append(tuple(output[0, -3:].tolist()))
-    assert not mixed or sum(mixes) > runs // 10, "drafted steps seldom left room for a plain one"
+def auto_samples(spec, runs=RUNS, **settings) -> list[tuple[int, int, int]]:
+    """Samples of ``speculate="auto"`` calls of 3 tokens whose planner, at every step, takes a plain
+    step or drafts with a depth cut, at random (from its own generator): whatever a planner decides
+    from the past, the output must follow the target's distribution."""
+    from heads.adaptive import CallPlanner, Choice
+
+    choices = torch.Generator().manual_seed(11)
+
+    def random_plan(self, rows):
+        pick = int(torch.randint(4, (1,), generator=choices))
+        return Choice(False, reason="test") if pick == 0 else Choice(True, nodes=4, depth=pick, reason="test")
+
+    samples, kinds = [], set()
+    original = CallPlanner._plan
+    CallPlanner._plan = random_plan
+    try:
+        for _ in range(runs):
+            output = spec.generate(PROMPT, max_new_tokens=3, do_sample=True, speculate="auto", **settings)
+            kinds.update(step.kind for step in spec.last_stats.steps)
+            samples.append(tuple(output[0, -3:].tolist()))
+    finally:
+        CallPlanner._plan = original
+    assert {"plain", "drafted"} <= kinds, kinds
     return samples
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["plain-steps", "drafted-then-plain"])
-def test_auto_plain_steps_sample_the_target(model, spec, mixed):
-    """Plain steps inside the loop (one batched draw per step) and plain steps followed by a drafted
-    one (the drafter then sees both steps' tokens) follow the target's distribution."""
+def test_auto_steps_sample_the_target(model, spec):
+    """Plain steps and depth-cut drafted steps, mixed per step by the planner, follow the target's
+    distribution (the drafter sees a plain step's tokens at its next call)."""
     settings = dict(temperature=0.7, top_k=8)
     spec.set_tree(16)
-    pvalue = chi_square_pvalue(auto_samples(spec, mixed, **settings), exact_joint(model, **settings))
+    torch.manual_seed(5)
+    pvalue = chi_square_pvalue(auto_samples(spec, **settings), exact_joint(model, **settings))
     assert pvalue > FALSE_ALARM, pvalue
 
-
-def test_auto_calls_run_by_the_backbones_generate_sample_the_target(model, spec):
-    """A call that drafts nothing runs the backbone's own generate, seeded from the call's generator:
-    its samples follow the target's distribution too (and the same generator state repeats them)."""
-    settings = dict(temperature=0.7, top_k=8)
-    spec.set_tree(16)
-    samples = auto_samples(spec, False, delegate=True, **settings)
-    assert len(set(samples)) > 1  # the seed moves with the generator from call to call
-    pvalue = chi_square_pvalue(samples, exact_joint(model, **settings))
-    assert pvalue > FALSE_ALARM, pvalue
-    again = auto_samples(spec, False, runs=5, delegate=True, **settings)
-    assert again == samples[:5]
 
 
 def test_a_wrong_plain_step_draw_is_caught(model, spec, monkeypatch):
     """The same test fails when a plain step draws from the unwarped distribution."""
     settings = dict(temperature=0.5, top_k=0)
 
-    def unwarped(self, logits):
+    def unwarped(self, logits, batch_rows=None, positions=None):
         return torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=self.generator)[:, 0]
 
     monkeypatch.setattr(SamplingRule, "first_tokens", unwarped)
     spec.set_tree(16)
-    pvalue = chi_square_pvalue(auto_samples(spec, False, **settings), exact_joint(model, **settings))
+    pvalue = chi_square_pvalue(auto_samples(spec, **settings), exact_joint(model, **settings))
     assert pvalue < FALSE_ALARM, pvalue
 
 
@@ -306,3 +287,60 @@ def test_parallel_drafting_under_sampling_matches_the_target(model, parallel_eag
                                exact_joint(model, **settings))
     assert parallel_eagle_spec.drafter.parallel.cache is parallel_eagle_spec.drafter.sequential.cache
     assert (pvalue < FALSE_ALARM) if wrong else (pvalue > FALSE_ALARM), pvalue
+
+
+def seeded_runs(spec, runs=RUNS, first_seed=0, batch=False, **settings) -> list[tuple[int, int, int]]:
+    """Samples of seeded calls (``seed=``, one seed per call, so the calls are independent draws);
+    ``batch``: 8 padded copies of PROMPT per call, each row its own seed."""
+    ids, mask = left_pad([PROMPT[0]] * 8, width=PROMPT.shape[1] + 2) if batch else (PROMPT, None)
+    rows = ids.shape[0]
+    samples, accepted = [], 0
+    for call in range(runs // rows):
+        seeds = list(range(first_seed + call * rows, first_seed + (call + 1) * rows))
+        output = spec.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=True,
+                               seed=seeds if batch else seeds[0], **settings)
+        samples += [tuple(row) for row in output[:, -3:].tolist()]
+        accepted += sum(spec.last_stats.accepted_lengths)
+    assert accepted > runs * 0.1, "drafts were almost never accepted: the test would not exercise the rule"
+    return samples
+
+
+@pytest.mark.parametrize("settings, tree", CASES)
+def test_seeded_sampling_matches_the_target(model, spec, settings, tree):
+    """Gumbel-max sampling on the counter-based stream, verified by the greedy walk on perturbed
+    logits, samples the target's distribution (a seed per call)."""
+    spec.set_tree(tree if tree else [(0,), (0, 0)])
+    pvalue = chi_square_pvalue(seeded_runs(spec, first_seed=1000, **settings), exact_joint(model, **settings))
+    assert pvalue > FALSE_ALARM, pvalue
+
+
+def test_seeded_batched_and_eagle_sampling_match_the_target(model, spec, eagle_spec):
+    settings = dict(temperature=0.7, top_k=8)
+    spec.set_tree(16)
+    pvalue = chi_square_pvalue(seeded_runs(spec, first_seed=5000, batch=True, **settings),
+                               exact_joint(model, **settings))
+    assert pvalue > FALSE_ALARM, pvalue
+    settings = dict(temperature=0.8, top_k=0)
+    pvalue = chi_square_pvalue(seeded_runs(eagle_spec, first_seed=9000, **settings), exact_joint(model, **settings))
+    assert pvalue > FALSE_ALARM, pvalue
+
+
+@pytest.mark.parametrize("wrong", ["one-noise-per-row", "noise-before-warp"])
+def test_a_wrong_seeded_rule_is_caught(model, spec, monkeypatch, wrong):
+    """The same test fails when every position of a row reuses one noise vector (positions left
+    out of the key: draws correlate across positions), or when the noise is added before the
+    temperature (a sample of the unwarped distribution)."""
+    from tree_attention import gumbel
+
+    settings = dict(temperature=1.0 if wrong == "one-noise-per-row" else 0.5, top_k=0)
+    if wrong == "one-noise-per-row":
+        original = gumbel.gumbel_noise
+        monkeypatch.setattr(gumbel, "gumbel_noise", lambda keys, positions, tokens:
+                            original(keys, torch.zeros_like(positions), tokens))
+    else:
+        original = gumbel.perturbed_argmax
+        monkeypatch.setattr(gumbel, "perturbed_argmax", lambda warped, keys, positions:
+                            original(warped * settings["temperature"], keys, positions))
+    spec.set_tree(16)
+    pvalue = chi_square_pvalue(seeded_runs(spec, first_seed=1000, **settings), exact_joint(model, **settings))
+    assert pvalue < FALSE_ALARM, pvalue

@@ -1,0 +1,148 @@
+"""``speculate="auto"`` against every fixed tree size of the same drafter and ``model.generate``,
+side by side in one process, on the check split of a prompt mix.
+
+Prompts are split by line: even lines of a mix are the tuning split, odd lines the check split
+(``--split``); figures are reported from the check split. Each method (``generate``, the drafter at
+each fixed size from 1 drafted node to its configured size, and ``auto`` on one spec that keeps what
+it learned across the run, as a server would) runs on the same batches of prompts in rotating order;
+greedy outputs are checked identical to ``generate``. Reported per method: the median over batches
+of the speedup over ``generate`` and tau; for ``auto``, its ratio to the best fixed size (the size with
+the best median), and the median over its first three calls (cold start) against that size's on the
+same batches. Writes ``benchmarks/results/auto_<name>.json``.
+
+    python benchmarks/bench_auto.py --target stories260K --mix stories --drafter eagle=benchmarks/adapters/stories260K-eagle-T0.7 \\
+        --temperature 0.7 --batch 1 --prompts 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import heads  # noqa: E402
+from benchmarks.common import write_json  # noqa: E402
+
+TARGETS = {"stories260K": "benchmarks/targets/stories260K", "demo-llama": "benchmarks/targets/demo-llama",
+           "demo-draft": "benchmarks/targets/demo-draft"}
+MIXES = {"stories": "stories.jsonl", "code": "code.jsonl", "prose": "prose.jsonl"}
+
+
+def split_prompts(tokenizer, mix: str, split: str, count: int) -> list[str]:
+    lines = [line for line in (ROOT / "benchmarks/targets/prompts" / MIXES[mix]).read_text().splitlines() if line.strip()]
+    texts = [json.loads(line)["prompt"] for line in lines]
+    chosen = texts[0::2] if split == "tuning" else texts[1::2]
+    return chosen[:count]
+
+
+def make_spec(model, drafter: str, size: int | None):
+    """``drafter``: ``lookup``, ``KIND=ADAPTER_DIR``, ``draft=MODEL_DIR`` or any of them ``+lookup``."""
+    hybrid = drafter.endswith("+lookup")
+    name = drafter[:-len("+lookup")] if hybrid else drafter
+    if name == "lookup":
+        spec = heads.attach_heads(model, kind="lookup")
+    elif name.startswith("draft="):
+        from transformers import AutoModelForCausalLM
+
+        draft = AutoModelForCausalLM.from_pretrained(ROOT / name.split("=", 1)[1], dtype=torch.float32).eval()
+        spec = heads.attach_heads(model, kind="draft", draft_model=draft)
+    else:
+        spec = heads.load_heads(model, str(ROOT / name.split("=", 1)[1]))
+    if hybrid:
+        spec.set_lookup(True)
+    if size is not None:
+        spec.set_tree(size)
+    return spec
+
+
+def fixed_sizes(spec) -> list[int]:
+    from heads import kinds
+
+    return sorted({1, *kinds.get(spec.kind).policy_sizes(spec)})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=sorted(TARGETS), required=True)
+    parser.add_argument("--mix", choices=sorted(MIXES), required=True)
+    parser.add_argument("--drafter", required=True, help="lookup | KIND=ADAPTER_DIR | draft=MODEL_DIR, optionally +lookup")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=12, help="prompts of the split (batches of --batch)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--split", choices=("tuning", "check"), default="check")
+    parser.add_argument("--name", default=None)
+    args = parser.parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(ROOT / TARGETS[args.target], dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / TARGETS[args.target])
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    texts = split_prompts(tokenizer, args.mix, args.split, args.prompts)
+    batches = [tokenizer(texts[i:i + args.batch], return_tensors="pt", padding=True)
+               for i in range(0, len(texts) - args.batch + 1, args.batch)]
+    sample = args.temperature > 0
+    options = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, pad_token_id=tokenizer.pad_token_id)
+    if sample:
+        options.update(temperature=args.temperature, top_k=0, top_p=1.0)
+    probe = make_spec(model, args.drafter, None)
+    sizes = fixed_sizes(probe)
+    methods = {"generate": None, **{f"size {size}": make_spec(model, args.drafter, size) for size in sizes},
+               "auto": make_spec(model, args.drafter, None)}
+    warm = tokenizer(texts[:args.batch], return_tensors="pt", padding=True)
+    for name, spec in methods.items():  # warm the code paths (not auto: its first calls are the cold start)
+        if spec is not None and name != "auto":
+            spec.generate(**warm, **options)
+    model.generate(**warm, **options)
+    results = {name: {"speedup": [], "tau": []} for name in methods}
+    names = list(methods)
+    for index, batch in enumerate(batches):
+        order = names[index % len(names):] + names[:index % len(names)]
+        seconds, outputs = {}, {}
+        for name in order:
+            spec = methods[name]
+            start = time.perf_counter()
+            if spec is None:
+                outputs[name] = model.generate(**batch, **options)
+            else:
+                outputs[name] = spec.generate(**batch, **options, speculate="auto" if name == "auto" else None)
+                results[name]["tau"].append(spec.last_stats.tau)
+            seconds[name] = time.perf_counter() - start
+        for name in names:
+            if not sample and not torch.equal(outputs[name], outputs["generate"]):
+                raise SystemExit(f"{name}: output differs from generate on batch {index}")
+            results[name]["speedup"].append(seconds["generate"] / seconds[name])
+        print(f"batch {index}: " + " ".join(f"{name} {seconds['generate'] / seconds[name]:.2f}" for name in names),
+              flush=True)
+    medians = {name: statistics.median(entry["speedup"]) for name, entry in results.items()}
+    best = max((name for name in names if name.startswith("size")), key=medians.get)
+    report = {
+        "target": args.target, "mix": args.mix, "drafter": args.drafter, "temperature": args.temperature,
+        "batch": args.batch, "split": args.split, "batches": len(batches), "max_new_tokens": args.max_new_tokens,
+        "median_speedup": {name: round(value, 3) for name, value in medians.items()},
+        "median_tau": {name: round(statistics.median(entry["tau"]), 3) for name, entry in results.items() if entry["tau"]},
+        "best_fixed": best, "auto_over_best_fixed": round(medians["auto"] / medians[best], 3),
+        "cold_start_over_best_fixed": round(statistics.median(results["auto"]["speedup"][:3])
+                                            / statistics.median(results[best]["speedup"][:3]), 3),
+        "auto_speculation": methods["auto"].last_stats.speculation,
+    }
+    name = args.name or f"{args.target}_{args.mix}_{args.drafter.split('=')[0]}_T{args.temperature:g}_b{args.batch}"
+    write_json(f"auto/{name}.json", report)
+    print(json.dumps({key: report[key] for key in ("median_speedup", "median_tau", "best_fixed",
+                                                   "auto_over_best_fixed", "cold_start_over_best_fixed")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

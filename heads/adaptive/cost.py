@@ -1,0 +1,104 @@
+"""The cost curve: seconds of one verify forward by rows and tree width, and seconds of drafting.
+
+Verify cost depends on the rows a step decodes and the nodes it verifies per row, not on which
+drafter proposed them, so every verify forward the loop runs (plain steps included) teaches the
+same table. Rows are kept in power-of-two buckets; within a bucket each width is a running mean,
+and a width never verified is priced by interpolating its measured neighbours linearly in
+``log2(width)`` (which never prices it above the wider neighbour nor below the narrower one, and is
+on the cheap side of a convex curve, so an unmeasured width in between gets tried), and past the
+widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
+Drafting cost is kept per rows bucket for a drafter's steady steps; a request's first ``propose``
+(the drafter catching up on the prompt) is kept apart and never charged to a step's choice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+COST_HORIZON = 32
+"""Observations a running cost averages over (an exponential mean of weight ``1 / min(n, COST_HORIZON)``):
+long enough to smooth one step's timing noise, short enough to follow the cache growing and the
+machine's load changing."""
+
+
+@dataclass
+class RunningMean:
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, sample: float) -> None:
+        self.count += 1
+        self.value += (sample - self.value) / min(self.count, COST_HORIZON)
+
+
+def rows_bucket(rows: int) -> int:
+    """The power of two at or below ``rows`` (rows >= 1)."""
+    return 1 << (max(1, rows).bit_length() - 1)
+
+
+class CostCurve:
+    """Verify and drafting seconds learned from the steps served (one per spec, all calls)."""
+
+    def __init__(self) -> None:
+        self.verify: dict[int, dict[int, RunningMean]] = {}
+        self.drafting: dict[int, RunningMean] = {}
+        self.first_drafting: dict[int, RunningMean] = {}
+        self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per bucket: log2 widths, seconds
+
+    def observe_verify(self, rows: int, width: int, seconds: float) -> None:
+        bucket = rows_bucket(rows)
+        self.verify.setdefault(bucket, {}).setdefault(width, RunningMean()).add(seconds)
+        self._curves.pop(bucket, None)
+
+    def observe_draft(self, rows: int, seconds: float, first: bool) -> None:
+        table = self.first_drafting if first else self.drafting
+        table.setdefault(rows_bucket(rows), RunningMean()).add(seconds)
+
+    def _table(self, rows: int, tables: dict) -> object | None:
+        """The table of ``rows``' bucket, else the nearest measured bucket's (None: nothing measured)."""
+        bucket = rows_bucket(rows)
+        if bucket in tables:
+            return tables[bucket]
+        if not tables:
+            return None
+        return tables[min(tables, key=lambda other: (abs(math.log2(other / bucket)), other))]
+
+    def knows_plain(self, rows: int) -> bool:
+        """Whether a plain step (width 1) has been timed in ``rows``' bucket."""
+        return 1 in self.verify.get(rows_bucket(rows), {})
+
+    def verify_curve(self, rows: int, widths: np.ndarray) -> np.ndarray | None:
+        """Predicted seconds of a verify forward over ``rows`` rows of each of ``widths`` nodes per
+        row (None: no verify forward timed yet)."""
+        bucket = rows_bucket(rows)
+        if bucket not in self.verify:
+            if not self.verify:
+                return None
+            bucket = min(self.verify, key=lambda other: (abs(math.log2(other / rows_bucket(rows))), other))
+        curve = self._curves.get(bucket)
+        if curve is None:
+            table = self.verify[bucket]
+            measured = sorted(table)
+            curve = self._curves[bucket] = (np.log2(measured), np.array([table[width].value for width in measured]))
+        return np.interp(np.log2(np.maximum(widths, 1)), *curve)
+
+    def verify_seconds(self, rows: int, width: int) -> float | None:
+        """:meth:`verify_curve` for one width."""
+        curve = self.verify_curve(rows, np.array([width]))
+        return None if curve is None else float(curve[0])
+
+    def draft_seconds(self, rows: int) -> float:
+        """Predicted seconds of one steady drafting step over ``rows`` rows (0 before any is timed)."""
+        table = self._table(rows, self.drafting)
+        return 0.0 if table is None else table.value
+
+    def summary(self) -> dict:
+        """Measured costs in milliseconds, for ``last_stats.speculation``."""
+        return {"verify_ms": {bucket: {width: round(1e3 * mean.value, 3) for width, mean in sorted(table.items())}
+                              for bucket, table in sorted(self.verify.items())},
+                "draft_ms": {bucket: round(1e3 * mean.value, 3) for bucket, mean in sorted(self.drafting.items())},
+                "first_draft_ms": {bucket: round(1e3 * mean.value, 3)
+                                   for bucket, mean in sorted(self.first_drafting.items())}}

@@ -1,0 +1,172 @@
+"""``speculate="auto"``: each step, the cut of the drafter's trees (none at all: a plain step) with
+the most expected tokens per second, from the cost curve (:mod:`.cost`) and calibrated acceptance
+(:mod:`.acceptance`).
+
+Before a step the planner compares, for the rows still decoding, a plain step (one token a row at
+the cost of a width-1 verify) with drafting: the drafter's steady cost plus the verify cost of each
+cut, against the tokens each cut is expected to commit. After the drafter proposed, a deterministic
+rule (greedy) picks the node-order prefix of the actual trees worth verifying, the drafting cost
+now spent; a sampling rule verifies the depth cut chosen before drafting (a cut that does not
+depend on what was sampled keeps the rule lossless). Which nodes are verified never changes a greedy
+output, and a sampled output follows the target's distribution whatever the cut.
+
+The first time a rows bucket is served the planner takes one plain step to time a width-1 forward,
+the reference every cut is judged against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tree_attention.decode import StepRecord
+from tree_attention.tree import TreeBatch, prefix_batch, truncate_batch
+
+from .acceptance import AcceptanceModel
+from .cost import CostCurve
+
+CUTS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
+"""Node-prefix widths (root included) a greedy step compares, besides the whole tree."""
+
+
+@dataclass
+class Choice:
+    """What the planner chose for one step, and the figures it chose from (per row and step)."""
+
+    draft: bool
+    nodes: int = 1
+    """Nodes verified per row, root included (1: a plain step); for a depth cut, its expected width."""
+    depth: int | None = None
+    """The depth cut (sampling rules), None for a node-prefix cut."""
+    expected_tokens: float = 1.0
+    seconds: float | None = None
+    plain_seconds: float | None = None
+    reason: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        """Predicted tokens per second over a plain step's."""
+        if self.seconds is None or self.plain_seconds is None or self.seconds <= 0:
+            return None
+        return self.expected_tokens * self.plain_seconds / self.seconds
+
+
+@dataclass
+class CallSummary:
+    """What ``auto`` did in one call (``last_stats.speculation``)."""
+
+    steps: dict[str, int] = field(default_factory=lambda: {"plain": 0, "empty": 0, "drafted": 0})
+    cuts: dict[int, int] = field(default_factory=dict)  # verified width -> drafted steps
+    reasons: dict[str, int] = field(default_factory=dict)
+    last: Choice | None = None
+
+    def as_dict(self, adaptive: "Adaptive", key: str) -> dict:
+        model = adaptive.models.get(key)
+        return {"auto": True, "rule": key, "steps": dict(self.steps), "verified_widths": dict(sorted(self.cuts.items())),
+                "reasons": dict(self.reasons),
+                "last_choice": None if self.last is None else {
+                    "draft": self.last.draft, "nodes": self.last.nodes, "depth": self.last.depth,
+                    "expected_tokens": round(self.last.expected_tokens, 3),
+                    "predicted_speedup": None if self.last.speedup is None else round(self.last.speedup, 3),
+                    "reason": self.last.reason},
+                "acceptance": None if model is None else model.summary(), "costs": adaptive.costs.summary()}
+
+
+class Adaptive:
+    """The state ``auto`` keeps for one spec across calls: one cost curve, one acceptance model per
+    rule key (greedy, each sampling setting), seeded from the adapter's recorded acceptance."""
+
+    def __init__(self, prior_by_depth: list[float] | None = None) -> None:
+        self.costs = CostCurve()
+        self.models: dict[str, AcceptanceModel] = {}
+        self.prior_by_depth = list(prior_by_depth or ())
+
+    def model(self, key: str) -> AcceptanceModel:
+        if key not in self.models:
+            self.models[key] = AcceptanceModel(self.prior_by_depth)
+        return self.models[key]
+
+    def planner(self, key: str, deterministic: bool) -> "CallPlanner":
+        """The planner of one call under the rule ``key`` (``deterministic``: any cut is lossless)."""
+        return CallPlanner(self, key, deterministic)
+
+
+class CallPlanner:
+    """The :class:`tree_attention.decode.Planner` of one ``generate`` call."""
+
+    def __init__(self, adaptive: Adaptive, key: str, deterministic: bool) -> None:
+        self.adaptive, self.key, self.deterministic = adaptive, key, deterministic
+        self.costs, self.acceptance = adaptive.costs, adaptive.model(key)
+        self.summary = CallSummary()
+        self.choice: Choice | None = None
+
+    def _plan(self, rows: int) -> Choice:
+        if not self.costs.knows_plain(rows) and self.acceptance.known:
+            return Choice(False, reason="time a plain step")
+        plain = self.costs.verify_seconds(rows, 1)
+        if plain is None or not self.acceptance.known:
+            return Choice(True, nodes=0, reason="nothing measured yet: draft and measure")
+        if self.deterministic:
+            width = max(2, round(self.acceptance.width))
+            gains, padded = self.acceptance.prefix_gains(width, rows)
+            nodes = np.array([cut for cut in (*CUTS, width) if cut <= width])
+            gains, padded, depths = gains[nodes - 1], padded[nodes - 1], [None] * nodes.size
+        else:
+            cuts = self.acceptance.depth_cuts()
+            if not cuts:
+                return Choice(True, nodes=0, reason="no tree seen yet under this rule: draft and measure")
+            depths = [depth for depth, _, _ in cuts]
+            gains = np.array([gain for _, gain, _ in cuts])
+            nodes = padded = np.array([width for _, _, width in cuts])
+        seconds = self.costs.draft_seconds(rows) + self.costs.verify_curve(rows, np.rint(padded))
+        rates = (1.0 + gains) / np.maximum(seconds, 1e-9)
+        best = int(np.argmax(rates))
+        if rates[best] * plain <= 1.0:
+            return Choice(False, expected_tokens=1.0, seconds=plain, plain_seconds=plain, reason="plain is fastest")
+        return Choice(True, int(nodes[best]), depths[best], 1.0 + float(gains[best]), float(seconds[best]), plain,
+                      "drafting pays")
+
+    # -- the Planner protocol -----------------------------------------------------------------
+
+    def draft(self, rows: int) -> bool:
+        self.choice = self._plan(rows)
+        self.summary.reasons[self.choice.reason] = self.summary.reasons.get(self.choice.reason, 0) + 1
+        self.summary.last = self.choice
+        return self.choice.draft
+
+    def trim(self, trees: TreeBatch) -> TreeBatch:
+        self.acceptance.proposed(trees.sizes, trees.depths)
+        choice = self.choice
+        if choice is None or not choice.nodes:  # nothing measured yet: verify the whole trees
+            return trees
+        if not self.deterministic:
+            return trees if choice.depth is None else truncate_batch(trees, [choice.depth] * trees.rows)
+        return self._best_prefix(trees)
+
+    def _best_prefix(self, trees: TreeBatch) -> TreeBatch:
+        """The node-order prefix of ``trees`` with the most expected tokens per second, drafting spent."""
+        rows, width = trees.rows, trees.width
+        if width <= 1:
+            return trees
+        sizes = np.full(rows, width) if trees.uniform else trees.sizes.cpu().numpy()
+        cuts = np.array([1, *(cut for cut in CUTS if cut < width), width])
+        seconds = self.costs.verify_curve(rows, cuts)
+        if seconds is None:
+            return trees
+        rates = (rows + self.acceptance.tree_gains(sizes, cuts)) / np.maximum(seconds, 1e-9)
+        best_nodes = int(cuts[int(np.argmax(rates))])
+        return trees if best_nodes >= width else prefix_batch(trees, best_nodes)
+
+    def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
+                lengths: torch.Tensor) -> None:
+        self.costs.observe_verify(record.rows, record.width, record.verify_seconds)
+        if record.kind != "plain":
+            self.costs.observe_draft(record.rows, record.draft_seconds, record.first_draft)
+        self.acceptance.fade()
+        if record.kind == "drafted" and trees is not None:
+            self.acceptance.observe(trees.sizes, paths, lengths)
+        self.summary.steps[record.kind] += 1
+        if record.kind == "drafted":
+            self.summary.cuts[record.width] = self.summary.cuts.get(record.width, 0) + 1
