@@ -6,20 +6,21 @@ from __future__ import annotations
 
 from ..kind import DrafterKind, refuse_options
 from .config import LookupConfig
+from .corpus import CorpusIndex
 from .drafter import LookupDrafter, LookupMemory
 from .gate import LookupGate
 from .hybrid import HybridDrafter, merge_proposal
 from .index import Proposal, SuffixIndex, pad_proposals, propose
 
-__all__ = ["KIND", "LookupConfig", "LookupDrafter", "LookupMemory", "SuffixIndex", "Proposal", "propose",
-           "pad_proposals", "encode_corpus", "HybridDrafter", "LookupGate", "merge_proposal",
+__all__ = ["KIND", "LookupConfig", "CorpusIndex", "LookupDrafter", "LookupMemory", "SuffixIndex", "Proposal",
+           "propose", "pad_proposals", "encode_corpus", "HybridDrafter", "LookupGate", "merge_proposal",
            "make_config"]
 
 OPTIONS = ("tree", "budget", "adaptive", "extend", "gate", "max_depth", "max_ngram", "min_match", "max_occurrences", "history_tokens",
-           "history_confidence", "remember", "corpus", "tokenizer")
+           "corpus_tokens", "history_confidence", "remember", "corpus", "tokenizer")
 
 
-def encode_corpus(corpus, tokenizer=None) -> list[list[int]]:
+def encode_corpus(corpus, tokenizer=None) -> list:
     """Token-id sequences from ``corpus``: texts (encoded with ``tokenizer``, no special tokens) or ids."""
     sequences = []
     for number, item in enumerate(corpus or ()):
@@ -28,7 +29,7 @@ def encode_corpus(corpus, tokenizer=None) -> list[list[int]]:
                 raise ValueError(f"corpus[{number}] is text: pass tokenizer= (the target's) to encode it, or token ids")
             sequences.append(list(tokenizer(item, add_special_tokens=False)["input_ids"]))
         else:
-            sequences.append([int(token) for token in item])
+            sequences.append(item)  # token ids, checked by LookupConfig
     return sequences
 
 

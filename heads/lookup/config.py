@@ -5,10 +5,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy
+
+from tree_attention.tree import check_tree_size
+
 
 def _positive_int(value: object, name: str, low: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"LookupConfig.{name} must be an int >= {low}; got {value!r}")
+
+
+def corpus_ids(sequence, name: str) -> numpy.ndarray:
+    """``sequence`` (token ids) as a 1-D int64 array; text and negative ids are a ValueError naming ``name``."""
+    if isinstance(sequence, (str, bytes)):
+        raise ValueError(f"{name} is text; give token ids (tokenize it with the target's tokenizer, or pass "
+                         "corpus= and tokenizer= to attach_heads)")
+    try:
+        if isinstance(sequence, numpy.ndarray):
+            ids = sequence
+        else:  # a tensor through its list (one conversion), any other iterable of ints as a list
+            ids = numpy.asarray(sequence.tolist() if hasattr(sequence, "tolist") else list(sequence))
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a sequence of token ids; got {type(sequence).__name__}") from None
+    if ids.size and (ids.ndim != 1 or ids.dtype.kind not in "iu"):
+        raise ValueError(f"{name} must be a flat sequence of integer token ids; got {ids.dtype} of shape {ids.shape}")
+    ids = ids.reshape(-1).astype(numpy.int64, copy=False)
+    if ids.size and int(ids.min()) < 0:
+        raise ValueError(f"{name} holds negative token ids")
+    return ids
 
 
 @dataclass
@@ -26,12 +50,17 @@ class LookupConfig:
     max_occurrences: int = 64
     """Most recent occurrences of an n-gram kept per index."""
     history_tokens: int = 200_000
-    """Cross-request history: tokens of earlier requests (and the corpus) kept for matching; 0: none."""
+    """Cross-request history: tokens of earlier requests kept for matching, oldest requests evicted
+    first (a request longer than this is kept whole until the next one); 0: none. The corpus has its
+    own bound (``corpus_tokens``) and is never evicted."""
+    corpus_tokens: int = 4_000_000
+    """Most corpus tokens indexed (about ``4 + 12 * max_ngram`` bytes each: 52 MB per million tokens at
+    ``max_ngram`` 4); a larger corpus is truncated to its first ``corpus_tokens`` tokens, with a logged
+    warning. 0: no corpus."""
     remember: bool = True
-    """Add each finished request's text to the history (False: the history holds the corpus alone,
-    and no request's text outlives its call)."""
+    """Add each finished request's text to the history (False: no request's text outlives its call)."""
     history_confidence: float = 0.8
-    """Weight of counts from the history/corpus against the row's own text (1.0)."""
+    """Weight of counts from the history and the corpus against the row's own text (1.0)."""
     adaptive: bool = True
     """Shrink a row's tree (down to a quarter of ``budget``) while its drafts are rejected, and grow
     it back as they are accepted: verifying nodes that will not be accepted costs time (sampling,
@@ -47,7 +76,7 @@ class LookupConfig:
     drafter) at steps where that is expected to commit more tokens per second, learned while serving
     (:class:`heads.lookup.gate.LookupGate`). Outputs are the same either way."""
     corpus: Sequence[Sequence[int]] = field(default=(), repr=False, compare=False)
-    """Extra token sequences to match against (kept with the history; never saved in an adapter)."""
+    """Extra token sequences to match against (held as 1-D int arrays; never saved in an adapter)."""
 
     def __post_init__(self) -> None:
         _positive_int(self.budget, "budget", low=0)
@@ -56,7 +85,12 @@ class LookupConfig:
         _positive_int(self.min_match, "min_match")
         _positive_int(self.max_occurrences, "max_occurrences")
         _positive_int(self.history_tokens, "history_tokens", low=0)
+        _positive_int(self.corpus_tokens, "corpus_tokens", low=0)
         _positive_int(self.extend, "extend")
+        check_tree_size(self.budget, "LookupConfig.budget")
+        if self.adaptive and self.budget:  # a row drafting deeper (``extend``) adds the extra depth to its budget
+            check_tree_size(self.budget + (self.extend - 1) * self.max_depth,
+                            "LookupConfig.budget + (extend - 1) * max_depth (the deepest adaptive step's budget)")
         if not isinstance(self.remember, bool):
             raise ValueError(f"LookupConfig.remember must be True or False; got {self.remember!r}")
         if not isinstance(self.gate, bool):
@@ -65,19 +99,11 @@ class LookupConfig:
             raise ValueError(f"LookupConfig.min_match ({self.min_match}) must be <= max_ngram ({self.max_ngram})")
         if not isinstance(self.history_confidence, (int, float)) or not 0.0 < self.history_confidence <= 1.0:
             raise ValueError(f"LookupConfig.history_confidence must be in (0, 1]; got {self.history_confidence!r}")
-        corpus = []
-        for number, sequence in enumerate(self.corpus):
-            if isinstance(sequence, (str, bytes)):
-                raise ValueError(f"LookupConfig.corpus[{number}] is text; give token ids (tokenize it with the "
-                                 "target's tokenizer, or pass corpus= and tokenizer= to attach_heads)")
-            ids = [int(token) for token in sequence]
-            if any(token < 0 for token in ids):
-                raise ValueError(f"LookupConfig.corpus[{number}] holds negative token ids")
-            corpus.append(ids)
-        if corpus and not self.history_tokens:
-            raise ValueError("LookupConfig.corpus is kept in the cross-request history, which history_tokens=0 "
-                             "turns off: the corpus would be ignored; give history_tokens > 0 or no corpus")
-        self.corpus = corpus
+        self.corpus = [corpus_ids(sequence, f"LookupConfig.corpus[{number}]")
+                       for number, sequence in enumerate(self.corpus)]
+        if self.corpus and not self.corpus_tokens:
+            raise ValueError("LookupConfig.corpus is given but corpus_tokens=0 indexes none of it; give "
+                             "corpus_tokens > 0 or no corpus")
 
     @property
     def tree(self) -> int:
@@ -97,5 +123,6 @@ class LookupConfig:
     def to_dict(self) -> dict:
         """The hyper-parameters (the corpus is data, not recorded)."""
         return {name: getattr(self, name) for name in ("budget", "max_depth", "max_ngram", "min_match",
-                                                       "max_occurrences", "history_tokens", "history_confidence",
-                                                       "adaptive", "extend", "gate", "remember")}
+                                                       "max_occurrences", "history_tokens", "corpus_tokens",
+                                                       "history_confidence", "adaptive", "extend", "gate",
+                                                       "remember")}

@@ -2,26 +2,34 @@
 
 Each row keeps its own :class:`~heads.lookup.index.SuffixIndex` over its prompt and output;
 a :class:`LookupMemory` shared by a ``SpeculativeModel`` holds the corpus and the text of earlier
-requests (cross-request history, bounded). Every step the row's committed tokens are appended to
-its index and :func:`~heads.lookup.index.propose` matches the longest suffix (root included)
+requests (cross-request history), each under its own bound. Every step the row's committed tokens
+are appended to its index and :func:`~heads.lookup.index.propose` matches the longest suffix (root included)
 against both, returning up to ``budget`` nodes chosen best-first by estimated acceptance.
 """
 
 from __future__ import annotations
 
+import logging
+
+import numpy
 import torch
 from torch import nn
 
 from tree_attention.decode import DraftBatch
 from tree_attention.tree import TreeBatch
 
-from .config import LookupConfig
+from .config import LookupConfig, corpus_ids
+from .corpus import CorpusIndex
 from .index import Proposal, SuffixIndex, pad_proposals, propose
+
+logger = logging.getLogger(__name__)
 
 
 class LookupMemory(nn.Module):
-    """What a lookup drafter remembers across ``generate`` calls: the corpus and earlier requests'
-    text, in one bounded :class:`SuffixIndex` (oldest requests evicted first). No parameters."""
+    """What a lookup drafter remembers across ``generate`` calls, under two separate bounds: the
+    corpus in a static :class:`~heads.lookup.corpus.CorpusIndex` (at most ``corpus_tokens``, never
+    evicted) and earlier requests' text in a :class:`SuffixIndex` of at most ``history_tokens``
+    (oldest requests evicted first). No parameters."""
 
     def __init__(self, config: LookupConfig) -> None:
         super().__init__()
@@ -29,8 +37,15 @@ class LookupMemory(nn.Module):
         self.history = None
         if config.history_tokens:
             self.history = SuffixIndex(config.max_ngram, 1, config.max_occurrences, config.history_tokens)
-            for sequence in config.corpus:
-                self.history.add_stream(sequence)
+        self._corpus: list[numpy.ndarray] = []
+        self.corpus: CorpusIndex | None = None
+        if config.corpus:
+            self.add_corpus(config.corpus)
+
+    def sources(self) -> list[tuple[SuffixIndex | CorpusIndex, float]]:
+        """The non-empty shared indexes with their confidence, in tie-break order: history, then corpus."""
+        confidence = self.config.history_confidence
+        return [(index, confidence) for index in (self.history, self.corpus) if index is not None and len(index)]
 
     def remember(self, sequences: list[list[int]]) -> None:
         """Add finished requests' text to the history (unless ``config.remember`` is off)."""
@@ -40,13 +55,27 @@ class LookupMemory(nn.Module):
                     self.history.add_stream(sequence)
 
     def add_corpus(self, sequences) -> None:
-        """Add token sequences (ids) to match against."""
-        if self.history is None:
-            raise ValueError("this lookup drafter keeps no history (history_tokens=0): nowhere to put a corpus")
-        for sequence in sequences:
-            ids = [int(token) for token in sequence]
-            if ids:
-                self.history.add_stream(ids)
+        """Add token sequences (ids) to match against; the corpus index is rebuilt (a vectorised pass
+        over the whole corpus). Beyond ``corpus_tokens`` in all, the excess is cut off the end, with
+        a logged warning."""
+        bound = self.config.corpus_tokens
+        if not bound:
+            raise ValueError("this lookup drafter indexes no corpus (corpus_tokens=0): give corpus_tokens > 0")
+        added = [corpus_ids(sequence, f"corpus[{number}]") for number, sequence in enumerate(sequences)]
+        held = sum(part.size for part in self._corpus)
+        offered = held + sum(part.size for part in added)
+        kept = []
+        for part in added:
+            part = part[:max(0, bound - held)]
+            if part.size:
+                kept.append(part)
+                held += part.size
+        if offered > bound:
+            logger.warning("lookup corpus: %d tokens exceed corpus_tokens=%d; indexing the first %d and dropping "
+                           "the rest (raise LookupConfig.corpus_tokens to keep more)", offered, bound, held)
+        if kept:
+            self._corpus.extend(kept)
+            self.corpus = CorpusIndex(self._corpus, self.config.max_ngram, self.config.max_occurrences)
 
 
 class LookupDrafter:
@@ -133,16 +162,14 @@ class LookupDrafter:
         config = self.config
         budget = config.budget if budget is None else budget
         lengths, tokens, roots = self.host(batch) if host is None else host
-        history = None if self.memory is None else self.memory.history
+        shared = [] if self.memory is None else self.memory.sources()
         found = []
         for row, (index, row_tokens, length, root) in enumerate(zip(self.rows, tokens, lengths, roots)):
             depth = self.depths[row] = self._row_depth(row, length)  # (before the scale sees this step)
             scale = self.scales[row] = self._row_scale(row, length)
             row_budget = self._scaled(budget, scale) + depth - config.max_depth if budget else 0
             index.extend(0, row_tokens[:length])
-            sources = [(index, 1.0)]
-            if history is not None and len(history):
-                sources.append((history, config.history_confidence))
+            sources = [(index, 1.0), *shared]
             context = index.tokens(0)[-config.max_ngram:] + [root]
             proposal = propose(context, sources, row_budget, depth, config.min_match)
             self.proposed[row] = bool(proposal.tokens)

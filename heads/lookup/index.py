@@ -107,6 +107,20 @@ class SuffixIndex:
         """The retained occurrences of ``ngram``, oldest first (empty when not indexed)."""
         return list(self._table.get(tuple(ngram), ()))
 
+    def continuations(self, ngram: tuple[int, ...], max_depth: int) -> list[tuple[int, ...]]:
+        """What followed the retained occurrences of ``ngram`` (up to ``max_depth`` tokens each),
+        most recent first; occurrences at the end of their stream (no continuation yet) are left out."""
+        bucket = self._table.get(ngram)
+        if not bucket:
+            return []
+        streams = self._streams
+        found = []
+        for stream, offset in reversed(bucket):
+            sequence = streams[stream]
+            if offset < len(sequence):
+                found.append(tuple(sequence[offset:offset + max_depth]))
+        return found
+
     def add_stream(self, tokens: Sequence[int] = ()) -> int:
         """Start a new stream holding ``tokens``; returns its id."""
         stream = self._next_id
@@ -178,7 +192,8 @@ class SuffixIndex:
 
 
 class Source(NamedTuple):
-    """An index to match against and the confidence (``0 < confidence <= 1``) its counts get."""
+    """An index to match against (a :class:`SuffixIndex` or a
+    :class:`~heads.lookup.corpus.CorpusIndex`) and the confidence (``0 < confidence <= 1``) its counts get."""
 
     index: SuffixIndex
     confidence: float = 1.0
@@ -262,19 +277,9 @@ def _gather(context: Sequence[int], sources: Sequence[tuple[SuffixIndex, float]]
     for number, (index, _) in enumerate(sources):
         if not index.min_ngram <= n <= index.max_ngram:
             continue
-        bucket = index._table.get(key)
-        if not bucket:
-            continue
-        streams = index._streams
-        continuations = []
-        for stream, offset in reversed(bucket):
-            sequence = streams[stream]
-            if offset < len(sequence):
-                continuation = tuple(sequence[offset:offset + max_depth])
-                if exclude:
-                    continuation = _cut(continuation, exclude)
-                if continuation:
-                    continuations.append(continuation)
+        continuations = index.continuations(key, max_depth)
+        if exclude:
+            continuations = [cut for cut in (_cut(continuation, exclude) for continuation in continuations) if cut]
         if continuations:
             found.append((number, continuations))
     return found

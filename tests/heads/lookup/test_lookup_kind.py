@@ -307,7 +307,8 @@ def test_a_text_corpus_is_encoded_with_the_tokenizer():
 
     spec = heads.attach_heads(build_model("llama"), kind="lookup", tree=4, corpus=["abc", [5, 6]],
                               tokenizer=Tokenizer())
-    assert spec.config.corpus == [[3 + ord(c) % (VOCAB - 3) for c in "abc"], [5, 6]]
+    expected = [[3 + ord(c) % (VOCAB - 3) for c in "abc"], [5, 6]]
+    assert [list(sequence) for sequence in spec.config.corpus] == expected
     assert "corpus" not in spec.config.to_dict()
 
 
@@ -332,7 +333,7 @@ def test_history_helps_the_second_request():
 
 
 def test_remember_off_keeps_no_request_text():
-    """remember=False: the history holds the corpus alone; a second identical request gains nothing."""
+    """remember=False: the history holds no request; a second identical request gains nothing."""
     model = build_model("mistral", seed=10)
     prompt = random_prompt(10, seed=11)
     expected = greedy_reference(model, prompt, 24)
@@ -341,7 +342,7 @@ def test_remember_off_keeps_no_request_text():
     first = spec.last_stats.accepted_lengths
     assert torch.equal(spec.generate(prompt, max_new_tokens=24), expected)
     assert spec.last_stats.accepted_lengths == first
-    assert len(spec.heads.history) == 3  # the corpus' tokens only
+    assert len(spec.heads.history) == 0 and len(spec.heads.corpus) == 3
     with pytest.raises(ValueError, match="remember"):
         LookupConfig(remember="no")
 
@@ -372,12 +373,17 @@ def test_no_history_no_memory():
     assert runs[0] == runs[1]
 
 
-def test_a_corpus_without_history_is_refused():
-    """The corpus lives in the history index: with ``history_tokens=0`` it would be dropped silently."""
-    with pytest.raises(ValueError, match="history_tokens"):
-        heads.attach_heads(build_model("llama"), kind="lookup", corpus=[[5, 6, 7]], history_tokens=0)
-    with pytest.raises(ValueError, match="history_tokens=0"):
-        heads.attach_heads(build_model("llama"), kind="lookup", history_tokens=0).heads.add_corpus([[5, 6]])
+def test_a_corpus_without_history_is_kept_and_without_corpus_tokens_refused():
+    """The corpus has its own bound (``corpus_tokens``): ``history_tokens=0`` keeps it,
+    ``corpus_tokens=0`` refuses it."""
+    spec = heads.attach_heads(build_model("llama"), kind="lookup", corpus=[[5, 6, 7]], history_tokens=0)
+    assert spec.heads.history is None and len(spec.heads.corpus) == 3
+    spec.heads.add_corpus([[5, 6]])
+    assert len(spec.heads.corpus) == 5
+    with pytest.raises(ValueError, match="corpus_tokens=0"):
+        heads.attach_heads(build_model("llama"), kind="lookup", corpus=[[5, 6, 7]], corpus_tokens=0)
+    with pytest.raises(ValueError, match="corpus_tokens=0"):
+        heads.attach_heads(build_model("llama"), kind="lookup", corpus_tokens=0).heads.add_corpus([[5, 6]])
 
 
 # ------------------------------------------------------------------------------ bad options and saving
