@@ -493,3 +493,16 @@ def chain_with_siblings(tokens: torch.Tensor, sizes: torch.Tensor, siblings: tor
     return TreeBatch(torch.where(kept, torch.gather(all_tokens, 1, order), 0), new_parents,
                      torch.where(kept, depths[order], 0), visibility, new_sizes,
                      uniform=bool((new_sizes == keep).all()))
+
+
+def prefix_batch(trees: TreeBatch, nodes: int) -> TreeBatch:
+    """Every row cut to its first ``nodes`` nodes in node order (root included; parents come
+    before children, so each row stays a tree). Unchanged (no copy) when no row is longer."""
+    if nodes < 1:
+        raise ValueError(f"a cut keeps at least the root; got nodes={nodes}")
+    if nodes >= trees.width:
+        return trees
+    probs = None if trees.draft_probs is None else trees.draft_probs[:, :nodes]
+    return TreeBatch(trees.tokens[:, :nodes], trees.parents[:, :nodes], trees.depths[:, :nodes],
+                     trees.visibility[:, :nodes, :nodes], trees.sizes.clamp(max=nodes), probs,
+                     uniform=trees.uniform, depth=None)
