@@ -5,7 +5,9 @@ names, config keys, tensor names and the loader commits they were matched agains
 detects which layout a directory holds, asks the kind to write or read it, and handles what all
 layouts share: an export also writes ``selfdraft.json`` (the adapter's own config: target pin,
 recipe, acceptance, tree), which the external loaders ignore and :func:`read_external` uses to
-restore the pin on re-import.
+restore the pin on re-import, and ``README.md``: the vLLM / SGLang / selfdraft commands that load
+it (:func:`serving`, the layout's ``serve``). Refusals that need only the adapter config
+(:func:`check_export`) come before any model is loaded.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from .adapter import (
     CONFIG_NAME, AdapterError, json_writer, read_config, read_json, read_weights, write_directory,
 )
 from .adapter.schema import validate_config
+from .kind import ExportOptions
 
 logger = logging.getLogger(__name__)
 
 SELFDRAFT = "selfdraft"
 SIDECAR_NAME = "selfdraft.json"
+README_NAME = "README.md"
 
 
 def format_names() -> tuple[str, ...]:
@@ -89,13 +93,10 @@ def _sidecar(config: dict, fmt: str) -> dict:
             "note": "selfdraft's own adapter config (target pin, recipe, acceptance); other loaders ignore this file"}
 
 
-def export_adapter(adapter_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, model=None) -> Path:
-    """Write the selfdraft adapter in ``adapter_dir`` to ``out`` in layout ``fmt`` (atomically).
-
-    ``model`` (the target) is needed where the layout holds some of the target's tensors or
-    config. Raises :class:`AdapterError` when the layout cannot represent the drafter exactly,
-    saying what to train with instead.
-    """
+def check_export(adapter_dir: str | os.PathLike, fmt: str, options: ExportOptions | None = None) -> dict:
+    """The adapter config of ``adapter_dir`` after every refusal that needs no model: an unknown
+    format, another kind's format, a Medusa-2 backbone LoRA, and the layout's own refusals from the
+    config (:class:`AdapterError` naming what to use instead)."""
     known = kinds.formats()
     if fmt not in known:
         raise AdapterError(f"format must be one of {tuple(known)}; got {fmt!r}")
@@ -111,12 +112,82 @@ def export_adapter(adapter_dir: str | os.PathLike, fmt: str, out: str | os.PathL
         other = sorted(name for name, (owner, _) in known.items() if owner.name == config["kind"])
         raise AdapterError(f"{adapter_dir}: format {fmt!r} holds {kind.name} drafters; this adapter is kind "
                            f"{config['kind']!r} (use --format {' or '.join(other) or '(none: this kind has no export)'})")
-    files = layout.export(config, read_weights(adapter_dir), fmt, model, adapter_dir)
+    reasons = layout.refusals(config, fmt, options or ExportOptions()) if layout.refusals is not None else []
+    if reasons:
+        raise AdapterError(f"{adapter_dir}: cannot export this {kind.name} drafter as {fmt!r} without changing what "
+                           "it predicts: " + "; ".join(reasons))
+    return config
+
+
+def serving(config: dict, fmt: str, options: ExportOptions) -> dict:
+    """``{"commands": {engine: command line or why not}, "notes": [...]}`` for an ``fmt`` export."""
+    layout = kinds.formats()[fmt][1]
+    served = layout.serve(config, fmt, options) if layout.serve is not None else {"commands": {}, "notes": []}
+    python = (f"import heads; from transformers import AutoModelForCausalLM; "
+              f"spec = heads.load_heads(AutoModelForCausalLM.from_pretrained({options.target!r}), {options.out!r})")
+    return {"commands": {**served["commands"], "selfdraft (transformers)": f'python -c "{python}"'},
+            "notes": list(served["notes"])}
+
+
+def serving_text(served: dict) -> str:
+    """The commands and notes of :func:`serving` as plain lines (what ``selfdraft export`` prints)."""
+    lines = [f"{engine}:\n  {command}" for engine, command in served["commands"].items()]
+    lines += [f"note: {note}" for note in served["notes"]]
+    return "\n".join(lines)
+
+
+def export_readme(config: dict, fmt: str, adapter_dir, served: dict) -> str:
+    """``README.md`` of an export: what it is and the commands that serve it."""
+    target = config["target"].get("name_or_path") or "its target"
+    lines = [f"# {fmt} export of a selfdraft {config['kind']} drafter", "",
+             f"Written by `selfdraft export --format {fmt}` from the adapter `{adapter_dir}`, trained on `{target}`. "
+             f"`{SIDECAR_NAME}` holds selfdraft's own config (target pin, recipe, acceptance); engines ignore it.", "",
+             "## Serve", ""]
+    for engine, command in served["commands"].items():
+        if command.startswith(("not ", "not:")):
+            lines += [f"**{engine}**: {command}", ""]
+        else:
+            lines += [f"**{engine}**", "", "```bash", command, "```", ""]
+    if served["notes"]:
+        lines += ["## Notes", ""] + [f"- {note}" for note in served["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def export_adapter(adapter_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, model=None,
+                   options: ExportOptions | None = None) -> Path:
+    """Write the selfdraft adapter in ``adapter_dir`` to ``out`` in layout ``fmt`` (atomically),
+    with ``README.md`` (the serving commands, :func:`serving`) and ``selfdraft.json``.
+
+    ``model`` (the target) is needed where the layout holds some of the target's tensors or
+    config. ``options``: what the commands call the export and the target, the verifier id, the
+    speculative tokens, EAGLE-1's ``fc.bias`` (default: ``ExportOptions(out=str(out))``). Raises
+    :class:`AdapterError` when the layout cannot represent the drafter exactly, saying what to
+    train with instead.
+    """
+    config = check_export(adapter_dir, fmt, options)
+    if options is None:
+        options = ExportOptions(out=str(out), target=target_name(config, None, model))
+    layout = kinds.formats()[fmt][1]
+    files = layout.export(config, read_weights(adapter_dir), fmt, model, adapter_dir, options)
     files[SIDECAR_NAME] = json_writer(_sidecar(config, fmt))
-    replaceable = {name for _, other in known.values() for name in other.files} | {SIDECAR_NAME}
-    write_directory(Path(out), files, replaceable=tuple(sorted(replaceable)))
+    readme = export_readme(config, fmt, adapter_dir, serving(config, fmt, options))
+    files[README_NAME] = lambda path: path.write_text(readme)
+    write_directory(Path(out), files, replaceable=export_file_names())
     logger.info("exported %s as %s to %s", adapter_dir, fmt, out)
     return Path(out)
+
+
+def export_file_names() -> tuple[str, ...]:
+    """Every name an export may write (an older export of any layout may be replaced)."""
+    return tuple(sorted({name for _, other in kinds.formats().values() for name in other.files}
+                        | {SIDECAR_NAME, README_NAME}))
+
+
+def target_name(config: dict, given: str | None, model=None) -> str:
+    """The target as serving commands name it: ``given``, else the model's ``_name_or_path``, else
+    the name the adapter's pin records."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") if model is not None else ""
+    return given or name or config["target"].get("name_or_path") or "TARGET_MODEL"
 
 
 def _apply_sidecar(directory: Path, config: dict, tensors: dict, model) -> tuple[dict, dict]:

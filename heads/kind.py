@@ -24,18 +24,40 @@ def default_policy_sizes(spec) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class ExportOptions:
+    """What an export writes beyond the adapter itself, and how its serving commands name things."""
+
+    out: str = "EXPORT_DIR"
+    """The export directory, as the printed commands name it."""
+    target: str = "TARGET_MODEL"
+    """The target model as the serving commands name it (a hub id or a local directory)."""
+    verifier: str | None = None
+    """The hub id recorded as the verifier where a layout records one (speculators); None: ``target``."""
+    num_speculative_tokens: int = 3
+    """Tokens drafted per step in chain-drafting engines (vLLM, SGLang with top-k 1)."""
+    fc_bias: bool = True
+    """EAGLE-1: write ``fc.bias`` (False: a bias-free ``fc``, for loaders that build it without one)."""
+
+
+@dataclass(frozen=True)
 class CheckpointFormat:
     """Another project's checkpoint layout for a kind: how to recognise, write and read it."""
 
     name: str
     detect: Callable[[dict, list[str], Callable[[], list[str]]], bool]
     """``(config.json, its architectures, a function listing the tensor names)`` → is this layout."""
-    export: Callable[[dict, dict, str, object, object], dict[str, Writer]]
-    """``(adapter config, tensors, format, target model or None, adapter dir)`` → files to write."""
+    export: Callable[[dict, dict, str, object, object, ExportOptions], dict[str, Writer]]
+    """``(adapter config, tensors, format, target model or None, adapter dir, options)`` → files to write."""
     read: Callable[[Path, dict, str, object], tuple[dict, dict]]
     """``(directory, config.json, format, target model)`` → (adapter config, ``{name: tensor}``)."""
     files: tuple[str, ...] = ()
     """File names an export writes (an older export of them may be replaced)."""
+    refusals: Callable[[dict, str, ExportOptions], list[str]] | None = None
+    """``(adapter config, format, options)`` → why the adapter cannot be written in this layout, from
+    its config alone (asked before any model is loaded)."""
+    serve: Callable[[dict, str, ExportOptions], dict] | None = None
+    """``(adapter config, format, options)`` → ``{"commands": {engine: command line or why not},
+    "notes": [...]}``: how each engine loads the export (printed and written to its README)."""
 
 
 @dataclass(frozen=True)

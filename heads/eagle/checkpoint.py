@@ -19,7 +19,8 @@ Matched against these loaders (source read at these commits):
   and resolves ``EagleLlamaForCausalLM`` (both registries take the first architecture they know;
   not checked on a running engine). Caveat: vLLM 00da923 builds ``fc`` *without* bias and skips
   ``fc.bias`` silently, so a drafter served there loses its projection bias (SafeAILab and SGLang
-  keep it); export logs this.
+  keep it); the export's serving notes say so, and ``ExportOptions.fc_bias=False`` (``export
+  --no-fc-bias``) writes a bias-free ``fc``, refused unless the bias is zero (dropping it exactly).
 * ``eagle3``: SGLang ``python/sglang/srt/models/llama_eagle3.py`` at 03d5a77
   (``LlamaForCausalLMEagle3``: ``midlayer`` concatenates ``[input_layernorm(embeds);
   hidden_norm(hidden)]`` into q/k/v of ``2h`` inputs, residual = hidden; ``fc`` only when the hidden
@@ -50,7 +51,9 @@ Matched against these loaders (source read at these commits):
 
 from __future__ import annotations
 
+import json
 import logging
+import shlex
 from pathlib import Path
 from typing import Callable
 
@@ -59,7 +62,7 @@ from safetensors.torch import save_file
 
 from ..adapter import FORMAT_VERSION, AdapterError, TargetPin, json_writer, read_safetensors
 from ..families import is_llama, llama_config, llama_config_differences
-from ..kind import CheckpointFormat
+from ..kind import CheckpointFormat, ExportOptions
 from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
 from .speculators import SPECULATORS, eagle3_view, speculators_files
 from .speculators import detect as detect_speculators
@@ -112,6 +115,11 @@ def eagle_refusals(config: dict, fmt: str, target_layers: int | None = None) -> 
                        f"must lie in 1..{target_layers - 1} (0, the embeddings, and the post-norm top layer have "
                        "no id)")
     return reasons
+
+
+def layout_refusals(config: dict, fmt: str, options: ExportOptions) -> list[str]:
+    """:func:`eagle_refusals` from the adapter config alone (``CheckpointFormat.refusals``)."""
+    return eagle_refusals(config, "eagle3" if fmt == SPECULATORS else fmt)
 
 
 def _pinned_model(model, config: dict, adapter_dir, fmt: str):
@@ -208,8 +216,19 @@ def vocabulary_maps(token_map: torch.Tensor | None, vocab_size: int) -> tuple[to
     return ids, ids - torch.arange(ids.numel()), t2d
 
 
+def _without_bias(external: dict[str, torch.Tensor], adapter_dir) -> dict[str, torch.Tensor]:
+    """EAGLE-1 tensors without ``fc.bias`` (``--no-fc-bias``), exact only for a zero bias."""
+    bias = external.pop("fc.bias")
+    if bool(bias.abs().max() > 0):
+        raise AdapterError(f"{adapter_dir}: --no-fc-bias: this drafter's fc.bias is not zero (largest |b| "
+                           f"{float(bias.abs().max()):.3g}), so a bias-free fc predicts differently. Export with "
+                           "the bias for SGLang or SafeAILab EAGLE, or for vLLM train an EAGLE-3 drafter "
+                           "(selfdraft train --kind eagle --for vllm) and export --format speculators or eagle3")
+    return external
+
+
 def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model,
-                 adapter_dir) -> dict[str, Callable[[Path], None]]:
+                 adapter_dir, options: ExportOptions = ExportOptions()) -> dict[str, Callable[[Path], None]]:
     """The files of the ``fmt`` checkpoint of an EAGLE adapter; :class:`AdapterError` listing every
     reason when the layout cannot hold the drafter exactly."""
     wrapper, fmt = fmt, ("eagle3" if fmt == SPECULATORS else fmt)
@@ -222,8 +241,8 @@ def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model
     drafter, dtype = config["drafter"], config["target"].get("dtype") or "float32"
     external = {theirs: tensors[ours].contiguous() for ours, theirs in eagle_name_map(tensors, fmt).items()}
     if fmt == "eagle":
-        logger.warning("vLLM's EagleLlamaForCausalLM (00da923) builds fc without bias and drops fc.bias; "
-                       "SafeAILab EAGLE and SGLang use it")
+        if not options.fc_bias:
+            external = _without_bias(external, adapter_dir)
         payload = llama_config(model, drafter["num_layers"], EAGLE1_ARCHITECTURES, dtype)
     else:
         head = model.get_output_embeddings()
@@ -238,9 +257,40 @@ def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model
         if int(head.in_features) != payload["hidden_size"]:  # SafeAILab skips the target's embeddings when present
             payload["target_hidden_size"] = int(head.in_features)
         if wrapper == SPECULATORS:
-            payload, external = speculators_files(payload, external, config, model)
+            payload, external = speculators_files(payload, external, config, model, options)
     return {"config.json": json_writer(payload),
             EAGLE_TENSORS: lambda path: save_file(external, str(path), metadata={"format": "pt"})}
+
+
+def serve_commands(config: dict, fmt: str, options: ExportOptions) -> dict:
+    """How vLLM, SGLang and selfdraft load an ``fmt`` export (``CheckpointFormat.serve``). Flags as
+    documented by vLLM (``--speculative-config`` with ``method`` ``eagle``/``eagle3``, ``model``,
+    ``num_speculative_tokens``; a speculators folder also serves alone, ``vllm serve DIR``) and
+    SGLang (``--speculative-algorithm EAGLE``/``EAGLE3``, ``--speculative-draft-model-path``, a
+    chain of ``--speculative-num-steps`` with ``--speculative-eagle-topk 1`` and
+    ``--speculative-num-draft-tokens`` = steps + 1)."""
+    steps, target, out = options.num_speculative_tokens, shlex.quote(options.target), shlex.quote(options.out)
+    method = "eagle" if fmt == "eagle" else "eagle3"
+    speculative = json.dumps({"method": method, "model": options.out, "num_speculative_tokens": steps})
+    commands = {"vLLM": f"vllm serve {target} --speculative-config {shlex.quote(speculative)}"}
+    if fmt == SPECULATORS:
+        commands["vLLM (verifier read from config.json)"] = f"vllm serve {out}"
+        commands["SGLang"] = ("not this layout: SGLang reads the EAGLE-3 layout (selfdraft export --format eagle3); "
+                              "the speculators format is vLLM's")
+    else:
+        commands["SGLang"] = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm "
+                              f"{method.upper()} --speculative-draft-model-path {out} --speculative-num-steps {steps} "
+                              f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}")
+    notes = []
+    if fmt == "eagle" and options.fc_bias:
+        notes.append("fc.bias: SafeAILab EAGLE and SGLang (LlamaForCausalLMEagle) load it; vLLM's EAGLE-1 model "
+                     "(EagleLlamaForCausalLM) builds fc without a bias and drops fc.bias silently, so under vLLM this "
+                     "drafter predicts differently (lower acceptance, outputs still the target's). For vLLM prefer "
+                     "an EAGLE-3 drafter (selfdraft train --kind eagle --for vllm, export --format speculators)")
+    if fmt == SPECULATORS:
+        notes.append(f"config.json records the verifier as {options.verifier or config['target'].get('name_or_path')!r}"
+                     " (set it with --verifier HUB_ID); `vllm serve EXPORT_DIR` loads that model as the target")
+    return {"commands": commands, "notes": notes}
 
 
 # ----------------------------------------------------------------------------- import
@@ -350,8 +400,8 @@ def _is_eagle1(config: dict, architectures: list[str], names) -> bool:
                                                         and any(n.startswith("layers.0.") for n in names()))
 
 
-FORMATS = (
-    CheckpointFormat(SPECULATORS, detect_speculators, export_files, read_eagle, ("config.json", EAGLE_TENSORS)),
-    CheckpointFormat("eagle3", _is_eagle3, export_files, read_eagle, ("config.json", EAGLE_TENSORS)),
-    CheckpointFormat("eagle", _is_eagle1, export_files, read_eagle, ("config.json", EAGLE_TENSORS)),
+FORMATS = tuple(
+    CheckpointFormat(name, detect, export_files, read_eagle, ("config.json", EAGLE_TENSORS), layout_refusals,
+                     serve_commands)
+    for name, detect in ((SPECULATORS, detect_speculators), ("eagle3", _is_eagle3), ("eagle", _is_eagle1))
 )

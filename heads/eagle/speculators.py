@@ -21,8 +21,11 @@ Matched against vllm-project/speculators at c05b95b (release v0.7.0), source rea
   (no bias), ``layers.0.*`` (the first layer: ``hidden_norm``, q/k/v over ``2h`` inputs),
   ``norm.weight``, ``lm_head.weight`` ``[draft_vocab_size, h]``, buffers ``d2t`` (int64) and
   ``t2d`` (bool) only when ``draft_vocab_size`` differs from the verifier's vocabulary;
-  ``embed_tokens`` comes from the verifier when absent; the aux layer ids default to
-  ``[2, n // 2, n - 3]`` (``models/utils.py`` ``resolve_target_layer_ids``).
+  ``embed_tokens.weight`` ``[V, h]``: the loader copies the verifier's embeddings only when the
+  tensor it pre-fills with NaN still holds NaN after loading, which transformers' meta-device
+  loading does not guarantee, and speculators' own checkpoints always carry it; exports write the
+  target's input embeddings. The aux layer ids default to ``[2, n // 2, n - 3]``
+  (``models/utils.py`` ``resolve_target_layer_ids``).
 
 vLLM (``transformers_utils/configs/speculators/algos.py`` ``update_eagle3``) reads the same keys but
 defaults ``norm_before_residual`` to true when it is absent, so exports always write it (false:
@@ -39,6 +42,7 @@ import torch
 
 from ..adapter import AdapterError
 from ..families import is_llama
+from ..kind import ExportOptions
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +59,11 @@ def detect(config: dict, architectures: list[str], names) -> bool:
 
 
 def speculators_files(eagle3: dict, tensors: dict[str, torch.Tensor], adapter_config: dict,
-                      model) -> tuple[dict, dict[str, torch.Tensor]]:
+                      model, options: ExportOptions) -> tuple[dict, dict[str, torch.Tensor]]:
     """The speculators ``config.json`` payload and tensors of the drafter whose ``eagle3`` export is
-    ``(eagle3, tensors)`` (config and tensors as :func:`heads.eagle.checkpoint.export_files` builds them)."""
+    ``(eagle3, tensors)`` (config and tensors as :func:`heads.eagle.checkpoint.export_files` builds them).
+    The verifier is recorded as ``options.verifier`` (a hub id; default: the target as the adapter
+    names it); the greedy proposal drafts ``options.num_speculative_tokens``."""
     vocab = int(model.config.vocab_size)
     draft_vocab = int(eagle3["draft_vocab_size"])
     layer = {key: value for key, value in eagle3.items()
@@ -68,15 +74,16 @@ def speculators_files(eagle3: dict, tensors: dict[str, torch.Tensor], adapter_co
     if draft_vocab == vocab:  # the buffers exist only for a reduced draft vocabulary
         ours.pop("d2t", None)
         ours.pop("t2d", None)
-    drafter, pin = adapter_config["drafter"], adapter_config["target"]
-    depth = int(drafter.get("depth") or 1)
-    verifier = {"name_or_path": pin.get("name_or_path") or None,
+    ours["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to("cpu").contiguous()  # [V, h]
+    pin = adapter_config["target"]
+    verifier = {"name_or_path": options.verifier or pin.get("name_or_path") or None,
                 "architectures": list(getattr(model.config, "architectures", None) or [type(model).__name__])}
     payload = {
         "architectures": ARCHITECTURES, "speculators_model_type": "eagle3", "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
             "algorithm": "eagle3", "default_proposal_method": "greedy", "verifier": verifier,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depth, "verifier_accept_k": 1,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": options.num_speculative_tokens,
+                                  "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
         },
         "transformer_layer_config": layer, "draft_vocab_size": draft_vocab, "norm_before_residual": False,

@@ -12,7 +12,8 @@ Formats and the loader versions they were matched against (read at these commits
   readable with ``torch.load(weights_only=True)``); import reads the safetensors file when present.
   Two habits of that loader: it builds each head from *one* block repeated ``medusa_num_layers``
   times (``[ResBlock(d)] * n``), so export refuses differing blocks; and it forces
-  ``medusa_num_heads = 5`` (a TODO in the code), so heads beyond ours stay untrained there.
+  ``medusa_num_heads = 5`` (a TODO in the code) and loads with ``strict=False``: heads beyond ours
+  keep transformers' random initialisation, heads beyond 5 are dropped (:func:`fasterdecoding_heads_note`).
 * ``medusa-vllm``: vLLM ``vllm/model_executor/models/medusa.py`` at 01dbb08 (``Medusa.load_weights``)
   with ``vllm/transformers_utils/configs/medusa.py`` at 0531c22 (``MedusaConfig``): ``config.json``
   with ``architectures: ["MedusaModel"]``, ``model_type: "medusa"``, ``hidden_size``, ``vocab_size``,
@@ -31,8 +32,10 @@ elsewhere), as selfdraft does; FasterDecoding's layout has none and refuses it.
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
+import shlex
 from pathlib import Path
 from typing import Callable
 
@@ -41,7 +44,7 @@ from safetensors.torch import save_file
 
 from ..adapter import FORMAT_VERSION, AdapterError, TargetPin, check_inside, json_writer, read_safetensors
 from ..families import MEDUSA_EXPORT_FAMILIES, medusa_exportable
-from ..kind import CheckpointFormat
+from ..kind import CheckpointFormat, ExportOptions
 
 logger = logging.getLogger(__name__)
 
@@ -88,20 +91,51 @@ def _identical_blocks(tensors: dict[str, torch.Tensor], num_heads: int, num_laye
     )
 
 
+def medusa_refusals(config: dict, layout: str, options: ExportOptions | None = None) -> list[str]:
+    """Why a Medusa adapter cannot be written as ``layout``, from its config alone."""
+    drafter, reasons = config["drafter"], []
+    if layout != "medusa":
+        return reasons
+    if drafter.get("draft_vocab_size") is not None:
+        reasons.append(f"these heads score a draft vocabulary of {drafter['draft_vocab_size']} tokens, which "
+                       "FasterDecoding's MedusaModel cannot load: export --format medusa-vllm (truncated_vocab_size "
+                       "and token_map), or train with --draft-vocab-size full")
+    family = config["target"].get("model_type")
+    if not medusa_exportable(family):
+        reasons.append(f"FasterDecoding's MedusaModel loads {MEDUSA_EXPORT_FAMILIES} targets only; this target is "
+                       f"{family!r}: export --format medusa-vllm")
+    return reasons
+
+
+def fasterdecoding_heads_note(num_heads: int) -> str | None:
+    """What FasterDecoding's loader (e2a5d20) does with ``num_heads`` heads: it builds 5 whatever the
+    config says and loads ``medusa_lm_head.pt`` with ``strict=False``."""
+    if num_heads == 5:
+        return None
+    if num_heads < 5:
+        extra = (f"head {num_heads}" if num_heads == 4 else f"heads {num_heads}-4")
+        return (f"FasterDecoding's MedusaModel.from_pretrained (e2a5d20) builds 5 heads whatever medusa_num_heads "
+                f"says and loads medusa_lm_head.pt with strict=False: this adapter's {num_heads} heads load as heads "
+                f"0-{num_heads - 1}, {extra} stay{'s' if num_heads == 4 else ''} as transformers initialises missing "
+                "weights (random, untrained), without an error. Its default "
+                f"tree (mc_sim_7b_63) drafts 4 deep: "
+                + ("every node comes from this adapter's heads" if num_heads >= 4 else
+                   f"depths {num_heads + 1}-4 draft from untrained heads (lower acceptance, outputs still the "
+                   "target's); pass medusa_choices no deeper than " + str(num_heads)))
+    return (f"FasterDecoding's MedusaModel.from_pretrained (e2a5d20) builds 5 heads whatever medusa_num_heads says "
+            f"and loads medusa_lm_head.pt with strict=False: heads 5-{num_heads - 1} of this adapter are dropped "
+            "without an error (heads 0-4 load); its default tree (mc_sim_7b_63) drafts 4 deep and uses heads 0-3")
+
+
 def _medusa_export_tensors(config: dict, tensors: dict[str, torch.Tensor], layout: str, model,
                            directory) -> tuple[dict[str, torch.Tensor], bool]:
     """External tensors for a Medusa adapter, and whether the projection is shared (vLLM)."""
     drafter = config["drafter"]
     num_heads, num_layers, shared = drafter["num_heads"], drafter["num_layers"], drafter["share_lm_head"]
-    if drafter.get("draft_vocab_size") is not None and layout == "medusa":
-        raise AdapterError(f"{directory}: these heads score a draft vocabulary of {drafter['draft_vocab_size']} "
-                           "tokens, which FasterDecoding's MedusaModel cannot load: export --format medusa-vllm "
-                           "(truncated_vocab_size and token_map), or train with --draft-vocab-size full")
+    reasons = medusa_refusals(config, layout)
+    if reasons:
+        raise AdapterError(f"{directory}: " + "; ".join(reasons))
     if layout == "medusa":
-        family = config["target"].get("model_type")
-        if not medusa_exportable(family):
-            raise AdapterError(f"{directory}: FasterDecoding's MedusaModel loads {MEDUSA_EXPORT_FAMILIES} targets "
-                               f"only; this target is {family!r}: export --format medusa-vllm")
         if num_layers > 1 and not _identical_blocks(tensors, num_heads, num_layers):
             raise AdapterError(
                 f"{directory}: FasterDecoding builds each head from one residual block repeated medusa_num_layers "
@@ -119,14 +153,15 @@ def _medusa_export_tensors(config: dict, tensors: dict[str, torch.Tensor], layou
     return external, shared
 
 
-def _export_medusa(config: dict, tensors: dict, fmt: str, model, adapter_dir) -> dict[str, Callable[[Path], None]]:
+def _export_medusa(config: dict, tensors: dict, fmt: str, model, adapter_dir,
+                   options: ExportOptions = ExportOptions()) -> dict[str, Callable[[Path], None]]:
     external, shared = _medusa_export_tensors(config, tensors, fmt, model, adapter_dir)
     drafter, target = config["drafter"], config["target"]
     files: dict[str, Callable[[Path], None]] = {}
     if fmt == "medusa":
-        if drafter["num_heads"] != 5:
-            logger.warning("FasterDecoding's MedusaModel.from_pretrained (e2a5d20) builds 5 heads whatever "
-                           "medusa_num_heads says; this adapter has %d", drafter["num_heads"])
+        note = fasterdecoding_heads_note(drafter["num_heads"])
+        if note is not None:
+            logger.warning("%s", note)
         files["config.json"] = json_writer({
             "medusa_num_heads": drafter["num_heads"], "medusa_num_layers": drafter["num_layers"],
             "base_model_name_or_path": target.get("name_or_path") or "",
@@ -145,6 +180,30 @@ def _export_medusa(config: dict, tensors: dict, fmt: str, model, adapter_dir) ->
         })
         files[VLLM_TENSORS] = lambda path: save_file(external, str(path), metadata={"format": "pt"})
     return files
+
+
+def serve_commands(config: dict, fmt: str, options: ExportOptions) -> dict:
+    """How engines load a Medusa export (``CheckpointFormat.serve``): vLLM's Medusa proposer reads the
+    ``medusa-vllm`` layout (``--speculative-config`` ``method: medusa``, at most one token per head);
+    SGLang has no Medusa proposer; FasterDecoding loads the ``medusa`` layout in Python."""
+    heads_count = config["drafter"]["num_heads"]
+    tokens = min(options.num_speculative_tokens, heads_count)
+    commands, notes = {}, []
+    if fmt == "medusa-vllm":
+        speculative = json.dumps({"method": "medusa", "model": options.out, "num_speculative_tokens": tokens})
+        commands["vLLM"] = f"vllm serve {shlex.quote(options.target)} --speculative-config {shlex.quote(speculative)}"
+        if tokens < options.num_speculative_tokens:
+            notes.append(f"num_speculative_tokens lowered to {tokens}: vLLM's Medusa drafts one token per head")
+    else:
+        commands["vLLM"] = "not this layout: vLLM's Medusa reads selfdraft export --format medusa-vllm"
+        commands["FasterDecoding Medusa (Python)"] = (
+            f"python -c \"from medusa.model.medusa_model import MedusaModel; "
+            f"MedusaModel.from_pretrained({options.out!r})\"")
+        note = fasterdecoding_heads_note(heads_count)
+        if note is not None:
+            notes.append(note)
+    commands["SGLang"] = "not supported: SGLang has no Medusa proposer (train an EAGLE drafter: --kind eagle --for sglang)"
+    return {"commands": commands, "notes": notes}
 
 
 def _positive(config: dict, key: str, where: Path, default: int | None = None) -> int:
@@ -288,7 +347,7 @@ def _is_fasterdecoding(config: dict, architectures: list[str], names) -> bool:
 
 FORMATS = (
     CheckpointFormat("medusa-vllm", _is_vllm, _export_medusa, lambda d, c, f, m: _read_medusa_vllm(d, c),
-                     ("config.json", VLLM_TENSORS)),
+                     ("config.json", VLLM_TENSORS), medusa_refusals, serve_commands),
     CheckpointFormat("medusa", _is_fasterdecoding, _export_medusa, lambda d, c, f, m: _read_medusa(d, c),
-                     ("config.json", MEDUSA_TENSORS, MEDUSA_PICKLE)),
+                     ("config.json", MEDUSA_TENSORS, MEDUSA_PICKLE), medusa_refusals, serve_commands),
 )

@@ -372,7 +372,8 @@ def _same_drafts(original, loaded) -> None:
 def test_eagle_round_trip(deep_model, tmp_path, fmt, options):
     spec, adapter = _eagle_adapter(deep_model, tmp_path, **options)
     out = interop.export_adapter(adapter, fmt, tmp_path / fmt, model=deep_model)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", interop.SIDECAR_NAME]
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "model.safetensors", interop.SIDECAR_NAME,
+                                                            interop.README_NAME])
     config = json.loads((out / "config.json").read_text())
     tensors = load_file(str(out / "model.safetensors"))
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is False

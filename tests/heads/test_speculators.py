@@ -40,7 +40,8 @@ EAGLE3_FIELDS = {"architectures": list, "transformer_layer_config": dict, "draft
 # saved tensors; d2t/t2d only for a reduced draft vocabulary; embed_tokens comes from the verifier
 LAYER_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj", "input_layernorm", "hidden_norm", "post_attention_layernorm")
-TENSORS = {"fc.weight", "norm.weight", "lm_head.weight"} | {f"layers.0.{name}.weight" for name in LAYER_TENSORS}
+TENSORS = {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight"} | {
+    f"layers.0.{name}.weight" for name in LAYER_TENSORS}
 EXTRA_KEYS = {"torch_dtype"}  # PretrainedConfig writes it too
 
 
@@ -70,7 +71,7 @@ def test_config_and_tensors_have_speculators_names_and_types(deep_model, tmp_pat
     (proposal,) = speculators["proposal_methods"]
     _typed(proposal, GREEDY_FIELDS, "proposal_methods[0]")
     assert proposal["proposal_type"] == speculators["default_proposal_method"] == "greedy"
-    assert proposal["speculative_tokens"] == spec.config.depth and proposal["verifier_accept_k"] >= 1
+    assert proposal["speculative_tokens"] == 3 and proposal["verifier_accept_k"] >= 1  # the engine-sized default
     assert (config["speculators_model_type"], speculators["algorithm"]) == ("eagle3", "eagle3")
     assert config["architectures"] == ["Eagle3Speculator"] and config["norm_before_residual"] is False
     assert not (config["norm_before_fc"] or config["fc_norm"] or config["norm_output"])
@@ -90,6 +91,8 @@ def test_config_and_tensors_have_speculators_names_and_types(deep_model, tmp_pat
         ids = tensors["d2t"] + torch.arange(vocab)
         assert torch.equal(ids, torch.sort(spec.heads.token_map).values)
         assert torch.equal(tensors["lm_head.weight"], deep_model.lm_head.weight.detach()[ids])
+    # the verifier's embeddings are written: speculators 0.7.0 copies them only when a NaN pre-fill survives loading
+    assert torch.equal(tensors["embed_tokens.weight"], deep_model.get_input_embeddings().weight.detach())
 
 
 def test_exported_tensors_compute_what_the_drafter_computes(deep_model, tmp_path):

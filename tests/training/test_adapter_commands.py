@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,41 @@ def test_export_command(workspace, tmp_path, capsys):
     assert re.search("selfdraft export: error: .*holds eagle drafters", capsys.readouterr().err)
     assert main(["export", "--adapter", str(workspace["adapter"]), "--format", "medusa"]) == 2
     assert "selfdraft export: error: --format needs --out" in capsys.readouterr().err
+
+
+def test_export_prints_and_writes_the_serving_commands(workspace, tmp_path, capsys):
+    out = tmp_path / "vllm"
+    assert main(["export", "--adapter", str(workspace["adapter"]), "--format", "medusa-vllm", "--out", str(out),
+                 "--verifier", "owner/toy", "--num-speculative-tokens", "2"]) == 0
+    printed = capsys.readouterr().out
+    command = next(line.strip() for line in printed.splitlines() if line.strip().startswith("vllm serve"))
+    words = shlex.split(command)
+    assert words[:3] == ["vllm", "serve", "owner/toy"]
+    assert json.loads(words[words.index("--speculative-config") + 1]) == {
+        "method": "medusa", "model": str(out), "num_speculative_tokens": 2}
+    assert "SGLang" in printed and command in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be an integer >= 1"),
+    (["--no-fc-bias"], "--no-fc-bias applies to --format eagle"),
+])
+def test_export_flags_are_checked(workspace, tmp_path, capsys, arguments, message):
+    code = main(["export", "--adapter", str(workspace["adapter"]), "--format", "medusa-vllm", "--out",
+                 str(tmp_path / "out"), *arguments])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_export_refuses_a_kind_mismatch_before_loading_the_model(workspace, tmp_path, capsys, monkeypatch):
+    from training.commands import export
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+    monkeypatch.setattr(export, "load_model", no_loading)
+    code = main(["export", "--adapter", str(workspace["adapter"]), "--format", "eagle", "--model",
+                 str(workspace["model"]), "--out", str(tmp_path / "out")])
+    assert code == 2 and "format 'eagle' holds eagle drafters; this adapter is kind 'medusa'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_hub_folder_and_model_card(workspace, tmp_path):

@@ -1,12 +1,14 @@
-"""``selfdraft export``: an adapter in another project's checkpoint layout, or a folder ready for the
-Hugging Face hub (adapter files + model card)."""
+"""``selfdraft export``: an adapter in another project's checkpoint layout (with a README of the
+vLLM / SGLang commands that serve it), or a folder ready for the Hugging Face hub (adapter files +
+model card)."""
 
 from __future__ import annotations
 
-from heads import kinds
-from heads.interop import SIDECAR_NAME
+from .common import UsageError, check_input_directory, check_int, check_model, check_output_directory, load_model
 
-from .common import UsageError, check_input_directory, check_output_directory, load_model
+DEFAULT_SPECULATIVE_TOKENS = 3
+"""Tokens drafted per step in the printed engine commands and the speculators config: vLLM's and
+SGLang's own EAGLE examples use 2-3 (a chain; deeper chains rarely pay for their draft steps)."""
 
 
 def add_parser(commands) -> None:
@@ -16,8 +18,9 @@ def add_parser(commands) -> None:
         "export", help="write an adapter in another layout, or a folder ready for the Hugging Face hub",
         description="--format/--out: write the checkpoint layout that FasterDecoding Medusa (medusa), vLLM Medusa "
                     "(medusa-vllm), the EAGLE loaders (eagle, eagle3) or vLLM speculators (speculators, EAGLE-3) "
-                    "load; refuses when the layout cannot hold the drafter exactly (EAGLE: train with --eagle-layout "
-                    "eagle1/eagle3). --hub-dir: copy the adapter and write a model card (README.md) for "
+                    "load, with README.md giving the vLLM / SGLang commands that serve it (also printed); refuses "
+                    "when the layout cannot hold the drafter exactly (EAGLE: train with `selfdraft train --kind eagle "
+                    "--for vllm` or --for sglang). --hub-dir: copy the adapter and write a model card (README.md) for "
                     "`selfdraft push`.",
     )
     parser.add_argument("--adapter", required=True, help="selfdraft adapter directory")
@@ -28,6 +31,16 @@ def add_parser(commands) -> None:
     parser.add_argument("--model", default=None,
                         help="the target model directory; needed for --format eagle/eagle3/speculators (its config and "
                              "output-head rows go into the checkpoint) and for Medusa adapters that share its head")
+    parser.add_argument("--verifier", default=None, metavar="ID",
+                        help="hub id of the target as engines should load it: recorded as the verifier in a "
+                             "speculators config and used in the printed commands (default: the --model path given, "
+                             "else the target the adapter records)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, metavar="N",
+                        help="tokens drafted per step by the engines (speculators config, printed vLLM / SGLang "
+                             f"commands; default {DEFAULT_SPECULATIVE_TOKENS})")
+    parser.add_argument("--no-fc-bias", action="store_true",
+                        help="--format eagle: write fc without its bias, for vLLM's EAGLE-1 model (which drops it); "
+                             "refused unless the bias is zero, since dropping it changes predictions")
     parser.add_argument("--repo-id", default=None, help="hub repository id, for the model card's loading snippet")
     parser.add_argument("--license", default="other",
                         help="licence id for the model card (default 'other': that of the target model)")
@@ -36,8 +49,17 @@ def add_parser(commands) -> None:
     parser.set_defaults(handler=run)
 
 
+def _options(args, config: dict):
+    from heads.interop import target_name
+    from heads.kind import ExportOptions
+
+    return ExportOptions(out=args.out, target=target_name(config, args.verifier or args.model),
+                         verifier=args.verifier or args.model, num_speculative_tokens=args.num_speculative_tokens,
+                         fc_bias=not args.no_fc_bias)
+
+
 def run(args) -> int:
-    from heads.interop import export_adapter
+    from heads.interop import check_export, export_adapter, export_file_names, serving, serving_text
     from ..publish import write_hub_folder
 
     check_input_directory(args.adapter, "--adapter")
@@ -49,11 +71,19 @@ def run(args) -> int:
         return 0
     if not args.out:
         raise UsageError("--format needs --out DIR")
-    check_output_directory(args.out, "--out", replaceable=tuple(
-        {name for _, fmt in kinds.formats().values() for name in fmt.files} | {SIDECAR_NAME}))
+    check_int(args.num_speculative_tokens, "--num-speculative-tokens", 1, " (tokens drafted per step)")
+    if args.no_fc_bias and args.format != "eagle":
+        raise UsageError(f"--no-fc-bias applies to --format eagle (EAGLE-1's fc); got --format {args.format}")
+    if args.model:
+        check_model(args.model)
+    check_output_directory(args.out, "--out", replaceable=export_file_names())
+    config = check_export(args.adapter, args.format)  # a kind/format mismatch is refused before any model loads
+    options = _options(args, config)
     model = None
     if args.model:
         model, _ = load_model(args.model)
-    path = export_adapter(args.adapter, args.format, args.out, model=model)
+    path = export_adapter(args.adapter, args.format, args.out, model=model, options=options)
     print(f"wrote {args.format} checkpoint to {path}: {', '.join(sorted(p.name for p in path.iterdir()))}")
+    print(f"serve it (also in {path / 'README.md'}):")
+    print(serving_text(serving(config, args.format, options)))
     return 0
