@@ -22,6 +22,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
+from tree_attention.gumbel import GumbelRule
 from tree_attention.verify import AcceptanceRule, GreedyRule, SamplingRule, TypicalRule
 
 ACCEPTANCE = ("auto", "greedy", "sample", "typical")
@@ -173,11 +174,30 @@ def warper(temperature: float, top_k: int, top_p: float):
     return warp
 
 
+def check_seed(seed, generator: torch.Generator | None) -> int | list[int] | None:
+    """A sampled call's ``seed``: None, an int, or a non-empty list of ints (one per row); never
+    given with ``generator`` (which seeds the unseeded rule's draws instead)."""
+    if seed is None:
+        return None
+    if generator is not None:
+        raise ValueError("give seed= (output a function of prompt, settings and seed, whatever drafts) or "
+                         "generator= (draws of the speculative sampling rule), not both")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return seed
+    if isinstance(seed, (list, tuple)) and seed and all(isinstance(value, int) and not isinstance(value, bool)
+                                                          for value in seed):
+        return list(seed)
+    raise TypeError(f"seed must be an int or a non-empty list of ints (one per row); got {seed!r}")
+
+
 def acceptance_rule(generation_config, do_sample: bool, temperature: float, top_k: int | None,
                     top_p: float | None, generator: torch.Generator | None, acceptance: str = "auto",
-                    posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> AcceptanceRule:
+                    posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, seed=None) -> AcceptanceRule:
     """The rule ``generate`` runs with. ``acceptance="typical"`` is lossy and must be asked for.
-    Unset ``temperature`` (None) resolves to 1.0, as in ``generate``."""
+    Unset ``temperature`` (None) resolves to 1.0, as in ``generate``. With ``seed``, sampling is
+    Gumbel-max on a counter-based stream (:class:`~tree_attention.gumbel.GumbelRule`: the output
+    depends on the prompt, the settings and the seed alone); otherwise lossless speculative sampling
+    (:class:`SamplingRule`, its draws from ``generator`` or torch's global RNG)."""
     temperature = 1.0 if temperature is None else temperature
     if acceptance not in ACCEPTANCE:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE}; got {acceptance!r}")
@@ -190,8 +210,14 @@ def acceptance_rule(generation_config, do_sample: bool, temperature: float, top_
         raise ValueError("acceptance='greedy' contradicts do_sample=True")
     settings = resolve_sampling(generation_config, temperature, top_k, top_p)
     warp = warper(*settings)
+    seed = check_seed(seed, generator)
+    if acceptance == "typical" and seed is not None:
+        raise ValueError("seed= selects seeded Gumbel-max sampling, which acceptance='typical' does not use; "
+                         "seed typical acceptance with generator=")
     if acceptance == "typical":
         rule = TypicalRule(warp, generator, posterior_threshold, posterior_alpha)
+    elif seed is not None:
+        rule = GumbelRule(warp, seed)
     else:
         rule = SamplingRule(warp, generator)
     rule.key = f"{rule.key} T={settings[0]:g} top_k={settings[1]} top_p={settings[2]:g}"

@@ -158,3 +158,30 @@ class GumbelRule(GreedyRule):
     def accept_batch(self, trees: TreeBatch, logits: torch.Tensor, batch_rows: list[int] | None = None,
                      positions: torch.Tensor | None = None) -> BatchAcceptance:
         return accept_choices(trees, self.choices(logits, batch_rows, positions))
+
+    def plain_processor(self, attention_mask: torch.Tensor | None) -> "PlainGumbelProcessor":
+        """This bound rule as a transformers logits processor for the backbone's own greedy
+        ``generate`` (``do_sample=False``; it runs after ``generate``'s context processors), so that
+        ``generate`` commits exactly the tokens this rule commits. ``attention_mask`` ``[B, T]``: the
+        prompts' (zeros first); ``generate`` keeps every row in place to the end."""
+        if self.keys is None:
+            raise ValueError("bind the rule to the call's prompts with for_prompts() first")
+        return PlainGumbelProcessor(self.warp, self.keys, attention_mask)
+
+
+class PlainGumbelProcessor:
+    """A logits processor ``(input_ids [B, L], scores [B, V]) -> scores`` for greedy ``generate``:
+    0 at each row's Gumbel-max draw (:func:`perturbed_argmax` of the warped scores, at the position
+    after the row's ``L`` tokens less its prompt padding), ``-inf`` elsewhere."""
+
+    def __init__(self, warp: Callable[[torch.Tensor], torch.Tensor], keys: torch.Tensor,
+                 attention_mask: torch.Tensor | None) -> None:
+        self.warp, self.keys = warp, keys
+        self.padding = None if attention_mask is None else (attention_mask == 0).long().sum(dim=1)  # (B,)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        positions = torch.full((scores.shape[0],), input_ids.shape[1], dtype=torch.long, device=scores.device)
+        if self.padding is not None:
+            positions = positions - self.padding.to(scores.device)  # the drawn token's position id
+        draws = perturbed_argmax(self.warp(scores.float()), self.keys.to(scores.device), positions)
+        return torch.full_like(scores, -torch.inf).scatter_(1, draws[:, None], 0.0)
