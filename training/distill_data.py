@@ -142,6 +142,22 @@ def _generate_all(
     return sequences
 
 
+CACHE_ENVIRONMENT = "SELFDRAFT_CACHE"
+"""Environment variable naming selfdraft's cache root (default ``$XDG_CACHE_HOME/selfdraft``, else
+``~/.cache/selfdraft``)."""
+
+
+def default_cache_dir() -> Path:
+    """Where ``selfdraft train`` caches distillation data when ``--cache-dir`` is not given:
+    ``<cache root>/distill`` under the user's cache directory (``$SELFDRAFT_CACHE``, else
+    ``$XDG_CACHE_HOME/selfdraft``, else ``~/.cache/selfdraft``), never the current directory."""
+    root = os.environ.get(CACHE_ENVIRONMENT)
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "selfdraft")
+    return Path(root).expanduser() / "distill"
+
+
 def generate_distillation_data(
     model: Any,
     tokenizer: Any,

@@ -1,9 +1,10 @@
 """Publishing an adapter: a folder ready for ``huggingface_hub`` upload, its model card, the upload.
 
-:func:`write_hub_folder` copies the adapter files and writes ``README.md``: YAML front matter
-(licence, base model, tags) and the target pin, drafter, training recipe and the acceptance
-table (per traffic mix and temperature) that ``adapter_config.json`` records, plus how to load it
-with ``heads.load_heads``. :func:`push_folder` uploads such a folder; without a token or a network
+:func:`write_hub_folder` copies the adapter files and writes ``README.md``, a
+``huggingface_hub`` ``ModelCard``: metadata (``ModelCardData``: ``library_name`` selfdraft,
+``base_model`` when the target is a hub id, licence, tags) and the target pin, drafter, training
+recipe and the acceptance table (per traffic mix and temperature) that ``adapter_config.json``
+records, plus a loading snippet that runs as written (:func:`loading_snippet`). :func:`push_folder` uploads such a folder; without a token or a network
 it raises :class:`PublishError` saying which, before any upload starts.
 """
 
@@ -30,10 +31,6 @@ class PublishError(RuntimeError):
     """The folder cannot be written or uploaded; the message says why and what to do."""
 
 
-def _yaml_value(value) -> str:
-    return json.dumps(value)  # a JSON string or list is valid YAML
-
-
 def _hub_id(name: str) -> str | None:
     """``name`` when it looks like a hub repository id (``owner/name``), not a local path."""
     parts = name.split("/")
@@ -42,19 +39,41 @@ def _hub_id(name: str) -> str | None:
     return None
 
 
-def front_matter(config: dict, license_id: str, license_name: str | None, license_link: str | None) -> str:
-    """YAML front matter of the model card."""
-    lines = ["---", "library_name: selfdraft", f"license: {_yaml_value(license_id)}"]
-    if license_id == "other":
-        lines.append(f"license_name: {_yaml_value(license_name or 'same-as-target-model')}")
-    if license_link:
-        lines.append(f"license_link: {_yaml_value(license_link)}")
+def card_data(config: dict, license_id: str, license_name: str | None, license_link: str | None):
+    """The card's metadata (``huggingface_hub.ModelCardData``)."""
+    from huggingface_hub import ModelCardData
+
     base = _hub_id(config["target"].get("name_or_path") or "")
-    if base:
-        lines += [f"base_model: {_yaml_value(base)}", "base_model_relation: adapter"]
-    lines.append(f"tags: {_yaml_value(['selfdraft', 'speculative-decoding', config['kind']])}")
-    lines.append("---")
-    return "\n".join(lines)
+    return ModelCardData(
+        library_name="selfdraft", license=license_id,
+        license_name=(license_name or "same-as-target-model") if license_id == "other" else None,
+        license_link=license_link, base_model=base, base_model_relation="adapter" if base else None,
+        tags=["selfdraft", "speculative-decoding", config["kind"]],
+    )
+
+
+def front_matter(config: dict, license_id: str, license_name: str | None, license_link: str | None) -> str:
+    """YAML front matter of the model card (``ModelCardData`` as YAML, between ``---`` lines)."""
+    return "---\n" + card_data(config, license_id, license_name, license_link).to_yaml() + "\n---"
+
+
+def loading_snippet(config: dict, location: str, repo_id: str | None = None) -> list[str]:
+    """Python lines that load the target and this adapter and generate, runnable as written:
+    the target as the pin names it (hub id or the path it was loaded from), its tokenizer for the
+    prompt, the adapter from the hub (``repo_id``) or from ``location``."""
+    target = config["target"]
+    name = target.get("name_or_path") or "TARGET_MODEL_DIR"
+    revision = f", revision={target['revision']!r}" if target.get("revision") else ""
+    adapter = f"snapshot_download({repo_id!r})" if repo_id else repr(location)
+    return [*(["from huggingface_hub import snapshot_download"] if repo_id else []),
+            "from transformers import AutoModelForCausalLM, AutoTokenizer", "import heads", "",
+            f"target = {name!r}",
+            f"tokenizer = AutoTokenizer.from_pretrained(target{revision})",
+            f"model = AutoModelForCausalLM.from_pretrained(target{revision})",
+            f"spec = heads.load_heads(model, {adapter})",
+            'input_ids = tokenizer("Once upon a time", return_tensors="pt").input_ids',
+            "ids = spec.generate(input_ids, max_new_tokens=32)  # == model.generate(input_ids, do_sample=False, ...)",
+            "print(tokenizer.decode(ids[0]))"]
 
 
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
@@ -104,14 +123,17 @@ def _medusa2_warning(config: dict) -> list[str]:
 
 
 def model_card(config: dict, repo_id: str | None = None, license_id: str = "other",
-               license_name: str | None = None, license_link: str | None = None) -> str:
-    """The ``README.md`` of a published adapter."""
+               license_name: str | None = None, license_link: str | None = None,
+               folder: str | os.PathLike | None = None) -> str:
+    """The ``README.md`` of a published adapter (``folder``: where it is written, the snippet's
+    adapter path when there is no ``repo_id``), checked by ``huggingface_hub.ModelCard``."""
+    from huggingface_hub import ModelCard
+
     target = config["target"]
     recorded = target.get("name_or_path") or ""
     name = _hub_id(recorded) or Path(recorded).name or "the target model"
-    location = repo_id or "path/to/this/folder"
-    load_target = _hub_id(target.get("name_or_path") or "") or "TARGET_MODEL_DIR"
-    revision = f', revision="{target["revision"]}"' if target.get("revision") else ""
+    location = repo_id or str(folder or "path/to/this/folder")
+    load_target = _hub_id(target.get("name_or_path") or "") or target.get("name_or_path") or "TARGET_MODEL_DIR"
     lines = [front_matter(config, license_id, license_name, license_link), "",
              f"# {config['kind'].capitalize()} draft heads for {name}", "",
              "A speculative-decoding drafter trained with [selfdraft](https://pypi.org/project/selfdraft/) by "
@@ -133,18 +155,12 @@ def model_card(config: dict, repo_id: str | None = None, license_id: str = "othe
     lines += ["", "## Acceptance measured at save time", "",
               "tau: tokens committed per target forward (bonus token included).", ""]
     lines += acceptance_table(config)
-    lines += ["", "## How to load", "", "```python", "from huggingface_hub import snapshot_download",
-              "from transformers import AutoModelForCausalLM", "import heads", "",
-              f'model = AutoModelForCausalLM.from_pretrained("{load_target}"{revision})',
-              f'spec = heads.load_heads(model, snapshot_download("{location}"))' if repo_id
-              else f'spec = heads.load_heads(model, "{location}")',
-              "ids = spec.generate(input_ids, max_new_tokens=128)  # == model.generate(..., do_sample=False)",
-              "```", "",
+    lines += ["", "## How to load", "", "```python", *loading_snippet(config, location, repo_id), "```", "",
               "Re-measure on your own traffic after a target update (exits non-zero when tau drops):", "",
               "```", *([f"hf download {repo_id} --local-dir ADAPTER_DIR"] if repo_id else []),
               f"selfdraft check --model {load_target} --adapter {'ADAPTER_DIR' if repo_id else location} "
               "--data prompts.jsonl", "```", ""]
-    return "\n".join(lines)
+    return str(ModelCard("\n".join(lines)))  # parses and checks the metadata block
 
 
 def write_hub_folder(adapter_dir: str | os.PathLike, hub_dir: str | os.PathLike, repo_id: str | None = None,
@@ -154,7 +170,7 @@ def write_hub_folder(adapter_dir: str | os.PathLike, hub_dir: str | os.PathLike,
     adapter_dir = Path(adapter_dir)
     config = read_config(adapter_dir)
     read_weights(adapter_dir)  # refuse a corrupt weights file before publishing it
-    card = model_card(config, repo_id, license_id, license_name, license_link)
+    card = model_card(config, repo_id, license_id, license_name, license_link, folder=hub_dir)
 
     def copy(name: str):
         return lambda path: shutil.copyfile(adapter_dir / name, path)

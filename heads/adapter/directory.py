@@ -19,7 +19,9 @@ Other properties:
 * a symbolic link at the path is followed: the directory it points to is replaced and the link
   stays; a dangling link is refused with an :class:`AdapterError` naming its target;
 * directories are created with the permissions ``0o777 & ~umask`` (``tempfile.mkdtemp`` would
-  give 0700); a replaced directory keeps its own permissions;
+  give 0700); a replaced directory keeps its own permissions; files are made readable like the
+  directory: ``0o666 & ~umask`` (safetensors' ``save_file`` creates them 0600), so a published
+  adapter or export is readable by whoever can read its folder;
 * staging and backup directories left by a writer on this host that no longer runs (checked by
   PID; the host name is part of the name, so writers on other machines sharing the filesystem are
   left alone) are removed by the next write to the same path; a backup is kept until the path
@@ -167,6 +169,20 @@ def _swap_into_place(staging: Path, target: Path) -> None:
     shutil.rmtree(backup, ignore_errors=True)
 
 
+def _readable_files(root: Path, mode: int) -> None:
+    """Give every regular file under ``root`` (links left alone) the permissions ``mode``; folders
+    a writer created inside get ``mode`` plus the search bits its read bits call for."""
+    for folder, subfolders, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, mode)
+        for name in subfolders:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, mode | ((mode & 0o444) >> 2))
+
+
 def write_directory(directory: Path, files: dict[str, Callable[[Path], None]],
                     replaceable: Iterable[str] = ()) -> None:
     """Write ``directory`` atomically: each ``files[name](path)`` writes one file into a staging
@@ -201,6 +217,7 @@ def write_directory(directory: Path, files: dict[str, Callable[[Path], None]],
         os.chmod(staging, mode if mode is not None else 0o777 & ~current_umask())
         for name, write in files.items():
             write(staging / name)
+        _readable_files(staging, 0o666 & ~current_umask())
         _swap_into_place(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -98,3 +98,18 @@ def test_kind_format_mismatch_is_refused_from_the_config(tmp_path):
     heads.attach_heads(build_model("llama"), num_heads=2).save_pretrained(tmp_path / "medusa")
     with pytest.raises(heads.AdapterError, match="format 'eagle' holds eagle drafters; this adapter is kind 'medusa'"):
         interop.check_export(tmp_path / "medusa", "eagle")
+
+
+def test_saved_adapter_files_are_readable_like_their_folder(tmp_path):
+    import os
+    import stat
+
+    from tests.conftest import build_model
+
+    previous = os.umask(0o022)
+    try:
+        heads.attach_heads(build_model("llama"), num_heads=2).save_pretrained(tmp_path / "adapter")
+    finally:
+        os.umask(previous)
+    assert {path.name: stat.S_IMODE(path.stat().st_mode) for path in (tmp_path / "adapter").iterdir()} == {
+        "adapter_config.json": 0o644, "adapter_model.safetensors": 0o644}

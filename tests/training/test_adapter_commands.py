@@ -5,13 +5,16 @@ and a hub folder with a model card; push fails with a clear message without a to
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import stat
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from huggingface_hub import ModelCard
 from huggingface_hub import constants as hub_constants
 
 import heads
@@ -162,9 +165,42 @@ def test_hub_folder_and_model_card(workspace, tmp_path):
     tau = config["acceptance"]["heldout"]["tau"]
     assert f"| heldout | greedy | {tau:.3g} |" in card
     assert config["target"]["weights_sha256"] in card and '"fkl"' in card
-    assert 'heads.load_heads(model, snapshot_download("me/toy-medusa"))' in card
+    assert "spec = heads.load_heads(model, snapshot_download('me/toy-medusa'))" in card
     loaded = heads.load_heads(workspace_model(workspace), hub)  # the hub folder is itself an adapter
     assert loaded.config.num_heads == 3
+    card_data = ModelCard.load(hub / "README.md").data  # huggingface_hub's own parser reads the metadata
+    assert card_data.library_name == "selfdraft" and card_data.license == "apache-2.0"
+
+
+def _snippet(card: str) -> str:
+    return card.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("repo_id", [None, "me/toy-medusa"])
+def test_model_card_snippet_runs_as_written(workspace, tmp_path, monkeypatch, capsys, repo_id):
+    import huggingface_hub
+
+    hub = tmp_path / "hub"
+    assert main(["export", "--adapter", str(workspace["adapter"]), "--hub-dir", str(hub),
+                 *(["--repo-id", repo_id] if repo_id else [])]) == 0
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kwargs: str(hub))  # no network here
+    capsys.readouterr()
+    exec(compile(_snippet((hub / "README.md").read_text()), "model card", "exec"), {})
+    assert capsys.readouterr().out.strip()  # the decoded generation
+
+
+def test_published_files_are_readable_like_their_folder(workspace, tmp_path):
+    previous = os.umask(0o022)
+    try:
+        main(["export", "--adapter", str(workspace["adapter"]), "--hub-dir", str(tmp_path / "hub")])
+        main(["export", "--adapter", str(workspace["adapter"]), "--format", "medusa-vllm", "--out",
+              str(tmp_path / "vllm")])
+    finally:
+        os.umask(previous)
+    for folder in (tmp_path / "hub", tmp_path / "vllm"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+        for path in folder.iterdir():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
 
 
 def _no_token(monkeypatch, tmp_path) -> None:

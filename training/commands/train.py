@@ -115,7 +115,9 @@ def add_parser(commands) -> None:
                         help="train on the prompts' original text instead of the target's continuations")
     parser.add_argument("--max-length", type=int, default=256, help="token length of each training sequence")
     parser.add_argument("--generation-batch-size", type=int, default=8, help="prompts per generate call")
-    parser.add_argument("--cache-dir", default=".selfdraft-cache", help="where generated data is cached")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where generated data is cached (default: $SELFDRAFT_CACHE/distill, else "
+                             "~/.cache/selfdraft/distill)")
     parser.add_argument("--checkpoint-dir", default=None, help="directory for resumable checkpoints")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     parser.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
@@ -210,7 +212,7 @@ def resolved_options(args, model_config) -> dict:
 def _sequences(args, model, tokenizer, prompts, accelerator):
     """The training sequences: the target's continuations of the prompts (cached), or their text."""
     import heads
-    from ..distill_data import generate_distillation_data
+    from ..distill_data import default_cache_dir, generate_distillation_data
     from ..prompts import text_sequences
 
     target_id = heads.backbone.target_fingerprint(model)["weights_sha256"]
@@ -220,7 +222,7 @@ def _sequences(args, model, tokenizer, prompts, accelerator):
         else:
             sequences = generate_distillation_data(
                 model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, temperature=args.data_temperature,
-                seed=args.seed, cache_dir=args.cache_dir, target_id=target_id,
+                seed=args.seed, cache_dir=args.cache_dir or default_cache_dir(), target_id=target_id,
                 batch_size=args.generation_batch_size, progress=not args.no_progress and accelerator.is_main_process,
                 max_prompt_tokens=max(1, args.max_length - args.max_new_tokens), truncate=True,
             )
