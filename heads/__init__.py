@@ -7,20 +7,14 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from transformers import PreTrainedModel
+from . import kinds  # the drafter registry: kinds' names and command-line flags, without torch
 
-from tree_attention.decode import DecodeStats
-from tree_attention.tree import InvalidTreeError
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-from . import kinds
-from .adapter import AdapterError, TargetMismatchError, TargetPin
-from .backbone import SUPPORTED_ARCHITECTURES, Backbone, UnsupportedBackboneError, inspect_backbone
-from .eagle import EagleConfig, EagleHeads
-from .loading import attach_backbone, load_heads
-from .medusa import MedusaConfig, MedusaHeads
-from .model import SpeculativeModel, build_spec
+    from .model import SpeculativeModel
 
 
 __all__ = [
@@ -70,6 +64,10 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", lookup=None, merg
 
     The backbone's parameters get ``requires_grad=False``; its outputs are unchanged.
     """
+    from .backbone import inspect_backbone
+    from .loading import attach_backbone
+    from .model import build_spec
+
     entry = kinds.get(kind)
     _refuse_foreign_options(entry, options)
     config = entry.make_config(**options)
@@ -81,3 +79,30 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", lookup=None, merg
     if lookup:
         spec.set_lookup(lookup)
     return spec
+
+
+def __getattr__(name: str):
+    """The rest of the public API (:data:`__all__`; the submodules it imports become attributes
+    too), imported with torch and transformers on first use: ``import heads`` alone costs nothing
+    (``selfdraft --help``). Any other name is an AttributeError, as the import system expects of a
+    submodule not imported yet."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from tree_attention.decode import DecodeStats
+    from tree_attention.tree import InvalidTreeError
+
+    from .adapter import AdapterError, TargetMismatchError, TargetPin
+    from .backbone import SUPPORTED_ARCHITECTURES, Backbone, UnsupportedBackboneError, inspect_backbone
+    from .eagle import EagleConfig, EagleHeads
+    from .loading import load_heads
+    from .medusa import MedusaConfig, MedusaHeads
+    from .model import SpeculativeModel
+
+    public = {"DecodeStats": DecodeStats, "InvalidTreeError": InvalidTreeError, "AdapterError": AdapterError,
+              "TargetMismatchError": TargetMismatchError, "TargetPin": TargetPin,
+              "SUPPORTED_ARCHITECTURES": SUPPORTED_ARCHITECTURES, "Backbone": Backbone,
+              "UnsupportedBackboneError": UnsupportedBackboneError, "inspect_backbone": inspect_backbone,
+              "EagleConfig": EagleConfig, "EagleHeads": EagleHeads, "load_heads": load_heads,
+              "MedusaConfig": MedusaConfig, "MedusaHeads": MedusaHeads, "SpeculativeModel": SpeculativeModel}
+    globals().update(public)  # later lookups find them without this function
+    return public[name]

@@ -10,33 +10,11 @@ where the target would have written it. Shared by the kinds that offer it (``dra
 
 from __future__ import annotations
 
-import argparse
 from typing import Sequence
 
 import torch
 
-DRAFT_VOCAB_SHARE = 4
-DRAFT_VOCAB_FROM = 8192
-"""``--draft-vocab-size auto`` (the default): targets with at least :data:`DRAFT_VOCAB_FROM` tokens draft
-over their ``1 / DRAFT_VOCAB_SHARE`` most frequent training tokens, smaller vocabularies over all of them."""
-
-
-def draft_vocab(text: str):
-    """``"auto"``, ``"full"`` or a positive count (an argparse type)."""
-    if text in ("auto", "full"):
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected auto, full or a positive token count; got {text!r}")
-    return value
-
-
-def auto_draft_vocab(vocab_size: int) -> int | None:
-    """The draft vocabulary ``--draft-vocab-size auto`` gives a target of ``vocab_size`` tokens (None: all)."""
-    return vocab_size // DRAFT_VOCAB_SHARE if vocab_size >= DRAFT_VOCAB_FROM else None
+from .draft_vocab_flags import DRAFT_VOCAB_FROM, DRAFT_VOCAB_SHARE, auto_draft_vocab, draft_vocab  # noqa: F401
 
 
 def frequent_tokens(sequences: Sequence[torch.Tensor], vocab_size: int, count: int) -> torch.Tensor:

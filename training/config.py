@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .losses import DIVERGENCES
+DIVERGENCES: tuple[str, ...] = ("fkl", "rkl", "jsd", "tvd", "ce")
+"""Names accepted by `divergence` (:mod:`training.losses`): forward KL, reverse KL, JSD(beta), total
+variation, and soft cross entropy to the teacher distribution."""
 
 
 @dataclass

@@ -23,9 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-DIVERGENCES: tuple[str, ...] = ("fkl", "rkl", "jsd", "tvd", "ce")
-"""Names accepted by `divergence`: forward KL, reverse KL, JSD(beta), total variation, and soft
-cross entropy to the teacher distribution."""
+from .config import DIVERGENCES  # noqa: F401 (the names `divergence` accepts; declared without torch)
 
 
 def _check_temperature(temperature: float) -> None:

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from ..draft_vocab import DRAFT_VOCAB_FROM, auto_draft_vocab, draft_vocab
-from .config import DRAFTING_MODES, HEAD_INPUTS, LAYOUTS, PARALLEL_MODES
+from ..draft_vocab_flags import DRAFT_VOCAB_FROM, auto_draft_vocab, draft_vocab
+
+LAYOUTS = ("native", "eagle1", "eagle3")
+DRAFTING_MODES = ("sequential", "parallel", "auto")
+PARALLEL_MODES = ("heads", "mask")
+HEAD_INPUTS = ("prediction", "feature")
+"""The choices of ``--eagle-layout``, ``--drafting``, ``--parallel-mode`` and ``--head-input``: those of
+:class:`~heads.eagle.config.EagleConfig` (same names there; a test keeps them equal), declared here
+because the config module imports torch and the flags must not."""
 
 LEARNING_RATE = 1e-2
 """``selfdraft train --kind eagle``'s default ``--lr``. The drafter's projection and decoder layer start

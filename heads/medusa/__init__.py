@@ -7,62 +7,21 @@ Under lossless sampling the tree's tokens are drawn from the heads' warped distr
 
 from __future__ import annotations
 
-from tree_attention.verify import SamplingRule
+from . import cli  # the kind's `selfdraft train` flags, importable without torch
 
-from ..kind import DrafterKind, refuse_options
-from . import cli
-from .checkpoint import FORMATS, restore_sidecar
-from .config import MedusaConfig
-from .drafter import MedusaDrafter, resolve_tree, selection_ranks
-from .loss import MedusaLoss
-from .modules import MedusaHeads, ResidualBlock
-
-__all__ = ["KIND", "MedusaConfig", "MedusaDrafter", "MedusaHeads", "ResidualBlock", "resolve_tree", "bind_rule"]
-
-OPTIONS = ("num_heads", "num_layers", "share_lm_head", "tree", "sample", "draft_vocab_size")
+FORMAT_NAMES = ("medusa-vllm", "medusa")
+"""The other projects' checkpoint layouts ``selfdraft export --format`` writes for this kind (the names
+of ``KIND.formats``, checked by a test), listed without torch."""
 
 
-def make_config(num_heads: int | None = None, num_layers: int | None = None, share_lm_head: bool | None = None,
-                tree=None, sample: str | None = None, draft_vocab_size: int | None = None, **others) -> MedusaConfig:
-    """The config ``attach_heads(kind="medusa", ...)`` builds (defaults: 4 heads of 1 block over the
-    whole vocabulary)."""
-    refuse_options("medusa", OPTIONS, others)
-    return MedusaConfig(num_heads=4 if num_heads is None else num_heads,
-                        num_layers=1 if num_layers is None else num_layers,
-                        share_lm_head=bool(share_lm_head), tree=tree, sample=sample or "auto",
-                        draft_vocab_size=draft_vocab_size)
+def __getattr__(name: str):
+    """``KIND`` and the kind's public names (:mod:`.entry`), imported with torch on first use; other
+    names (a submodule not imported yet, which the import system then imports) are AttributeErrors."""
+    if name == "entry" or name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import entry
 
-
-def build_heads(target, config: MedusaConfig) -> MedusaHeads:
-    return MedusaHeads(config, target.hidden_size, target.vocab_size,
-                       None if config.share_lm_head else target.output_head)
-
-
-def build_drafter(spec, tree) -> MedusaDrafter:
-    tree = tree if tree is not None else spec.config.tree
-    template = resolve_tree(tree, spec.config.num_heads, spec.accuracy)
-    drafter = MedusaDrafter(spec.heads, template, spec.shared_logits if spec.config.share_lm_head else None,
-                            spec.config.sample)
-    if tree is None or (isinstance(tree, int) and not isinstance(tree, bool)):  # a default tree: nested by size
-        drafter.set_selection(selection_ranks(template, spec.config.num_heads, spec.accuracy))
-    return drafter
-
-
-def bind_rule(drafter, rule):
-    """``drafter`` set up for the serving ``rule``: candidates drawn from the heads' distributions
-    under the rule's own warp and generator when the rule samples losslessly and the config's
-    ``sample`` mode allows it; the heads' top-k tokens otherwise (greedy, typical, ``never``)."""
-    if not isinstance(drafter, MedusaDrafter):
-        return drafter
-    sampled = isinstance(rule, SamplingRule) and rule.lossless and drafter.sample != "never"
-    drafter.sample_with(rule.warp if sampled else None, rule.generator if sampled else None)
-    return drafter
-
-
-KIND = DrafterKind(
-    name="medusa", config_class=MedusaConfig, make_config=make_config, build_heads=build_heads,
-    build_drafter=build_drafter, options=OPTIONS, static_tree=True, formats=FORMATS,
-    sidecar_keys=("num_heads", "num_layers"), restore_sidecar=restore_sidecar, bind_rule=bind_rule,
-    loss=MedusaLoss, cli=cli,
-    extra={"joint_training": True},  # Medusa-2: TrainConfig.joint trains a LoRA on the backbone too
-)
+    try:
+        return getattr(entry, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .. import lora_flags
-from ..draft_vocab import DRAFT_VOCAB_FROM, auto_draft_vocab, draft_vocab
+from ..draft_vocab_flags import DRAFT_VOCAB_FROM, auto_draft_vocab, draft_vocab
 
 LEARNING_RATE = 1e-2
 """``selfdraft train --kind medusa``'s default ``--lr``. At 1e-3 the heads were still far from

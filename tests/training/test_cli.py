@@ -302,7 +302,7 @@ def test_corpus_of_the_targets_own_outputs(model_dir, toy_target, tmp_path, caps
 def test_eagle_resume_with_the_automatic_draft_vocabulary(model_dir, tmp_path, capsys, monkeypatch):
     """``--draft-vocab-size auto`` is resolved against the target before the resume check, so a
     resumed run compares the same drafter; the adapter records the resolved size."""
-    from heads import draft_vocab
+    from heads import draft_vocab_flags as draft_vocab  # the flag and what auto resolves to
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     monkeypatch.setattr(draft_vocab, "DRAFT_VOCAB_FROM", 2)  # the toy vocabulary counts as large
@@ -325,7 +325,7 @@ def test_medusa_draft_vocabulary_flag(model_dir, tmp_path, capsys, monkeypatch):
     """``--draft-vocab-size`` (shared with EAGLE) gives Medusa heads a draft vocabulary: ``auto``
     from the target's size, ``full`` or ``--share-lm-head`` the whole vocabulary, a count that
     size; a count with ``--share-lm-head`` is refused before training."""
-    from heads import draft_vocab
+    from heads import draft_vocab_flags as draft_vocab  # the flag and what auto resolves to
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     data = _write_prompts(tmp_path / "prompts.jsonl", 12, seed=6)

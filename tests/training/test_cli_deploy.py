@@ -166,6 +166,14 @@ def test_train_records_held_out_tau_and_its_split(deep_model_dir, tmp_path, caps
     assert config["training"]["prompts"] == 18 and config["training"]["held_out_prompts"] == 2
 
 
+def test_check_says_how_the_recorded_tau_was_measured():
+    from training.commands.check import split_label
+
+    assert split_label({"tau": 2.0, "split": "held-out"}) == " (held-out prompts)"
+    assert split_label({"tau": 2.0, "split": "in-sample"}) == " (in-sample: training prompts)"
+    assert split_label({"tau": 2.0}) == ""  # adapters written before the label
+
+
 def test_eval_fraction_is_checked_before_loading(deep_model_dir, tmp_path, capsys, no_model_loading):
     data = _write_prompts(tmp_path / "prompts.jsonl", 4, seed=1)
     for extra, message in ((["--eval-fraction", "1"], "--eval-fraction must be a number >= 0 and < 1"),

@@ -24,6 +24,15 @@ def recorded_acceptance(acceptance: dict, data_path: str) -> tuple[str, dict] | 
     return greedy[0] if greedy else None
 
 
+def split_label(entry: dict) -> str:
+    """How the recorded tau was measured, for the report: ``" (held-out prompts)"``, ``" (in-sample:
+    training prompts)"``, ``" (--eval-data prompts)"``; adapters written before the label: nothing."""
+    labels = {"held-out": "held-out prompts", "in-sample": "in-sample: training prompts",
+              "eval-data": "--eval-data prompts"}
+    split = entry.get("split")
+    return f" ({labels.get(split, split)})" if split else ""
+
+
 def add_parser(commands) -> None:
     parser = commands.add_parser(
         "check", help="re-measure an adapter on a (possibly updated) target",
@@ -93,7 +102,8 @@ def run(args) -> int:
     target_line = ("not recorded (imported checkpoint)" if not pin.verifiable and not differences
                    else "matches" if not differences else "differs: " + "; ".join(differences))
     print(f"adapter {args.adapter} on {args.model}; recorded figures: "
-          f"{repr(mix) + ' mix' if mix else 'none'}; measured on {len(prompts)} prompts x {tokens} tokens")
+          f"{repr(mix) + ' mix' + split_label(entry) if mix else 'none'}; measured on {len(prompts)} prompts x "
+          f"{tokens} tokens")
     for name, before, after in _check_rows(entry, report, target_line, drop, args.threshold):
         print(f"{name:<24} {before:<28} {after}")
     passed = drop is not None and drop <= args.threshold and report.identical

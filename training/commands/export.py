@@ -12,7 +12,7 @@ SGLang's own EAGLE examples use 2-3 (a chain; deeper chains rarely pay for their
 
 
 def add_parser(commands) -> None:
-    from heads.interop import format_names
+    from heads.kinds import format_names  # the layouts' names, without torch
 
     parser = commands.add_parser(
         "export", help="write an adapter in another layout, or a folder ready for the Hugging Face hub",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from heads import _refuse_foreign_options, kinds
 
-from ..losses import DIVERGENCES
+from ..config import DIVERGENCES
 from .common import (
     Interrupted, UsageError, add_paragraphs_argument, check_input_file, check_int, check_model, check_number, check_output_directory,
     check_output_file, load_model, logger, read_prompts, require, write_json,
@@ -74,7 +74,7 @@ def add_parser(commands) -> None:
                     "save the adapter.",
     )
     parser.add_argument("--model", required=True, help="local Hugging Face model directory (or hub id)")
-    parser.add_argument("--kind", choices=kinds.trainable(), default="medusa", help="drafter kind")
+    parser.add_argument("--kind", choices=tuple(kinds.command_lines()), default="medusa", help="drafter kind")
     parser.add_argument("--for", dest="target_engine", choices=ENGINES, default=None,
                         help="where the adapter will be served: vllm or sglang (a configuration their loaders take, "
                              "e.g. EAGLE-3 layout and sequential drafting for --kind eagle; flags that contradict it "
@@ -93,7 +93,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--gradient-accumulation", type=int, default=1, help="micro-steps per optimizer step")
     parser.add_argument("--lr", type=float, default=None,
                         help="peak learning rate of AdamW (default: the kind's, " + ", ".join(
-                            f"{name} {default_learning_rate(name):g}" for name in kinds.trainable()) + ")")
+                            f"{name} {default_learning_rate(name):g}" for name in kinds.command_lines()) + ")")
     parser.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps before cosine decay")
     parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="fp32 or bf16 autocast")
     parser.add_argument("--divergence", choices=DIVERGENCES, default="fkl",
@@ -103,8 +103,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--jsd-beta", type=float, default=0.5,
                         help="--divergence jsd: weight of the target's distribution, in (0, 1) (default 0.5)")
     added: dict[str, argparse.Action] = {}
-    for name in kinds.trainable():
-        kinds.get(name).cli.add_arguments(_KindArguments(parser, added))
+    for cli in kinds.command_lines().values():
+        cli.add_arguments(_KindArguments(parser, added))
     parser.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="length of the target's continuation generated per prompt (distillation data)")
@@ -167,7 +167,7 @@ def default_learning_rate(kind: str) -> float:
     """``--lr`` when not given: the kind's ``cli.LEARNING_RATE`` (``TrainConfig``'s default when it has none)."""
     from ..config import TrainConfig
 
-    return getattr(kinds.get(kind).cli, "LEARNING_RATE", TrainConfig.learning_rate)
+    return getattr(kinds.command_lines()[kind], "LEARNING_RATE", TrainConfig.learning_rate)
 
 
 def train_config(args):
@@ -175,8 +175,8 @@ def train_config(args):
     from ..trainer import TrainConfig
 
     kind_fields = {}
-    for name in kinds.trainable():
-        kind_fields.update(kinds.get(name).cli.train_options(args))
+    for cli in kinds.command_lines().values():
+        kind_fields.update(cli.train_options(args))
     return TrainConfig(
         on_policy_ratio=_on_policy_ratio(args), on_policy_refresh=args.on_policy_refresh,
         on_policy_temperature=args.on_policy_temperature, on_policy_prompts=args.on_policy_prompts,
@@ -193,9 +193,9 @@ def drafter_options(args) -> dict:
     """The ``attach_heads`` options of ``--kind``, plus every other kind's flag that was given (not
     None), so that ``attach_heads`` refuses a flag of the wrong kind by name."""
     options = {}
-    for name in kinds.trainable():
-        options.update({key: value for key, value in kinds.get(name).cli.options(args).items() if value is not None})
-    options.update(kinds.get(args.kind).cli.options(args))
+    for cli in kinds.command_lines().values():
+        options.update({key: value for key, value in cli.options(args).items() if value is not None})
+    options.update(kinds.command_lines()[args.kind].options(args))
     return options
 
 
@@ -203,7 +203,7 @@ def resolved_options(args, model_config) -> dict:
     """:func:`drafter_options` with the options that depend on the target (e.g. EAGLE's
     ``--draft-vocab-size auto``) resolved against its config."""
     options = drafter_options(args)
-    target_options = getattr(kinds.get(args.kind).cli, "target_options", None)
+    target_options = getattr(kinds.command_lines()[args.kind], "target_options", None)
     if target_options is not None:
         options.update(target_options(args, int(model_config.get_text_config().vocab_size)))
     return options
@@ -294,7 +294,7 @@ def _recipe(args, config, prompts, accelerator, engine: str, held_out: int) -> d
 def resolve_engine(args, model_config) -> str:
     """``--for`` resolved by the kind (``cli.deploy``, which sets the flags not given to what the
     engine loads); a kind without engine formats keeps ``--for`` as given (``any`` by default)."""
-    deploy = getattr(kinds.get(args.kind).cli, "deploy", None)
+    deploy = getattr(kinds.command_lines()[args.kind], "deploy", None)
     if deploy is None:
         return args.target_engine or "any"
     try:
@@ -306,7 +306,7 @@ def resolve_engine(args, model_config) -> str:
 def export_line(args, engine: str, drafter: dict, model_config) -> str:
     """One line: the export formats (and the engines that load them) the drafter config ``drafter``
     will reach, and the engines it will not load in, with the first reason."""
-    cli = kinds.get(args.kind).cli
+    cli = kinds.command_lines()[args.kind]
     exports = getattr(cli, "exports", None)
     head = f"--for {engine}{'' if args.target_engine else ' (default)'}: this {args.kind} drafter"
     if exports is None:
