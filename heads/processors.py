@@ -155,15 +155,22 @@ def _ids(value) -> frozenset[int]:
 
 def custom_processors(processors, config, eos_token_ids, prompt_width: int) -> None:
     """Honour ``generate(logits_processor=...)``: each processor that one of :data:`FIELDS` builds is
-    written into ``config`` as that field (a custom processor takes precedence over the field's,
-    as in ``generate``); any other processor, or one whose parameters no field expresses, is a
-    NotImplementedError naming it. ``None`` and an empty list change nothing."""
+    written into ``config`` as that field (a custom processor replaces the field's processor of its
+    own class, as in ``generate``; minimum lengths of both classes combine into ``min_length``); any
+    other processor, or one whose parameters no field expresses, is a NotImplementedError naming it.
+    ``None`` and an empty list change nothing."""
     if processors is None:
         return
     if isinstance(processors, (str, bytes)) or not hasattr(processors, "__iter__"):
         raise TypeError(f"logits_processor must be a LogitsProcessorList (or a list of processors); got "
                         f"{type(processors).__name__}")
     eos = frozenset(eos_token_ids)
+    # generate's own minimum-length processors: MinLength at min_length (prompt + min_new_tokens when
+    # that is set), MinNewTokensLength at prompt + min_new_tokens; a custom one replaces its own kind only
+    minimum = {"length": (config.min_new_tokens + prompt_width if config.min_new_tokens is not None
+                          else config.min_length or 0),
+               "new": prompt_width + config.min_new_tokens if config.min_new_tokens is not None else 0}
+    custom_minimum = False
     for processor in processors:
         name = type(processor).__name__
         reason = None
@@ -174,11 +181,11 @@ def custom_processors(processors, config, eos_token_ids, prompt_width: int) -> N
         elif type(processor) is MinLengthLogitsProcessor:
             if _ids(processor.eos_token_id) != eos:
                 reason = "its eos ids differ from the call's eos_token_id; set min_length= instead"
-            config.min_length = int(processor.min_length)
+            minimum["length"], custom_minimum = int(processor.min_length), True
         elif type(processor) is MinNewTokensLengthLogitsProcessor:
             if _ids(processor.eos_token_id) != eos or processor.prompt_length_to_skip != prompt_width:
                 reason = "its eos ids or prompt length differ from the call's; set min_new_tokens= instead"
-            config.min_new_tokens = int(processor.min_new_tokens)
+            minimum["new"], custom_minimum = prompt_width + int(processor.min_new_tokens), True
         elif type(processor) is SuppressTokensAtBeginLogitsProcessor:
             if processor.begin_index != prompt_width:
                 reason = f"its begin_index is not the prompt width {prompt_width}; set begin_suppress_tokens= instead"
@@ -191,3 +198,5 @@ def custom_processors(processors, config, eos_token_ids, prompt_width: int) -> N
                       "model.generate")
         if reason is not None:
             raise NotImplementedError(f"logits_processor: {name} is not supported: {reason}")
+    if custom_minimum:  # both kinds ban the same eos ids: together, below the larger length
+        config.min_new_tokens, config.min_length = None, max(minimum.values())

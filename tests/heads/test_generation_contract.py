@@ -188,6 +188,23 @@ def test_a_logits_processor_list_of_known_processors_is_honoured(kind):
     assert torch.equal(spec.generate(prompt, max_new_tokens=12, logits_processor=processors), expected)
 
 
+@pytest.mark.parametrize("custom, options", [("length", dict(min_new_tokens=3)), ("new", dict(min_length=30)),
+                                             ("length", dict(min_length=22))])
+def test_custom_minimum_lengths_combine_with_the_fields_as_in_generate(custom, options):
+    """A custom processor replaces the field's processor of its own class only: a custom MinLength
+    with min_new_tokens set bans eos below both lengths, as ``generate`` does."""
+    from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+
+    model, spec = _spec()
+    prompt = _prompt()
+    eos = model.generation_config.eos_token_id = 40  # written at a length between 21 and 26: the bans decide
+    processor = (MinLengthLogitsProcessor(prompt.shape[1] + 8, [eos]) if custom == "length"
+                 else MinNewTokensLengthLogitsProcessor(prompt.shape[1], 8, [eos]))
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=16,
+                              logits_processor=[processor], **options)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=16, logits_processor=[processor], **options), expected)
+
+
 def test_other_logits_processors_and_prefix_functions_are_refused_by_name():
     from transformers.generation.logits_process import (
         LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
