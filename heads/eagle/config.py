@@ -146,6 +146,7 @@ class EagleConfig:
         _positive_int(self.siblings, "siblings", low=0)
         check_dynamic_size(self.depth, self.top_k, self.total_tokens, "EagleConfig")
         check_tree_size(self.parallel_tokens, "EagleConfig.parallel_tokens")
+        check_tree_size(self.siblings, "EagleConfig.siblings")
         if self.parallel_mode is None:
             self.parallel_mode = "mask"
         if self.parallel_mode not in PARALLEL_MODES:

@@ -50,6 +50,12 @@ def test_tree_sizes_beyond_the_bound_are_refused_by_name(kind):
     assert torch.equal(spec.generate(prompt, max_new_tokens=3), greedy_reference(model, prompt, 3))
 
 
+@pytest.mark.parametrize("field", ["parallel_tokens", "siblings", "depth"])
+def test_every_eagle_size_field_is_bounded(field):
+    with pytest.raises(InvalidTreeError, match=f"EagleConfig.{field}={BIG} asks for more"):
+        EagleConfig(**{field: BIG})
+
+
 def test_a_hybrid_lookup_budget_beyond_the_bound_is_refused():
     spec = heads.attach_heads(build_model("llama", seed=2), kind="medusa")
     with pytest.raises(InvalidTreeError, match="LookupConfig.budget"):
