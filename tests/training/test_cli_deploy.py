@@ -193,6 +193,13 @@ def _interrupt(monkeypatch):
     monkeypatch.setattr(DistillationTrainer, "train", interrupted)
 
 
+def _main_interrupted(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C left selfdraft train as a KeyboardInterrupt traceback")
+
+
 def test_ctrl_c_says_where_training_resumes_from(deep_model_dir, tmp_path, capsys, monkeypatch):
     data = _write_prompts(tmp_path / "prompts.jsonl", 8, seed=1)
     checkpoints = tmp_path / "checkpoints"
@@ -201,13 +208,13 @@ def test_ctrl_c_says_where_training_resumes_from(deep_model_dir, tmp_path, capsy
     capsys.readouterr()
     _interrupt(monkeypatch)
     argv = _args(deep_model_dir, data, tmp_path / "second", *saving, "--resume", kind="medusa", steps=4)
-    assert main(argv) == 130
+    assert _main_interrupted(argv) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert err.strip().splitlines()[-1] == (f"selfdraft train: interrupted: the latest checkpoint is "
                                             f"{checkpoints / 'step-0000004'}; run the same command again to "
                                             "continue from it")
-    assert main(_args(deep_model_dir, data, tmp_path / "third", kind="medusa")) == 130
+    assert _main_interrupted(_args(deep_model_dir, data, tmp_path / "third", kind="medusa")) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "selfdraft train: interrupted: no checkpoint was written; give --checkpoint-dir DIR --checkpoint-every N to "
         "make training resumable")
