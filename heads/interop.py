@@ -114,8 +114,7 @@ def check_export(adapter_dir: str | os.PathLike, fmt: str, options: ExportOption
                            f"{config['kind']!r} (use --format {' or '.join(other) or '(none: this kind has no export)'})")
     reasons = layout.refusals(config, fmt, options or ExportOptions()) if layout.refusals is not None else []
     if reasons:
-        raise AdapterError(f"{adapter_dir}: cannot export this {kind.name} drafter as {fmt!r} without changing what "
-                           "it predicts: " + "; ".join(reasons))
+        raise AdapterError(f"{adapter_dir}: cannot export this {kind.name} drafter as {fmt!r}: " + "; ".join(reasons))
     return config
 
 

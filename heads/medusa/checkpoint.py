@@ -94,6 +94,8 @@ def _identical_blocks(tensors: dict[str, torch.Tensor], num_heads: int, num_laye
 def medusa_refusals(config: dict, layout: str, options: ExportOptions | None = None) -> list[str]:
     """Why a Medusa adapter cannot be written as ``layout``, from its config alone."""
     drafter, reasons = config["drafter"], []
+    if options is not None and not options.fc_bias:
+        reasons.append("--no-fc-bias applies to --format eagle (EAGLE-1's fc); Medusa layouts have no fc")
     if layout != "medusa":
         return reasons
     if drafter.get("draft_vocab_size") is not None:

@@ -60,6 +60,7 @@ def _options(args, config: dict):
 
 def run(args) -> int:
     from heads.interop import check_export, export_adapter, export_file_names, serving, serving_text
+    from heads.kind import ExportOptions
     from ..publish import write_hub_folder
 
     check_input_directory(args.adapter, "--adapter")
@@ -72,12 +73,11 @@ def run(args) -> int:
     if not args.out:
         raise UsageError("--format needs --out DIR")
     check_int(args.num_speculative_tokens, "--num-speculative-tokens", 1, " (tokens drafted per step)")
-    if args.no_fc_bias and args.format != "eagle":
-        raise UsageError(f"--no-fc-bias applies to --format eagle (EAGLE-1's fc); got --format {args.format}")
     if args.model:
         check_model(args.model)
     check_output_directory(args.out, "--out", replaceable=export_file_names())
-    config = check_export(args.adapter, args.format)  # a kind/format mismatch is refused before any model loads
+    # a kind/format mismatch or an option the layout has no use for is refused before any model loads
+    config = check_export(args.adapter, args.format, ExportOptions(fc_bias=not args.no_fc_bias))
     options = _options(args, config)
     model = None
     if args.model:
