@@ -326,18 +326,22 @@ class SpeculativeModel:
             attention_mask = infer_attention_mask(self.backbone, input_ids, settings)
         attention_mask = attention_mask.to(input_ids.device).long()
         rule = rule.for_prompts(input_ids, attention_mask)  # a seeded rule keys its draws by prompt
-        planner = self.adaptive.planner(rule.key, rule.deterministic) if speculate == "auto" else None
         criteria = stopping(stopping_criteria, config, input_ids)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         with _evaluation(self.backbone), _evaluation(self.heads):
             drafter = self._bind(self._drafter, rule)
+            planner = self.adaptive.planner(rule.key, rule.deterministic, drafter) if speculate == "auto" else None
             decoder = SpeculativeDecoder(self.target, drafter, input_ids, settings.max_new_tokens,
                                          settings.eos_token_ids, rule, attention_mask, settings.pad_token_id,
                                          stop=criteria, on_commit=None if streamer is None else
                                          (lambda row, tokens: streamer.put(torch.tensor(tokens))), process=process,
                                          planner=planner)
-            output, stats = decoder.run()
+            try:
+                output, stats = decoder.run()
+            finally:
+                if planner is not None:
+                    planner.release()
         if streamer is not None:
             streamer.end()
         if planner is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -107,6 +107,19 @@ class Drafter(Protocol):
         order) stay in the batch."""
 
 
+@runtime_checkable
+class ModalDrafter(Protocol):
+    """A drafter that can draft a step in more than one way (e.g. EAGLE's sequential or parallel
+    depths, a hybrid with or without its trained drafter), each with its own cost and acceptance.
+    Checked once when a planner binds the drafter."""
+
+    modes: tuple[str, ...]
+    """The ways this drafter can draft a step."""
+
+    def use_mode(self, mode: str | None) -> None:
+        """Draft the next steps in ``mode`` (one of :attr:`modes`); None: as the drafter itself chooses."""
+
+
 class RowDrafter(Protocol):
     """Proposes one tree per step for one sequence (wrap in :class:`PerRowDrafter` for the loop)."""
 
@@ -168,7 +181,6 @@ class StepRecord:
         verify_seconds: the rest of the step: mask, target forward, acceptance, cache, commit.
         tokens: tokens committed over all rows (bonus tokens included).
         first_draft: this was the call's first ``propose`` (a drafter catching up on the prompt).
-        context: the mean committed length of the rows before the step (the cache the step attends to).
     """
 
     kind: str
@@ -178,7 +190,6 @@ class StepRecord:
     verify_seconds: float
     tokens: int
     first_draft: bool = False
-    context: int = 0
 
     @property
     def seconds(self) -> float:
@@ -402,7 +413,6 @@ class SpeculativeDecoder:
         trees = truncate_batch(trees, [self.max_new_tokens - 1 - len(self.outputs[row]) for row in self.rows])
         self._lap("tree")
         draft_seconds = self._stamp - started
-        context = int(self.lengths.float().mean()) if self.planner is not None else 0
         query_positions = self.lengths[:, None] + trees.depths  # (R, N)
         if trees.width == 1 and self.target.layout is None and self.cache.dense():
             # one query per row over a cache without holes: it sees every key, as in the backbone's
@@ -453,7 +463,7 @@ class SpeculativeDecoder:
         self._lap("cache")
         kind = "plain" if not draft else "drafted" if trees.width > 1 else "empty"
         record = StepRecord(kind, rows, trees.width, draft_seconds, self._stamp - started - draft_seconds,
-                            sum(counts), first_draft, context)
+                            sum(counts), first_draft)
         self.stats.steps.append(record)
         if self.planner is not None:
             # a step cut to the token budget renumbered its nodes: its acceptance says nothing of the plan

@@ -4,17 +4,17 @@ A row commits its accepted path plus one token, and the accepted path holds at m
 depth, so the expected accepted length of any tree is the sum over its nodes of the probability
 that the node is on the accepted path. The model keeps, per node index (node order: parents come
 before children, and drafters list better candidates first), how often the node existed in a row's
-tree and how often it was on the accepted path, with its mean depth. Which nodes exist is counted on the proposed trees,
-their acceptance on the verified ones (a cut hides the rest). A prefix of node order is
-itself a tree, and under a deterministic rule (greedy) a node of the prefix is accepted exactly
-when it is accepted in the whole tree, so every drafted step counts what each smaller prefix would
-have committed on the same text. Sampling rules are cut by depth instead (a cut that does not
-depend on the sampled candidates), whose expected length sums the nodes at or above the depth.
+proposed tree, how often it was verified and how often it was on the accepted path, with its mean
+depth. A prefix of node order is itself a tree, and under a deterministic rule (greedy) a node of
+the prefix is accepted exactly when it is accepted in the whole tree, so every drafted step counts
+what each smaller prefix would have committed on the same text. Sampling rules are cut by depth
+instead (a cut that does not depend on the sampled candidates), whose expected length sums the
+nodes at or above the depth.
 
 Evidence fades with a half-life counted in steps, plain steps included: after a stretch of plain
 steps the estimates are uncertain again and their upper confidence bound (what choices use) rises,
 so no tree size is locked out by a few early steps. The prior is the acceptance by depth the adapter
-recorded at save time (spread evenly over the nodes of each depth the first time they are seen).
+recorded at save time, spread evenly over the nodes of each depth the first time they are seen.
 """
 
 from __future__ import annotations
@@ -38,22 +38,26 @@ UNINFORMED = 0.5
 """Prior chance that a drafted token is accepted, given its parent was, when the adapter recorded no
 acceptance (lookup, untrained drafters): the accepted path reaches depth ``d`` with ``UNINFORMED ** d``."""
 
+_RESCALE = 1e-150  # the running weight is folded back into the counts below this (float64 range)
+
 
 class AcceptanceModel:
-    """Per-node acceptance under one acceptance rule and sampling setting (one per rule key).
+    """Per-node acceptance under one acceptance rule and sampling setting.
 
-    Counts are numpy arrays on the host (a step updates a few dozen entries; tensor calls would cost
-    more than the arithmetic)."""
+    Counts are numpy arrays on the host (a step touches a few dozen entries; tensor calls would cost
+    more than the arithmetic). Fading is a running weight: a step adds ``1 / scale`` and a count's
+    faded value is ``stored x scale``, so a step costs one multiplication, not one per array."""
 
     def __init__(self, prior_by_depth: Sequence[float] = ()) -> None:
         self.prior_by_depth = [float(rate) for rate in prior_by_depth]
-        self.exists = np.zeros(0)  # decayed rows whose proposed tree held node i
-        self.present = np.zeros(0)  # decayed rows that verified node i
-        self.on_path = np.zeros(0)  # decayed rows in which node i was accepted
+        self.exists = np.zeros(0)  # rows whose proposed tree held node i (stored, see scale)
+        self.present = np.zeros(0)  # rows that verified node i
+        self.on_path = np.zeros(0)  # rows in which node i was accepted
         self.depth_sum = np.zeros(0)
-        self.prior_on = np.zeros(0)  # prior pseudo-counts, spread per depth
+        self.prior_on = np.zeros(0)  # prior pseudo-counts (unfaded), spread per depth
         self.prior_seen = np.zeros(0)
-        self.rows = 0.0  # decayed rows of drafted steps
+        self.rows = 0.0  # rows of drafted steps (stored)
+        self.scale = 1.0  # faded value = stored x scale
         self.width = 0.0  # running mean of the proposed trees' width (padded, root included)
         self.steps = 0
         self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -68,61 +72,78 @@ class AcceptanceModel:
 
     def fade(self) -> None:
         """One step passed (any step): earlier evidence counts a little less."""
-        for array in (self.exists, self.present, self.on_path, self.depth_sum):
-            array *= self._decay
-        self.rows *= self._decay
+        self.scale *= self._decay
+        if self.scale < _RESCALE:
+            for array in (self.exists, self.present, self.on_path, self.depth_sum):
+                array *= self.scale
+            self.rows *= self.scale
+            self.scale = 1.0
         self._cache = None
 
-    def proposed(self, sizes: torch.Tensor, depths: torch.Tensor) -> None:
-        """The trees a drafter proposed this step, before any cut (``sizes`` ``[R]``, ``depths`` ``[R, N]``):
-        which nodes a row's tree holds and at what depth."""
-        rows, width = depths.shape
+    def proposed(self, trees) -> None:
+        """The trees a drafter proposed this step, before any cut (a ``TreeBatch``): which nodes a
+        row's tree holds and at what depth."""
+        rows, width = trees.rows, trees.width
         self._grow(width)
-        depths = depths.cpu().numpy()
-        exists = np.arange(width)[None, :] < sizes.cpu().numpy()[:, None]  # (R, N)
-        self._spread_prior(exists, depths)
-        self.exists[:width] += exists.sum(axis=0)
-        self.depth_sum[:width] += (exists * depths).sum(axis=0)
-        self.rows += rows
+        weight = 1.0 / self.scale
+        if trees.uniform:  # every row holds every node, at the same depths (a template's)
+            depths = trees.depths[0].numpy()
+            self.exists[:width] += rows * weight
+            self.depth_sum[:width] += (rows * weight) * depths
+            first = depths, None
+        else:
+            depths = trees.depths.numpy()
+            exists = np.arange(width)[None, :] < trees.sizes.numpy()[:, None]  # (R, N)
+            self.exists[:width] += weight * exists.sum(axis=0)
+            self.depth_sum[:width] += weight * (exists * depths).sum(axis=0)
+            first = depths[0], exists[0]
+        if self.prior_seen[width - 1] == 0 or (first[1] is not None and not self.prior_seen[:width][first[1]].all()):
+            self._spread_prior(*first)
+        self.rows += rows * weight
         self.width += (width - self.width) / min(self.steps + 1, HALF_LIFE)
         self.steps += 1
         self._cache = None
 
-    def observe(self, sizes: torch.Tensor, paths: torch.Tensor, lengths: torch.Tensor) -> None:
-        """The trees verified this step (``sizes`` ``[R]`` real nodes, a cut of the proposed ones) and
-        what was accepted (``paths`` ``[R, L]`` node indices, ``lengths`` ``[R]`` with the root)."""
-        sizes = sizes.cpu().numpy()
-        width = int(sizes.max())
+    def observe(self, trees, paths: torch.Tensor, lengths: torch.Tensor) -> None:
+        """The trees verified this step (a cut of the proposed ones) and what was accepted
+        (``paths`` ``[R, L]`` node indices, ``lengths`` ``[R]`` with the root)."""
+        width, weight = trees.width, 1.0 / self.scale
         self._grow(width)
-        self.present[:width] += np.bincount(sizes - 1, minlength=width)[::-1].cumsum()[::-1][:width]
-        paths, lengths = paths.cpu().numpy(), lengths.cpu().numpy()
-        accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
-        self.on_path[:width] += np.bincount(accepted, minlength=width)[:width]
+        if trees.uniform:
+            self.present[:width] += trees.rows * weight
+        else:
+            sizes = trees.sizes.numpy()
+            self.present[:width] += weight * np.bincount(sizes - 1, minlength=width)[::-1].cumsum()[::-1][:width]
+        paths, lengths = paths.numpy(), lengths.numpy()
+        if paths.shape[0] == 1:
+            self.on_path[paths[0, :lengths[0]]] += weight
+        else:
+            accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
+            self.on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
         self._cache = None
 
-    def _spread_prior(self, exists: np.ndarray, depths: np.ndarray) -> None:
-        """Give nodes seen for the first time their share of the prior acceptance of their depth."""
-        new = exists[0] & (self.prior_seen[:exists.shape[1]] == 0)
-        new[0] = False
-        if not new.any():
-            return
-        row = depths[0][exists[0]]
-        for index in np.flatnonzero(new).tolist():
-            depth = int(depths[0, index])
+    def _spread_prior(self, depths: np.ndarray, exists: np.ndarray | None) -> None:
+        """Give nodes of one row's tree seen for the first time their share of the prior acceptance
+        of their depth."""
+        real = np.ones(depths.size, dtype=bool) if exists is None else exists
+        for index in np.flatnonzero(real & (self.prior_seen[:depths.size] == 0)).tolist():
+            depth = int(depths[index])
+            if depth == 0:
+                continue
             reach = (self.prior_by_depth[depth - 1] if depth - 1 < len(self.prior_by_depth)
                      else 0.0 if self.prior_by_depth else UNINFORMED ** depth)
-            self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((row == depth).sum()))
+            self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths[real] == depth).sum()))
             self.prior_seen[index] = PRIOR_STEPS
 
     def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per node index: chance it exists in a row's tree, its optimistic acceptance, its mean depth."""
         if self._cache is None:
-            seen = self.present + self.prior_seen
-            rate = (self.on_path + self.prior_on) / np.maximum(seen, 1e-9)
+            seen = self.present * self.scale + self.prior_seen
+            rate = (self.on_path * self.scale + self.prior_on) / np.maximum(seen, 1e-9)
             spread = np.maximum(rate * (1 - rate), 0.01) / (seen + 1)
             optimistic = np.minimum(rate + CONFIDENCE * np.sqrt(spread), 1.0)
-            exists = np.minimum(self.exists / max(self.rows, 1e-9), 1.0)
-            depth = self.depth_sum / np.maximum(self.exists, 1e-9)
+            exists = np.minimum(self.exists / max(self.rows, 1e-300), 1.0)
+            depth = self.depth_sum / np.maximum(self.exists, 1e-300)
             if optimistic.size:
                 optimistic[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
             self._cache = (exists, optimistic, depth)
@@ -138,11 +159,10 @@ class AcceptanceModel:
         ``rows`` such trees."""
         exists, optimistic, _ = self._estimates()
         count = min(width, exists.size)
-        gain = np.zeros(width)
-        padded = np.ones(width)
+        gain, padded = np.zeros(width), np.ones(width)
         if count > 1:
             gain[:count] = np.cumsum(exists[:count] * optimistic[:count])
-            padded[:count] += np.cumsum(1.0 - (1.0 - exists[:count]) ** rows)
+            padded[:count] += np.cumsum(exists[:count] if rows == 1 else 1.0 - (1.0 - exists[:count]) ** rows)
             gain[count:], padded[count:] = gain[count - 1], padded[count - 1]
         return gain, padded
 

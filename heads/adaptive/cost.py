@@ -36,7 +36,7 @@ class RunningMean:
 
 def rows_bucket(rows: int) -> int:
     """The power of two at or below ``rows`` (rows >= 1)."""
-    return 1 << (max(1, rows).bit_length() - 1)
+    return 1 << (rows.bit_length() - 1) if rows > 0 else 1
 
 
 class CostCurve:
@@ -44,17 +44,25 @@ class CostCurve:
 
     def __init__(self) -> None:
         self.verify: dict[int, dict[int, RunningMean]] = {}
-        self.drafting: dict[int, RunningMean] = {}
-        self.first_drafting: dict[int, RunningMean] = {}
-        self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per bucket: log2 widths, seconds
+        self.drafting: dict[str | None, dict[int, RunningMean]] = {}  # per drafting mode, per rows bucket
+        self.first_drafting: dict[str | None, dict[int, RunningMean]] = {}
+        self._curves: dict[int, tuple] = {}  # per bucket: log2 widths, seconds, width -> index
 
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
         bucket = rows_bucket(rows)
-        self.verify.setdefault(bucket, {}).setdefault(width, RunningMean()).add(seconds)
-        self._curves.pop(bucket, None)
+        table = self.verify.setdefault(bucket, {})
+        mean = table.get(width)
+        if mean is None:
+            mean = table[width] = RunningMean()
+            self._curves.pop(bucket, None)
+        mean.add(seconds)
+        curve = self._curves.get(bucket)
+        if curve is not None:  # keep the interpolation table in step (widths unchanged)
+            curve[1][curve[2][width]] = mean.value
 
-    def observe_draft(self, rows: int, seconds: float, first: bool) -> None:
-        table = self.first_drafting if first else self.drafting
+    def observe_draft(self, rows: int, seconds: float, first: bool, mode: str | None = None) -> None:
+        """A drafting step's seconds (``first``: a request's first ``propose``, kept apart)."""
+        table = (self.first_drafting if first else self.drafting).setdefault(mode, {})
         table.setdefault(rows_bucket(rows), RunningMean()).add(seconds)
 
     def _table(self, rows: int, tables: dict) -> object | None:
@@ -82,23 +90,26 @@ class CostCurve:
         if curve is None:
             table = self.verify[bucket]
             measured = sorted(table)
-            curve = self._curves[bucket] = (np.log2(measured), np.array([table[width].value for width in measured]))
-        return np.interp(np.log2(np.maximum(widths, 1)), *curve)
+            curve = self._curves[bucket] = (np.log2(measured), np.array([table[width].value for width in measured]),
+                                            {width: index for index, width in enumerate(measured)})
+        return np.interp(np.log2(np.maximum(widths, 1.0)), curve[0], curve[1])
 
     def verify_seconds(self, rows: int, width: int) -> float | None:
         """:meth:`verify_curve` for one width."""
         curve = self.verify_curve(rows, np.array([width]))
         return None if curve is None else float(curve[0])
 
-    def draft_seconds(self, rows: int) -> float:
-        """Predicted seconds of one steady drafting step over ``rows`` rows (0 before any is timed)."""
-        table = self._table(rows, self.drafting)
+    def draft_seconds(self, rows: int, mode: str | None = None) -> float:
+        """Predicted seconds of one steady drafting step in ``mode`` over ``rows`` rows (0 before
+        any is timed: optimistic, so the mode gets tried)."""
+        table = self._table(rows, self.drafting.get(mode, {}))
         return 0.0 if table is None else table.value
 
     def summary(self) -> dict:
         """Measured costs in milliseconds, for ``last_stats.speculation``."""
         return {"verify_ms": {bucket: {width: round(1e3 * mean.value, 3) for width, mean in sorted(table.items())}
                               for bucket, table in sorted(self.verify.items())},
-                "draft_ms": {bucket: round(1e3 * mean.value, 3) for bucket, mean in sorted(self.drafting.items())},
-                "first_draft_ms": {bucket: round(1e3 * mean.value, 3)
-                                   for bucket, mean in sorted(self.first_drafting.items())}}
+                "draft_ms": {str(mode): {bucket: round(1e3 * mean.value, 3) for bucket, mean in sorted(table.items())}
+                             for mode, table in self.drafting.items()},
+                "first_draft_ms": {str(mode): {bucket: round(1e3 * mean.value, 3) for bucket, mean in sorted(table.items())}
+                                   for mode, table in self.first_drafting.items()}}

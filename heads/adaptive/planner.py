@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tree_attention.decode import StepRecord
+from tree_attention.decode import ModalDrafter, StepRecord
 from tree_attention.tree import TreeBatch, prefix_batch, truncate_batch
 
 from .acceptance import AcceptanceModel
@@ -44,6 +44,8 @@ class Choice:
     seconds: float | None = None
     plain_seconds: float | None = None
     reason: str = ""
+    mode: str | None = None
+    """The drafting mode (a :class:`~tree_attention.decode.ModalDrafter`'s), None for other drafters."""
 
     @property
     def speedup(self) -> float | None:
@@ -59,19 +61,21 @@ class CallSummary:
 
     steps: dict[str, int] = field(default_factory=lambda: {"plain": 0, "empty": 0, "drafted": 0})
     cuts: dict[int, int] = field(default_factory=dict)  # verified width -> drafted steps
+    modes: dict[str, int] = field(default_factory=dict)  # drafting mode -> steps that drafted in it
     reasons: dict[str, int] = field(default_factory=dict)
     last: Choice | None = None
 
     def as_dict(self, adaptive: "Adaptive", key: str) -> dict:
-        model = adaptive.models.get(key)
+        models = {mode or "": model for (rule, mode), model in adaptive.models.items() if rule == key}
         return {"auto": True, "rule": key, "steps": dict(self.steps), "verified_widths": dict(sorted(self.cuts.items())),
-                "reasons": dict(self.reasons),
+                "modes": dict(self.modes), "reasons": dict(self.reasons),
                 "last_choice": None if self.last is None else {
                     "draft": self.last.draft, "nodes": self.last.nodes, "depth": self.last.depth,
                     "expected_tokens": round(self.last.expected_tokens, 3),
                     "predicted_speedup": None if self.last.speedup is None else round(self.last.speedup, 3),
-                    "reason": self.last.reason},
-                "acceptance": None if model is None else model.summary(), "costs": adaptive.costs.summary()}
+                    "mode": self.last.mode, "reason": self.last.reason},
+                "acceptance": {mode: model.summary() for mode, model in models.items()},
+                "costs": adaptive.costs.summary()}
 
 
 class Adaptive:
@@ -80,69 +84,101 @@ class Adaptive:
 
     def __init__(self, prior_by_depth: list[float] | None = None) -> None:
         self.costs = CostCurve()
-        self.models: dict[str, AcceptanceModel] = {}
+        self.models: dict[tuple[str, str | None], AcceptanceModel] = {}
         self.prior_by_depth = list(prior_by_depth or ())
 
-    def model(self, key: str) -> AcceptanceModel:
-        if key not in self.models:
-            self.models[key] = AcceptanceModel(self.prior_by_depth)
-        return self.models[key]
+    def model(self, key: str, mode: str | None = None) -> AcceptanceModel:
+        """The acceptance model of rule ``key`` and drafting ``mode``."""
+        if (key, mode) not in self.models:
+            self.models[(key, mode)] = AcceptanceModel(self.prior_by_depth)
+        return self.models[(key, mode)]
 
-    def planner(self, key: str, deterministic: bool) -> "CallPlanner":
-        """The planner of one call under the rule ``key`` (``deterministic``: any cut is lossless)."""
-        return CallPlanner(self, key, deterministic)
+    def planner(self, key: str, deterministic: bool, drafter=None) -> "CallPlanner":
+        """The planner of one call under the rule ``key`` (``deterministic``: any cut is lossless)
+        for ``drafter`` (a :class:`~tree_attention.decode.ModalDrafter` gets its mode chosen per step)."""
+        return CallPlanner(self, key, deterministic, drafter)
 
 
 class CallPlanner:
     """The :class:`tree_attention.decode.Planner` of one ``generate`` call."""
 
-    def __init__(self, adaptive: Adaptive, key: str, deterministic: bool) -> None:
+    def __init__(self, adaptive: Adaptive, key: str, deterministic: bool, drafter=None) -> None:
         self.adaptive, self.key, self.deterministic = adaptive, key, deterministic
-        self.costs, self.acceptance = adaptive.costs, adaptive.model(key)
+        self.costs = adaptive.costs
+        self.modal = drafter if isinstance(drafter, ModalDrafter) else None
+        self.modes: tuple[str | None, ...] = (None,) if self.modal is None else tuple(self.modal.modes)
+        self.acceptance = adaptive.model(key, self.modes[0])
         self.summary = CallSummary()
         self.choice: Choice | None = None
+        self.planned_width = 0  # the proposed width the last plan assumed
+        self._cuts: dict[int, np.ndarray] = {}  # per proposed width: the node-prefix cuts compared
+
+    def _options(self, acceptance: AcceptanceModel, rows: int) -> tuple[np.ndarray, list, np.ndarray, np.ndarray] | None:
+        """The cuts a step may take before drafting: (nodes ``[C]``, depth cut or None per option,
+        expected drafted tokens a row accepts ``[C]``, expected padded width ``[C]``)."""
+        if self.deterministic:
+            width = max(2, round(acceptance.width))
+            nodes = self._cuts.get(width)
+            if nodes is None:
+                nodes = self._cuts[width] = np.array([cut for cut in (*CUTS, width) if cut <= width])
+            gains, padded = acceptance.prefix_gains(width, rows)
+            return nodes, [None] * nodes.size, gains[nodes - 1], padded[nodes - 1]
+        cuts = acceptance.depth_cuts()
+        if not cuts:
+            return None
+        widths = np.array([width for _, _, width in cuts])
+        return widths, [depth for depth, _, _ in cuts], np.array([gain for _, gain, _ in cuts]), widths
 
     def _plan(self, rows: int) -> Choice:
-        if not self.costs.knows_plain(rows) and self.acceptance.known:
+        models = [(mode, self.adaptive.model(self.key, mode)) for mode in self.modes]
+        for mode, model in models:
+            if not model.known:
+                return Choice(True, nodes=0, reason="drafter not measured yet: draft and measure", mode=mode)
+        if not self.costs.knows_plain(rows):
             return Choice(False, reason="time a plain step")
         plain = self.costs.verify_seconds(rows, 1)
-        if plain is None or not self.acceptance.known:
-            return Choice(True, nodes=0, reason="nothing measured yet: draft and measure")
-        if self.deterministic:
-            width = max(2, round(self.acceptance.width))
-            gains, padded = self.acceptance.prefix_gains(width, rows)
-            nodes = np.array([cut for cut in (*CUTS, width) if cut <= width])
-            gains, padded, depths = gains[nodes - 1], padded[nodes - 1], [None] * nodes.size
-        else:
-            cuts = self.acceptance.depth_cuts()
-            if not cuts:
-                return Choice(True, nodes=0, reason="no tree seen yet under this rule: draft and measure")
-            depths = [depth for depth, _, _ in cuts]
-            gains = np.array([gain for _, gain, _ in cuts])
-            nodes = padded = np.array([width for _, _, width in cuts])
-        seconds = self.costs.draft_seconds(rows) + self.costs.verify_curve(rows, np.rint(padded))
-        rates = (1.0 + gains) / np.maximum(seconds, 1e-9)
-        best = int(np.argmax(rates))
-        if rates[best] * plain <= 1.0:
-            return Choice(False, expected_tokens=1.0, seconds=plain, plain_seconds=plain, reason="plain is fastest")
-        return Choice(True, int(nodes[best]), depths[best], 1.0 + float(gains[best]), float(seconds[best]), plain,
-                      "drafting pays")
+        best, best_rate = Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest"), 1.0 / plain
+        for mode, model in models:
+            options = self._options(model, rows)
+            if options is None:
+                return Choice(True, nodes=0, reason="no tree seen yet under this rule: draft and measure", mode=mode)
+            nodes, depths, gains, padded = options
+            seconds = self.costs.draft_seconds(rows, mode) + self.costs.verify_curve(rows, np.rint(padded))
+            rates = (1.0 + gains) / np.maximum(seconds, 1e-9)
+            index = int(rates.argmax())
+            if rates[index] > best_rate:
+                best_rate = float(rates[index])
+                best = Choice(True, int(nodes[index]), depths[index], 1.0 + float(gains[index]), float(seconds[index]),
+                              plain, "drafting pays", mode)
+                self.planned_width = max(2, round(model.width))
+        return best
+
+    def release(self) -> None:
+        """The call is over: a modal drafter chooses its own mode again (``speculate=None`` calls)."""
+        if self.modal is not None:
+            self.modal.use_mode(None)
 
     # -- the Planner protocol -----------------------------------------------------------------
 
     def draft(self, rows: int) -> bool:
         self.choice = self._plan(rows)
+        if self.choice.draft:
+            self.acceptance = self.adaptive.model(self.key, self.choice.mode)
+            if self.modal is not None:
+                self.modal.use_mode(self.choice.mode)
         self.summary.reasons[self.choice.reason] = self.summary.reasons.get(self.choice.reason, 0) + 1
         self.summary.last = self.choice
         return self.choice.draft
 
     def trim(self, trees: TreeBatch) -> TreeBatch:
-        self.acceptance.proposed(trees.sizes, trees.depths)
+        self.acceptance.proposed(trees)
         choice = self.choice
         if choice is None or not choice.nodes:  # nothing measured yet: verify the whole trees
             return trees
         if not self.deterministic:
             return trees if choice.depth is None else truncate_batch(trees, [choice.depth] * trees.rows)
+        if trees.uniform and trees.width == self.planned_width:  # the plan saw this very shape
+            return prefix_batch(trees, choice.nodes)
         return self._best_prefix(trees)
 
     def _best_prefix(self, trees: TreeBatch) -> TreeBatch:
@@ -161,12 +197,17 @@ class CallPlanner:
 
     def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
                 lengths: torch.Tensor) -> None:
-        self.costs.observe_verify(record.rows, record.width, record.verify_seconds)
+        if not record.first_draft:  # (the call's first tree step also builds the cache's deferred bookkeeping)
+            self.costs.observe_verify(record.rows, record.width, record.verify_seconds)
+        mode = self.choice.mode if self.choice is not None else None
         if record.kind != "plain":
-            self.costs.observe_draft(record.rows, record.draft_seconds, record.first_draft)
-        self.acceptance.fade()
+            self.costs.observe_draft(record.rows, record.draft_seconds, record.first_draft, mode)
+        for other in self.modes:
+            self.adaptive.model(self.key, other).fade()
         if record.kind == "drafted" and trees is not None:
-            self.acceptance.observe(trees.sizes, paths, lengths)
+            self.acceptance.observe(trees, paths, lengths)
+        if record.kind == "drafted" and mode is not None:
+            self.summary.modes[mode] = self.summary.modes.get(mode, 0) + 1
         self.summary.steps[record.kind] += 1
         if record.kind == "drafted":
             self.summary.cuts[record.width] = self.summary.cuts.get(record.width, 0) + 1

@@ -304,7 +304,17 @@ class SwitchingEagleDrafter:
         self._call: SampledCall | None = None  # the sampled call in progress
         self._last: tuple[str, bool] | None = None  # the last step's mode, and whether it goes unmeasured
         self._started: float | None = None  # when the last step's propose began
+        self._forced: str | None = None  # the mode a planner asked for (use_mode), None: choose here
         self.reset(1)
+
+    modes = MODES
+
+    def use_mode(self, mode: str | None) -> None:
+        """Draft the next steps in ``mode`` (``speculate="auto"`` chooses per step); None: this
+        drafter's own choice again."""
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} or None; got {mode!r}")
+        self._forced = mode
 
     @staticmethod
     def _share(source, target) -> None:
@@ -338,6 +348,8 @@ class SwitchingEagleDrafter:
         self._started = None  # the next batch's lengths no longer match the last step's rows
 
     def _mode(self, batch: DraftBatch) -> str:
+        if self._forced is not None:
+            return self._forced if self.sequential.total_tokens else "sequential"
         if not self.choosing and self.call_choice is not None and self.sequential.total_tokens:
             now = time.perf_counter()
             call = self._call

@@ -84,6 +84,18 @@ class HybridDrafter:
         self._last = None  # the last step: (alone: True, False, or None for the roots alone; keys, proposals, trees)
         self._returned: float | None = None  # when the last propose returned
         self._started: float | None = None  # when the last propose started
+        self._forced: str | None = None  # the mode a planner asked for (use_mode), None: the gate's
+
+    modes = ("merged", "lookup")
+    """``merged``: the trained drafter's tree with lookup's proposals merged in; ``lookup``: lookup's
+    proposals alone (the trained drafter skipped, its entries kept for the next merged step)."""
+
+    def use_mode(self, mode: str | None) -> None:
+        """Draft the next steps in ``mode`` (``speculate="auto"`` chooses per step); None: the gate's
+        choice again (where gating)."""
+        if mode is not None and mode not in self.modes:
+            raise ValueError(f"mode must be one of {self.modes} or None; got {mode!r}")
+        self._forced = mode
 
     def reset(self, batch_size: int) -> None:
         self.base.reset(batch_size)
@@ -121,7 +133,7 @@ class HybridDrafter:
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> TreeBatch:
-        gate = self.gate if self.gating else None
+        gate = self.gate if self.gating and self._forced is None else None
         started = time.perf_counter()
         host = self.lookup.host(batch)
         if gate is not None:
@@ -133,22 +145,22 @@ class HybridDrafter:
             keys = [match_class(proposal) for proposal in proposals]
             looked = time.perf_counter()
             gate.timed("lookup_seconds", looked - started)
-            if gate.lookup_alone(keys):  # (found nothing: the roots alone, a plain step)
-                # a drafter that keeps nothing between steps (``stateless``) needs the latest entries only
-                stateless = getattr(self.base, "stateless", False)
-                if stateless:
-                    self._unseen = [batch]
-                else:
-                    self._unseen.append(batch)  # (joined once, when the base runs)
-                trees = self.lookup.as_trees(batch, proposals)
-                if found:
-                    gate.lookup_steps += 1
-                else:
-                    gate.root_steps += 1
+            started = looked
+        if self._forced == "lookup" or (gate is not None and gate.lookup_alone(keys)):
+            # lookup alone (where it found nothing: the roots alone, a plain step); a drafter that
+            # keeps nothing between steps (``stateless``) needs the latest entries only
+            stateless = getattr(self.base, "stateless", False)
+            if stateless:
+                self._unseen = [batch]
+            else:
+                self._unseen.append(batch)  # (joined once, when the base runs)
+            trees = self.lookup.as_trees(batch, proposals)
+            if gate is not None:
+                gate.lookup_steps += found
+                gate.root_steps += not found
                 self._last = (True if found else None, keys, proposals, trees)
                 self._returned = time.perf_counter()
-                return trees
-            started = looked
+            return trees
         if self._unseen:
             batch, self._unseen = joined(self._unseen + [batch]), []
         trees = self.base.propose(batch)

@@ -1,0 +1,145 @@
+"""``speculate="auto"`` (heads/adaptive): the cost curve, calibrated acceptance, the per-step
+planner, and outputs identical to ``generate`` whatever it decides."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import heads
+from heads.adaptive import AcceptanceModel, Adaptive, CostCurve, recorded_acceptance
+from tests.conftest import build_model, left_pad, random_prompt
+from tree_attention.decode import PerRowDrafter, SpeculativeDecoder
+from tree_attention.tree import TreeBatch, from_choices, prefix_batch
+
+
+def test_cost_curve_interpolates_in_log_width_and_keeps_buckets_apart():
+    costs = CostCurve()
+    assert costs.verify_seconds(1, 4) is None and costs.draft_seconds(1) == 0.0
+    costs.observe_verify(1, 1, 1.0)
+    costs.observe_verify(1, 16, 3.0)
+    assert costs.verify_seconds(1, 4) == pytest.approx(2.0)  # halfway in log2 width
+    assert costs.verify_seconds(1, 64) == pytest.approx(3.0)  # past the widest: its cost
+    costs.observe_verify(5, 1, 10.0)  # rows 4..7 share a bucket, apart from batch 1
+    assert costs.verify_seconds(4, 1) == pytest.approx(10.0) and costs.verify_seconds(1, 1) == pytest.approx(1.0)
+    assert costs.verify_seconds(16, 1) == pytest.approx(10.0)  # an unseen bucket borrows the nearest
+    costs.observe_draft(1, 5.0, first=True)  # a request's first propose is kept apart
+    costs.observe_draft(1, 0.5, first=False)
+    assert costs.draft_seconds(1) == pytest.approx(0.5)
+
+
+def _chain_batch(width: int) -> TreeBatch:
+    template = from_choices([(0,) * depth for depth in range(1, width)])
+    return TreeBatch.from_template(template, torch.zeros(1, width, dtype=torch.long))
+
+
+def test_acceptance_counts_what_each_prefix_would_have_accepted():
+    model = AcceptanceModel()
+    trees = _chain_batch(5)  # root + 4 drafted nodes in a chain
+    for accepted in [3, 3, 1, 3]:  # accepted path lengths (drafted nodes)
+        model.proposed(trees)
+        model.observe(trees, torch.arange(accepted + 1)[None], torch.tensor([accepted + 1]))
+    exists, optimistic, depth = model._estimates()
+    assert list(depth[1:5]) == [1, 2, 3, 4] and list(exists[1:5]) == [1, 1, 1, 1]
+    rates = (model.on_path * model.scale + model.prior_on) / (model.present * model.scale + model.prior_seen)
+    assert rates[1] > rates[2] > rates[4]  # node 1 always accepted, node 4 never
+    gains, _ = model.prefix_gains(5, 1)
+    assert np.all(np.diff(gains) >= 0) and gains[0] == 0.0
+    cut = prefix_batch(trees, 3)  # a cut hides nodes 3-4: their acceptance is not counted as failures
+    before = model.present[4]
+    model.proposed(trees)
+    model.observe(cut, torch.arange(3)[None], torch.tensor([3]))
+    assert model.present[4] == before
+
+
+def test_fading_reopens_a_question_after_plain_steps():
+    model = AcceptanceModel()
+    trees = _chain_batch(3)
+    for _ in range(8):  # node 1 rejected 8 times
+        model.proposed(trees)
+        model.observe(trees, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+    low = model._estimates()[1][1]
+    for _ in range(200):  # plain steps: no evidence, old evidence fades
+        model.fade()
+    assert model._estimates()[1][1] > low + 0.2
+
+
+def test_recorded_acceptance_is_the_mean_over_mixes():
+    assert recorded_acceptance({"a": {"acceptance_by_position": [0.8, 0.4]},
+                                "b": {"acceptance_by_position": [0.6]}}) == pytest.approx([0.7, 0.4])
+    assert recorded_acceptance({}) == []
+
+
+class SlowStarter:
+    """Knows the greedy continuation. The first propose of every request sleeps ``first_seconds``
+    and its first ``bad_steps`` proposals are wrong; then it proposes the true continuation, a
+    chain of ``depth``: the drafter that once locked ``auto`` into plain decoding for good."""
+
+    def __init__(self, continuation: list[int], depth: int, first_seconds: float, bad_steps: int) -> None:
+        self.continuation, self.depth = continuation, depth
+        self.first_seconds, self.bad_steps = first_seconds, bad_steps
+        self.template = from_choices([(0,) * level for level in range(1, depth + 1)])
+
+    def reset(self):
+        self.position, self.calls = -1, 0
+
+    def propose(self, features, tokens, root):
+        self.position += 1 if self.position < 0 else tokens.shape[1]
+        if self.calls == 0:
+            time.sleep(self.first_seconds)
+        wrong = self.calls < self.bad_steps
+        self.calls += 1
+        nodes = [root] + [(self.continuation[index] + wrong) % 97 if index < len(self.continuation) else 0
+                          for index in range(self.position + 1, self.position + 1 + self.depth)]
+        return self.template.with_tokens(torch.tensor(nodes))
+
+
+def test_a_slow_and_poor_start_of_every_request_does_not_lock_auto_into_plain():
+    model = build_model("llama", seed=3)
+    spec = heads.attach_heads(model, kind="medusa")  # only for its target view
+    adaptive = Adaptive()
+    taus = []
+    for call in range(6):
+        prompt = random_prompt(8, seed=call)
+        expected = model.generate(prompt, max_new_tokens=60, do_sample=False)
+        continuation = expected[0, prompt.shape[1]:].tolist()
+        drafter = PerRowDrafter([SlowStarter(continuation, depth=4, first_seconds=0.05, bad_steps=3)])
+        planner = adaptive.planner("greedy", True, drafter)
+        with torch.no_grad():
+            output, stats = SpeculativeDecoder(spec.target, drafter, prompt, 60, planner=planner).run()
+        assert torch.equal(output, expected)
+        taus.append(stats.tau)
+    kinds = [step.kind for step in stats.steps]
+    assert kinds.count("drafted") > 0.7 * len(kinds), kinds
+    assert min(taus[1:]) > 2.5, taus
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "lookup", "hybrid"])
+def test_auto_is_token_identical_on_batches(name, kind):
+    model = build_model(name, seed=5)
+    spec = heads.attach_heads(model, kind="medusa" if kind == "hybrid" else kind)
+    if kind == "hybrid":
+        spec.set_lookup(True)
+    ids, mask = left_pad([random_prompt(length, seed=length) for length in (4, 9, 6)])
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    for _ in range(3):  # the planner learns across calls; any cut it takes is lossless
+        assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=24, speculate="auto"), expected)
+    speculation = spec.last_stats.speculation
+    assert speculation["auto"] and sum(speculation["steps"].values()) == len(spec.last_stats.steps)
+
+
+def test_a_modal_drafter_gets_its_mode_per_step_and_back_after_the_call():
+    model = build_model("llama", seed=7)
+    spec = heads.attach_heads(model, kind="medusa")
+    spec.set_lookup(True)
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+    expected = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    for _ in range(4):
+        assert torch.equal(spec.generate(prompt, max_new_tokens=30, speculate="auto"), expected)
+    speculation = spec.last_stats.speculation
+    assert set(speculation["acceptance"]) == {"merged", "lookup"}  # one acceptance model per mode
+    assert spec.drafter._forced is None  # a speculate=None call drafts as the drafter itself chooses
