@@ -25,7 +25,8 @@ TOKEN_WEIGHT = 1.0
 dominates and top-1 agreement, what acceptance counts, lags (stories260K at lr 1e-2: 0.72 at 0.1,
 0.77 at 0.3, 0.78 at 1.0 and 3.0, deeper steps best at 0.3-1.0)."""
 PARALLEL = 4
-"""``selfdraft train --kind eagle``'s default ``--parallel``, with ``--drafting auto``: the drafter also
+"""``selfdraft train --kind eagle --for hf``'s default ``--parallel`` (engines load sequential drafters:
+see :func:`deploy`), with ``--drafting auto``: the drafter also
 learns three Medusa-style heads for depths 2-4 (``--parallel-mode heads``), and greedy serving
 drafts each step sequentially or in parallel, whichever commits more tokens per second on the machine
 and traffic (:mod:`heads.eagle.switch`). The drafter itself trains exactly as a sequential drafter's
@@ -58,12 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"count, full, or auto (default: a quarter of the vocabulary from {DRAFT_VOCAB_FROM} "
                             "tokens up, all of it below; full with --eagle-layout eagle1)")
     group.add_argument("--eagle-layout", choices=LAYOUTS, default=None,
-                       help="drafter architecture: native (default; selfdraft's, any family), eagle1 (the EAGLE-1 "
-                            "layer, exportable with --format eagle) or eagle3 (the EAGLE-3 midlayer, needs three "
-                            "--feature-layers, exportable with --format eagle3); Llama-family targets only")
+                       help="drafter architecture: native (selfdraft's, any family; the default with --for hf), "
+                            "eagle1 (the EAGLE-1 layer, exportable with --format eagle) or eagle3 (the EAGLE-3 "
+                            "midlayer fusing three --feature-layers, exportable with --format eagle3 and speculators; "
+                            "the default with --for any/vllm/sglang); eagle1 and eagle3: Llama-family targets only")
     group.add_argument("--parallel", type=int, default=None,
                        help=f"depths drafted from one drafter forward per step (see --parallel-mode; "
-                            f"default {PARALLEL} with --drafting auto; 1: sequential EAGLE only, one forward per "
+                            f"default {PARALLEL} with --for hf and --drafting auto, 1 for engines; 1: sequential "
+                            "EAGLE only, one forward per "
                             "tree level). K > 1 drafts a static "
                             "top-k tree of min(depth, K) levels from one forward per step")
     group.add_argument("--drafting", choices=DRAFTING_MODES, default=None,
