@@ -99,15 +99,29 @@ def perturbed_argmax(warped: torch.Tensor, keys: torch.Tensor, positions: torch.
 
     The noise is evaluated in float64 and only where it can win (the support), so the result does
     not depend on how many rows are computed together."""
+    return perturbed_top_k(warped, keys, positions, 1)[..., 0]
+
+
+def perturbed_top_k(warped: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` tokens with the largest ``warped + G(keys, positions, .)`` per row, best first
+    (``[..., count]`` long; shapes as :func:`perturbed_argmax`). The first is the Gumbel-max draw of
+    ``softmax(warped)``; all ``count`` are a draw without replacement from it (Gumbel-top-k).
+
+    For a drafter this is *coupled* drafting: its candidates for the token at ``positions``, taken
+    with the noise the target draws that token with, contain the target's draw with probability
+    ``P(argmax(w_p + G) in top_count(w_q + G))``, which tends to 1 as the draft's distribution ``q``
+    nears the target's ``p`` (independent draws from ``q`` reach only about ``sum_v p(v) q(v)``).
+    Past a row's support (fewer finite entries than ``count``) the remaining tokens are arbitrary
+    tokens outside it, which no draw ever picks."""
     vocab = warped.shape[-1]
     scores = warped.double()
     support = int(torch.isfinite(scores).sum(dim=-1).max()) if scores.numel() else 0
-    if 0 < support * SUPPORT_SHARE < vocab:
-        values, tokens = torch.topk(scores, support, dim=-1)  # every finite entry of every row (ties: any order)
-        winner = (values + gumbel_noise(keys, positions, tokens)).argmax(dim=-1, keepdim=True)
-        return tokens.gather(-1, winner)[..., 0]
+    if 0 < max(support, count) * SUPPORT_SHARE < vocab:
+        values, tokens = torch.topk(scores, max(support, count), dim=-1)  # every finite entry of every row
+        best = torch.topk(values + gumbel_noise(keys, positions, tokens), count, dim=-1).indices
+        return tokens.gather(-1, best)
     tokens = torch.arange(vocab, device=warped.device)
-    return (scores + gumbel_noise(keys, positions, tokens)).argmax(dim=-1)
+    return torch.topk(scores + gumbel_noise(keys, positions, tokens), count, dim=-1).indices
 
 
 class GumbelRule(GreedyRule):
