@@ -62,7 +62,7 @@ def test_default_eagle_exports_to_eagle3_and_speculators(deep_model_dir, tmp_pat
     assert main(_args(deep_model_dir, data, adapter)) == 0
     out = capsys.readouterr().out
     line = next(text for text in out.splitlines() if text.startswith("--for"))
-    assert line.startswith("--for any (default): this eagle drafter will export to eagle3 (vLLM, SGLang), "
+    assert line.startswith("--for any (default): this eagle adapter will export to eagle3 (vLLM, SGLang), "
                            "speculators (vLLM)"), line
     assert out.index(line) < out.index("saved adapter")
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -79,7 +79,7 @@ def test_for_hf_keeps_selfdraft_settings_and_says_what_will_not_export(deep_mode
     data = _write_prompts(tmp_path / "prompts.jsonl", 4, seed=1)
     args, (_, engine, line) = _checked(_args(deep_model_dir, data, tmp_path / "a", "--for", "hf"))
     assert engine == "hf" and train_command.drafter_options(args)["parallel"] == 4
-    assert line.startswith("--for hf: this eagle drafter will export to no engine format; it will not load in vLLM "
+    assert line.startswith("--for hf: this eagle adapter will export to no engine format; it will not load in vLLM "
                            "or SGLang: this drafter drafts 4 depths in parallel"), line
     assert line.endswith("(train with --for vllm or --for sglang for an engine)")
 

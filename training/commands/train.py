@@ -304,11 +304,11 @@ def resolve_engine(args, model_config) -> str:
 
 
 def export_line(args, engine: str, drafter: dict, model_config) -> str:
-    """One line: the export formats (and the engines that load them) the drafter config ``drafter``
+    """One line: the export formats (and the engines that load them) the adapter of drafter config ``drafter``
     will reach, and the engines it will not load in, with the first reason."""
     cli = kinds.command_lines()[args.kind]
     exports = getattr(cli, "exports", None)
-    head = f"--for {engine}{'' if args.target_engine else ' (default)'}: this {args.kind} drafter"
+    head = f"--for {engine}{'' if args.target_engine else ' (default)'}: this {args.kind} adapter"
     if exports is None:
         return f"{head} has no engine checkpoint format (selfdraft export); selfdraft's generate serves it"
     refusals, engine_formats = exports(drafter, model_config), cli.ENGINE_FORMATS
