@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from . import kinds  # the drafter registry: kinds' names and command-line flags, without torch
 

@@ -24,8 +24,8 @@ from heads import _refuse_foreign_options, kinds
 
 from ..config import DIVERGENCES
 from .common import (
-    Interrupted, UsageError, add_paragraphs_argument, check_input_file, check_int, check_model, check_number, check_output_directory,
-    check_output_file, load_model, logger, read_prompts, require, write_json,
+    Interrupted, UsageError, add_paragraphs_argument, check_int, check_model, check_number,
+    check_output_directory, check_output_file, load_model, logger, read_prompts, require, write_json,
 )
 
 ENGINES = ("any", "vllm", "sglang", "hf")
@@ -126,7 +126,8 @@ def add_parser(commands) -> None:
                              "--eval-fraction)")
     parser.add_argument("--eval-fraction", type=float, default=None,
                         help="without --eval-data: share of the --data prompts held out from training (a seeded "
-                             f"choice, at least 1, at most --eval-prompts) to measure tau on (default {EVAL_FRACTION:g}; "
+                             "choice, at least 1, at most --eval-prompts) to measure tau on (default "
+                             f"{EVAL_FRACTION:g}; "
                              "0: measure on training prompts, recorded as in-sample)")
     parser.add_argument("--eval-prompts", type=int, default=8, help="prompts to evaluate (0: skip)")
     parser.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens per evaluation prompt")
@@ -472,7 +473,8 @@ def run(args) -> int:
             summary["backbone_drift"] = spec.backbone_lora.drift
         if args.lookup:
             spec.set_lookup(budget=args.lookup)
-        spec.save_pretrained(args.out, training=_recipe(args, config, prompts, accelerator, engine, len(eval_texts) if split == "held-out" else 0),
+        held_out = len(eval_texts) if split == "held-out" else 0
+        spec.save_pretrained(args.out, training=_recipe(args, config, prompts, accelerator, engine, held_out),
                              acceptance=acceptance,
                              revision=args.revision)
         write_json(args.json, summary)
