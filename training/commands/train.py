@@ -255,7 +255,7 @@ def evaluation_split(args, prompts: list[str]) -> tuple[list[str], list[str], st
     return kept, held_out, "held-out"
 
 
-def _held_out_acceptance(args, spec, tokenizer, config, texts: list[str], split: str) -> dict:
+def _measured_acceptance(args, spec, tokenizer, config, texts: list[str], split: str) -> dict:
     """``{data stem: entry}`` (or a list of entries, one per temperature) measured on the evaluation
     prompts ``texts`` (``--eval-data``'s when ``split`` is ``eval-data``); each entry records ``split``."""
     from ..evaluate import encode_prompts, measure
@@ -466,7 +466,7 @@ def run(args) -> int:
     final_loss = result.losses[-1] if result.losses else None
     summary = {"final_loss": final_loss, **result.to_dict()}
     if accelerator.is_main_process:
-        acceptance = _held_out_acceptance(args, spec, tokenizer, config, eval_texts, split) if split else {}
+        acceptance = _measured_acceptance(args, spec, tokenizer, config, eval_texts, split) if split else {}
         if split:
             summary["eval"] = acceptance
         if spec.backbone_lora is not None:
