@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Protocol, Sequence, runtime_checkable
+from typing import Callable, Collection, Protocol, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from . import cache as cache_ops
 from .context import ContextProcessor, ContextTracker
 from .mask import AttentionMask, MaskLayout
 from .mask import causal_visibility
+from .planning import STEP_KINDS, ModalDrafter, Planner, StepRecord  # noqa: F401  (the loop's planning contract)
 from .tree import Tree, TreeBatch, truncate_batch
 from .verify import AcceptanceRule, GreedyRule
 
@@ -107,19 +108,6 @@ class Drafter(Protocol):
         order) stay in the batch."""
 
 
-@runtime_checkable
-class ModalDrafter(Protocol):
-    """A drafter that can draft a step in more than one way (e.g. EAGLE's sequential or parallel
-    depths, a hybrid with or without its trained drafter), each with its own cost and acceptance.
-    Checked once when a planner binds the drafter."""
-
-    modes: tuple[str, ...]
-    """The ways this drafter can draft a step."""
-
-    def use_mode(self, mode: str | None) -> None:
-        """Draft the next steps in ``mode`` (one of :attr:`modes`); None: as the drafter itself chooses."""
-
-
 class RowDrafter(Protocol):
     """Proposes one tree per step for one sequence (wrap in :class:`PerRowDrafter` for the loop)."""
 
@@ -160,62 +148,6 @@ class PerRowDrafter:
             self.drafters[row].propose(batch.features[index:index + 1, :lengths[index]],
                                        batch.tokens[index:index + 1, :lengths[index]], roots[index])
             for index, row in enumerate(self.live)])
-
-
-STEP_KINDS = ("plain", "empty", "drafted")
-"""How a step went: ``plain`` verified each row's root alone without asking the drafter; ``empty``
-asked the drafter (or cut its trees) and verified no drafted node (in cost and effect a plain step);
-``drafted`` verified at least one drafted node for some row."""
-
-
-@dataclass
-class StepRecord:
-    """What one step of the loop did, handed to the :class:`Planner` and kept in
-    :attr:`DecodeStats.steps`.
-
-    Attributes:
-        kind: one of :data:`STEP_KINDS`.
-        rows: rows the step decoded.
-        width: nodes verified per row (the verify forward's query length, root included).
-        draft_seconds: the drafter's ``propose`` and cutting the trees (0 on a plain step).
-        verify_seconds: the rest of the step: mask, target forward, acceptance, cache, commit.
-        tokens: tokens committed over all rows (bonus tokens included).
-        first_draft: this was the call's first ``propose`` (a drafter catching up on the prompt).
-    """
-
-    kind: str
-    rows: int
-    width: int
-    draft_seconds: float
-    verify_seconds: float
-    tokens: int
-    first_draft: bool = False
-
-    @property
-    def seconds(self) -> float:
-        return self.draft_seconds + self.verify_seconds
-
-
-class Planner(Protocol):
-    """Decides, step by step, how much of the drafter's trees the loop verifies (``speculate="auto"``).
-
-    The loop asks :meth:`draft` before each step; on a drafting step it verifies
-    :meth:`trim` of the proposed trees, which must be a cut that keeps the acceptance rule lossless
-    (a prefix in node order for deterministic rules, a depth cut for sampling rules); after the step
-    it reports a :class:`StepRecord` and the accepted paths to :meth:`observe`.
-    """
-
-    def draft(self, rows: int) -> bool:
-        """Whether to ask the drafter for trees this step (False: a plain decoding step)."""
-
-    def trim(self, trees: TreeBatch) -> TreeBatch:
-        """The part of the proposed ``trees`` to verify (``trees`` itself, a cut of it, or roots only)."""
-
-    def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
-                lengths: torch.Tensor) -> None:
-        """One finished step: its record, the verified ``trees`` (None where the loop cut them to
-        the rows' token budgets after :meth:`trim`), each row's accepted node indices ``paths``
-        ``[R, L]`` (padded with the last kept node) and path lengths ``lengths`` ``[R]`` (root included)."""
 
 
 @dataclass

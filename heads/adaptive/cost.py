@@ -7,6 +7,8 @@ and a width never verified is priced by interpolating its measured neighbours li
 ``log2(width)`` (which never prices it above the wider neighbour nor below the narrower one, and is
 on the cheap side of a convex curve, so an unmeasured width in between gets tried), and past the
 widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
+A width's excess cost over a plain step counts as if it had one more sample at the plain cost, so a
+width written off on one noisy step is tried again, and the estimate converges as samples come.
 Drafting cost is kept per rows bucket for a drafter's steady steps; a request's first ``propose``
 (the drafter catching up on the prompt) is kept apart and never charged to a step's choice.
 """
@@ -56,9 +58,12 @@ class CostCurve:
             mean = table[width] = RunningMean()
             self._curves.pop(bucket, None)
         mean.add(seconds)
-        curve = self._curves.get(bucket)
-        if curve is not None:  # keep the interpolation table in step (widths unchanged)
-            curve[1][curve[2][width]] = mean.value
+        if bucket in self._curves:  # keep the interpolation table in step (widths unchanged)
+            if width == 1:  # every width is priced against the plain step
+                for other in self.verify[bucket]:
+                    self._price(bucket, other)
+            else:
+                self._price(bucket, width)
 
     def observe_draft(self, rows: int, seconds: float, first: bool, mode: str | None = None) -> None:
         """A drafting step's seconds (``first``: a request's first ``propose``, kept apart)."""
@@ -90,9 +95,24 @@ class CostCurve:
         if curve is None:
             table = self.verify[bucket]
             measured = sorted(table)
-            curve = self._curves[bucket] = (np.log2(measured), np.array([table[width].value for width in measured]),
+            curve = self._curves[bucket] = (np.log2(measured), np.zeros(len(measured)),
                                             {width: index for index, width in enumerate(measured)})
+            for width in measured:
+                self._price(bucket, width)
         return np.interp(np.log2(np.maximum(widths, 1.0)), curve[0], curve[1])
+
+    def _price(self, bucket: int, width: int) -> None:
+        """Set ``width``'s entry of ``bucket``'s curve: its mean, its excess over the plain step's cost
+        shrunk as if one more sample had cost what a plain step costs (a width timed on few steps,
+        perhaps noisy ones, is tried again before it is written off)."""
+        table, curve = self.verify[bucket], self._curves[bucket]
+        mean = table[width]
+        plain = table.get(1)
+        value = mean.value
+        if plain is not None and width != 1:
+            count = min(mean.count, COST_HORIZON)
+            value = plain.value + (mean.value - plain.value) * count / (count + 1)
+        curve[1][curve[2][width]] = value
 
     def verify_seconds(self, rows: int, width: int) -> float | None:
         """:meth:`verify_curve` for one width."""

@@ -21,11 +21,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tree_attention.decode import ModalDrafter, StepRecord
+from tree_attention.planning import ModalDrafter, StepRecord
 from tree_attention.tree import TreeBatch, prefix_batch, truncate_batch
 
 from .acceptance import AcceptanceModel
 from .cost import CostCurve
+
+REPLAN_EVERY = 4
+"""Steps a plan serves before it is made again (sooner when the rows change or it was an
+exploring step): the estimates it rests on fade over :data:`~heads.adaptive.acceptance.HALF_LIFE`
+steps, and a plan costs tens of microseconds, a share of a small model's step."""
 
 CUTS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 """Node-prefix widths (root included) a greedy step compares, besides the whole tree."""
@@ -112,6 +117,7 @@ class CallPlanner:
         self.choice: Choice | None = None
         self.planned_width = 0  # the proposed width the last plan assumed
         self._cuts: dict[int, np.ndarray] = {}  # per proposed width: the node-prefix cuts compared
+        self._rows, self._age = 0, 0  # the rows the current plan was made for, and the steps it served
 
     def _options(self, acceptance: AcceptanceModel, rows: int) -> tuple[np.ndarray, list, np.ndarray, np.ndarray] | None:
         """The cuts a step may take before drafting: (nodes ``[C]``, depth cut or None per option,
@@ -161,7 +167,11 @@ class CallPlanner:
     # -- the Planner protocol -----------------------------------------------------------------
 
     def draft(self, rows: int) -> bool:
-        self.choice = self._plan(rows)
+        choice = self.choice
+        if choice is not None and choice.nodes and rows == self._rows and self._age < REPLAN_EVERY:
+            self._age += 1  # the plan still stands: the estimates it rests on move over tens of steps
+            return choice.draft
+        self.choice, self._rows, self._age = self._plan(rows), rows, 1
         if self.choice.draft:
             self.acceptance = self.adaptive.model(self.key, self.choice.mode)
             if self.modal is not None:

@@ -21,8 +21,13 @@ def test_cost_curve_interpolates_in_log_width_and_keeps_buckets_apart():
     assert costs.verify_seconds(1, 4) is None and costs.draft_seconds(1) == 0.0
     costs.observe_verify(1, 1, 1.0)
     costs.observe_verify(1, 16, 3.0)
-    assert costs.verify_seconds(1, 4) == pytest.approx(2.0)  # halfway in log2 width
-    assert costs.verify_seconds(1, 64) == pytest.approx(3.0)  # past the widest: its cost
+    # one sample of width 16: its excess over the plain cost counts half (as if one more had cost 1.0)
+    assert costs.verify_seconds(1, 16) == pytest.approx(2.0)
+    for _ in range(3):
+        costs.observe_verify(1, 16, 3.0)
+    assert costs.verify_seconds(1, 16) == pytest.approx(1.0 + 2.0 * 4 / 5)
+    assert costs.verify_seconds(1, 4) == pytest.approx(1.0 + 0.5 * 1.6)  # halfway in log2 width
+    assert costs.verify_seconds(1, 64) == pytest.approx(2.6)  # past the widest: its cost
     costs.observe_verify(5, 1, 10.0)  # rows 4..7 share a bucket, apart from batch 1
     assert costs.verify_seconds(4, 1) == pytest.approx(10.0) and costs.verify_seconds(1, 1) == pytest.approx(1.0)
     assert costs.verify_seconds(16, 1) == pytest.approx(10.0)  # an unseen bucket borrows the nearest

@@ -1,0 +1,81 @@
+"""What the decode loop hands to whatever plans its steps (``speculate="auto"``): one
+:class:`StepRecord` per step, the :class:`Planner` contract, and the :class:`ModalDrafter`
+capability of drafters that can draft a step in more than one way. No policy lives here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .tree import TreeBatch
+
+
+@runtime_checkable
+class ModalDrafter(Protocol):
+    """A drafter that can draft a step in more than one way (e.g. EAGLE's sequential or parallel
+    depths, a hybrid with or without its trained drafter), each with its own cost and acceptance.
+    Checked once when a planner binds the drafter."""
+
+    modes: tuple[str, ...]
+    """The ways this drafter can draft a step."""
+
+    def use_mode(self, mode: str | None) -> None:
+        """Draft the next steps in ``mode`` (one of :attr:`modes`); None: as the drafter itself chooses."""
+
+
+STEP_KINDS = ("plain", "empty", "drafted")
+"""How a step went: ``plain`` verified each row's root alone without asking the drafter; ``empty``
+asked the drafter (or cut its trees) and verified no drafted node (in cost and effect a plain step);
+``drafted`` verified at least one drafted node for some row."""
+
+
+@dataclass
+class StepRecord:
+    """What one step of the loop did, handed to the :class:`Planner` and kept in
+    :attr:`DecodeStats.steps`.
+
+    Attributes:
+        kind: one of :data:`STEP_KINDS`.
+        rows: rows the step decoded.
+        width: nodes verified per row (the verify forward's query length, root included).
+        draft_seconds: the drafter's ``propose`` and cutting the trees (0 on a plain step).
+        verify_seconds: the rest of the step: mask, target forward, acceptance, cache, commit.
+        tokens: tokens committed over all rows (bonus tokens included).
+        first_draft: this was the call's first ``propose`` (a drafter catching up on the prompt).
+    """
+
+    kind: str
+    rows: int
+    width: int
+    draft_seconds: float
+    verify_seconds: float
+    tokens: int
+    first_draft: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return self.draft_seconds + self.verify_seconds
+
+
+class Planner(Protocol):
+    """Decides, step by step, how much of the drafter's trees the loop verifies (``speculate="auto"``).
+
+    The loop asks :meth:`draft` before each step; on a drafting step it verifies
+    :meth:`trim` of the proposed trees, which must be a cut that keeps the acceptance rule lossless
+    (a prefix in node order for deterministic rules, a depth cut for sampling rules); after the step
+    it reports a :class:`StepRecord` and the accepted paths to :meth:`observe`.
+    """
+
+    def draft(self, rows: int) -> bool:
+        """Whether to ask the drafter for trees this step (False: a plain decoding step)."""
+
+    def trim(self, trees: TreeBatch) -> TreeBatch:
+        """The part of the proposed ``trees`` to verify (``trees`` itself, a cut of it, or roots only)."""
+
+    def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
+                lengths: torch.Tensor) -> None:
+        """One finished step: its record, the verified ``trees`` (None where the loop cut them to
+        the rows' token budgets after :meth:`trim`), each row's accepted node indices ``paths``
+        ``[R, L]`` (padded with the last kept node) and path lengths ``lengths`` ``[R]`` (root included)."""
