@@ -124,6 +124,12 @@ def perturbed_top_k(warped: torch.Tensor, keys: torch.Tensor, positions: torch.T
     return torch.topk(scores + gumbel_noise(keys, positions, tokens), count, dim=-1).indices
 
 
+LAZY_ELEMENTS = 1 << 16
+"""Trees whose logits hold more entries than this a row (nodes x vocabulary) get the target's draws
+only at the nodes the walk reaches (:meth:`GumbelRule._walk`); smaller ones at every node at once
+(a few tensor calls cost less than a round per depth)."""
+
+
 class GumbelRule(GreedyRule):
     """Seeded lossless sampling: the greedy rule on Gumbel-perturbed warped logits (module
     docstring). ``warp`` maps logits ``[M, V]`` to warped logits (temperature, top-k, top-p, as
@@ -171,7 +177,54 @@ class GumbelRule(GreedyRule):
 
     def accept_batch(self, trees: TreeBatch, logits: torch.Tensor, batch_rows: list[int] | None = None,
                      positions: torch.Tensor | None = None) -> BatchAcceptance:
-        return accept_choices(trees, self.choices(logits, batch_rows, positions))
+        if trees.width == 1 or logits[0].numel() <= LAZY_ELEMENTS:
+            return accept_choices(trees, self.choices(logits, batch_rows, positions))
+        return self._walk(trees, logits, batch_rows, positions)
+
+    def _walk(self, trees: TreeBatch, logits: torch.Tensor, batch_rows: list[int] | None,
+              positions: torch.Tensor | None) -> BatchAcceptance:
+        """:func:`accept_choices` with the target's choice computed only at the nodes whose root path
+        holds the choices so far (one round per depth, all rows at once): the accepted path, and any
+        sibling holding the same token as a node on it, instead of all ``N`` nodes."""
+        if batch_rows is None or positions is None:
+            self.choices(logits[:, :1], batch_rows, positions)  # raises, naming what is missing
+        rows, width = trees.tokens.shape
+        tokens, parents, depths = torch.stack([trees.tokens, trees.parents, trees.depths]).tolist()
+        sizes = [width] * rows if trees.uniform else trees.sizes.tolist()
+        children = [[[] for _ in range(size)] for size in sizes]  # per row and node: its children
+        for row, size in enumerate(sizes):
+            for node in range(1, size):
+                children[row][parents[row][node]].append(node)
+        chosen: dict[tuple[int, int], int] = {}
+        correct: list[list[int]] = [[0] for _ in range(rows)]  # nodes whose root path holds the choices
+        frontier = [(row, 0) for row in range(rows)]
+        while frontier:
+            row_index = torch.tensor([row for row, _ in frontier], device=logits.device)
+            node_index = torch.tensor([node for _, node in frontier], device=logits.device)
+            draws = self.choices(logits[row_index, node_index], [batch_rows[row] for row, _ in frontier],
+                                 positions[row_index.to(positions.device), node_index.to(positions.device)]).tolist()
+            following = []
+            for (row, node), draw in zip(frontier, draws):
+                chosen[(row, node)] = draw
+                for child in children[row][node]:
+                    if tokens[row][child] == draw:
+                        correct[row].append(child)
+                        following.append((row, child))
+            frontier = following
+        bests = [min(nodes, key=lambda node, row=row: (-depths[row][node], node)) for row, nodes in enumerate(correct)]
+        paths, chunks = [], []
+        for row, best in enumerate(bests):
+            path = [best]
+            while path[-1] != 0:
+                path.append(parents[row][path[-1]])
+            path.reverse()
+            paths.append(path)
+            chunks.append([tokens[row][node] for node in path] + [chosen[(row, best)]])
+        longest = max(len(path) for path in paths)
+        device = logits.device
+        return BatchAcceptance(torch.tensor([path + path[-1:] * (longest - len(path)) for path in paths], device=device),
+                               torch.tensor([len(path) for path in paths], device=device),
+                               torch.tensor([chunk[-1] for chunk in chunks], device=device), chunks)
 
     def plain_processor(self, attention_mask: torch.Tensor | None) -> "PlainGumbelProcessor":
         """This bound rule as a transformers logits processor for the backbone's own greedy

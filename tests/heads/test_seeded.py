@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
 
 import heads
 from tests.conftest import left_pad, train_toy_target
+from tree_attention import gumbel
 from tree_attention.gumbel import gumbel_noise, row_keys
 
 NEW = 24
@@ -92,7 +93,9 @@ def test_same_seed_same_text_whatever_drafts(model, draft_model, kind):
         assert accepted > 0, "no draft was ever accepted: the rule's walk was not exercised"
 
 
-def test_the_row_place_in_a_batch_does_not_matter(model):
+@pytest.mark.parametrize("walk", [False, True], ids=["draws-at-every-node", "draws-where-the-walk-goes"])
+def test_the_row_place_in_a_batch_does_not_matter(model, walk, monkeypatch):
+    monkeypatch.setattr(gumbel, "LAZY_ELEMENTS", 0 if walk else gumbel.LAZY_ELEMENTS)
     spec = heads.attach_heads(model, kind="medusa", num_heads=3, tree=8, lookup={"budget": 4})
     prompt = repeating(6, seed=3)
     others = [repeating(4, seed=4), repeating(7, seed=5)]

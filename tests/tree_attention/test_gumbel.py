@@ -13,6 +13,7 @@ import torch
 from scipy import stats
 
 from tests.stats import FALSE_ALARM, chi_square_pvalue
+from tree_attention import gumbel
 from tree_attention.gumbel import GumbelRule, gumbel_noise, mix, perturbed_argmax, perturbed_top_k, row_keys
 from tree_attention.tree import TreeBatch, from_choices
 
@@ -118,10 +119,13 @@ def _sequential(choose, tokens: list[int], parents: list[int]) -> tuple[list[int
         node = child
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["all-nodes", "walk"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_rule_keeps_the_path_a_sequential_sampler_takes(rows):
+def test_rule_keeps_the_path_a_sequential_sampler_takes(rows, lazy, monkeypatch):
     """On trees whose tokens often agree with the draws, the rule keeps exactly the nodes a
-    sequential Gumbel sampler walks through, and its bonus token is that sampler's next draw."""
+    sequential Gumbel sampler walks through, and its bonus token is that sampler's next draw
+    (draws at every node, or only where the walk goes)."""
+    monkeypatch.setattr(gumbel, "LAZY_ELEMENTS", 0 if lazy else 1 << 30)
     vocab, temperature = 6, 0.8
     template = from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
     generator = torch.Generator().manual_seed(1)
@@ -180,3 +184,26 @@ def test_coupled_candidates_hold_the_targets_draw_more_often_than_independent_on
     first = perturbed_top_k(row, keys, positions, 3)[:, 0]
     probs = torch.softmax(draft[0], -1)
     assert chi_square_pvalue(first.tolist(), {token: float(p) for token, p in enumerate(probs)}) > FALSE_ALARM
+
+
+def test_the_walk_equals_draws_at_every_node_with_repeated_sibling_tokens(monkeypatch):
+    """Siblings may hold one token (merged trees): the walk follows every one of them and keeps the
+    same deepest path as the rule with draws at every node."""
+    template = from_choices([(0,), (1,), (2,), (0, 0), (1, 0), (1, 1), (2, 0), (1, 0, 0), (2, 0, 0)])
+    generator = torch.Generator().manual_seed(4)
+    rule = GumbelRule(lambda logits: logits, seeds=[1, 2]).for_prompts(torch.tensor([[3, 4], [5, 6]]), None)
+    for _ in range(40):
+        logits = torch.randn(2, template.size, 4, generator=generator)
+        logits[..., :2] += 2
+        tokens = torch.randint(0, 2, (2, template.size), generator=generator)
+        trees = TreeBatch.from_trees([template.with_tokens(tokens[row]) for row in range(2)])
+        positions = torch.tensor([[5], [9]]) + template.depths[None, :]
+        results = []
+        for lazy in (False, True):
+            monkeypatch.setattr(gumbel, "LAZY_ELEMENTS", 0 if lazy else 1 << 30)
+            results.append(rule.accept_batch(trees, logits, [1, 0], positions))
+        eager, walked = results
+        assert torch.equal(eager.lengths, walked.lengths) and torch.equal(eager.next_tokens, walked.next_tokens)
+        for row in range(2):
+            length = int(eager.lengths[row])
+            assert eager.paths[row, :length].tolist() == walked.paths[row, :length].tolist()
