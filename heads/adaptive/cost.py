@@ -25,6 +25,10 @@ COST_HORIZON = 32
 long enough to smooth one step's timing noise, short enough to follow the cache growing and the
 machine's load changing."""
 
+PLAIN_SAMPLES = 3
+"""Plain steps timed in a rows bucket before drafting is judged against them: every width is priced
+against the plain step, so one noisy sample of it would skew every choice in the bucket."""
+
 
 @dataclass
 class RunningMean:
@@ -80,8 +84,9 @@ class CostCurve:
         return tables[min(tables, key=lambda other: (abs(math.log2(other / bucket)), other))]
 
     def knows_plain(self, rows: int) -> bool:
-        """Whether a plain step (width 1) has been timed in ``rows``' bucket."""
-        return 1 in self.verify.get(rows_bucket(rows), {})
+        """Whether plain steps (width 1) have been timed :data:`PLAIN_SAMPLES` times in ``rows``' bucket."""
+        plain = self.verify.get(rows_bucket(rows), {}).get(1)
+        return plain is not None and plain.count >= PLAIN_SAMPLES
 
     def verify_curve(self, rows: int, widths: np.ndarray) -> np.ndarray | None:
         """Predicted seconds of a verify forward over ``rows`` rows of each of ``widths`` nodes per
