@@ -19,6 +19,8 @@ from heads.adapter import AdapterError, check_fields
 from heads.adapter.fields import field_types
 from tests.conftest import build_model
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 @pytest.fixture()
 def saved(tmp_path) -> Path:

@@ -15,6 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import heads
 from heads.fingerprint import ROUNDING_TOLERANCE, sample_mismatches, weight_sample
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "benchmarks" / "targets" / "stories260K"
 SHIPPED = sorted(path for path in (ROOT / "benchmarks" / "adapters").glob("stories260K-*")
