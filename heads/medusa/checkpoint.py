@@ -33,7 +33,6 @@ elsewhere), as selfdraft does; FasterDecoding's layout has none and refuses it.
 from __future__ import annotations
 
 import json
-import logging
 import pickle
 import shlex
 from pathlib import Path
@@ -45,8 +44,6 @@ from safetensors.torch import save_file
 from ..adapter import FORMAT_VERSION, AdapterError, TargetPin, check_inside, json_writer, read_safetensors
 from ..families import MEDUSA_EXPORT_FAMILIES, medusa_exportable
 from ..kind import CheckpointFormat, ExportOptions
-
-logger = logging.getLogger(__name__)
 
 MEDUSA_TENSORS = "medusa_lm_head.safetensors"
 MEDUSA_PICKLE = "medusa_lm_head.pt"
@@ -160,10 +157,7 @@ def _export_medusa(config: dict, tensors: dict, fmt: str, model, adapter_dir,
     external, shared = _medusa_export_tensors(config, tensors, fmt, model, adapter_dir)
     drafter, target = config["drafter"], config["target"]
     files: dict[str, Callable[[Path], None]] = {}
-    if fmt == "medusa":
-        note = fasterdecoding_heads_note(drafter["num_heads"])
-        if note is not None:
-            logger.warning("%s", note)
+    if fmt == "medusa":  # fasterdecoding_heads_note reaches the user through the export's README (serve_commands)
         files["config.json"] = json_writer({
             "medusa_num_heads": drafter["num_heads"], "medusa_num_layers": drafter["num_layers"],
             "base_model_name_or_path": target.get("name_or_path") or "",
