@@ -43,15 +43,21 @@ _POSITION = 0x7A11_0C_A7
 
 def _shift(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Logical right shift of int64 ``values`` (torch's ``>>`` keeps the sign)."""
-    return (values >> bits) & ((1 << (64 - bits)) - 1)
+    shifted = values >> bits
+    shifted &= (1 << (64 - bits)) - 1
+    return shifted
 
 
 def mix(values: torch.Tensor) -> torch.Tensor:
-    """splitmix64's output function on int64 ``values`` (any shape): a bijection of 64-bit words
-    whose outputs for consecutive inputs look independent."""
-    values = (values ^ _shift(values, 30)) * _MIX_1
-    values = (values ^ _shift(values, 27)) * _MIX_2
-    return values ^ _shift(values, 31)
+    """splitmix64's output function on int64 ``values`` (any shape; a new tensor): a bijection of
+    64-bit words whose outputs for consecutive inputs look independent. In place on one copy (the
+    noise of a step's tree is millions of words on a large vocabulary)."""
+    values = values.clone()
+    for bits, factor in ((30, _MIX_1), (27, _MIX_2)):
+        values ^= _shift(values, bits)
+        values *= factor
+    values ^= _shift(values, 31)
+    return values
 
 
 def as_word(value: int) -> int:
@@ -83,8 +89,8 @@ def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tens
     (or ``[K]``, broadcast)."""
     stream = mix(keys.long() ^ mix(positions.long() + _POSITION))[..., None]  # (..., 1)
     words = mix(stream + (tokens.long() + 1) * GOLDEN)  # (..., K) splitmix64's sequence from `stream`
-    uniform = (_shift(words, 11).double() + 0.5) * 2.0 ** -53  # (0, 1): never log(0)
-    return -torch.log(-torch.log(uniform))
+    uniform = _shift(words, 11).double().add_(0.5).mul_(2.0 ** -53)  # (0, 1): never log(0)
+    return uniform.log_().neg_().log_().neg_()
 
 
 SUPPORT_SHARE = 4
