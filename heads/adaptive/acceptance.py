@@ -41,6 +41,12 @@ acceptance (lookup, untrained drafters): the accepted path reaches depth ``d`` w
 _RESCALE = 1e-150  # the running weight is folded back into the counts below this (float64 range)
 
 
+def _upper(rate: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """``rate`` plus :data:`CONFIDENCE` standard errors of a rate seen over ``weight`` rows, at most 1."""
+    spread = np.maximum(rate * (1 - rate), 0.01) / (weight + 1)
+    return np.minimum(rate + CONFIDENCE * np.sqrt(spread), 1.0)
+
+
 class AcceptanceModel:
     """Per-node acceptance under one acceptance rule and sampling setting.
 
@@ -48,7 +54,9 @@ class AcceptanceModel:
     more than the arithmetic). Fading is a running weight: a step adds ``1 / scale`` and a count's
     faded value is ``stored x scale``, so a step costs one multiplication, not one per array."""
 
-    def __init__(self, prior_by_depth: Sequence[float] = ()) -> None:
+    def __init__(self, prior_by_depth: Sequence[float] = (), width: int = 1) -> None:
+        """``width``: the widest tree the drafter is configured to propose (root included), known
+        before it proposes anything (a drafter's first trees may be empty: lookup)."""
         self.prior_by_depth = [float(rate) for rate in prior_by_depth]
         self.exists = np.zeros(0)  # rows whose proposed tree held node i (stored, see scale)
         self.present = np.zeros(0)  # rows that verified node i
@@ -58,10 +66,11 @@ class AcceptanceModel:
         self.prior_seen = np.zeros(0)
         self.rows = 0.0  # rows of drafted steps (stored)
         self.scale = 1.0  # faded value = stored x scale
-        self.width = 0.0  # running mean of the proposed trees' width (padded, root included)
+        self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
         self.steps = 0
         self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
+        self._grow(self.width)
 
     def _grow(self, width: int) -> None:
         grow = width - self.present.size
@@ -100,7 +109,7 @@ class AcceptanceModel:
         if self.prior_seen[width - 1] == 0 or (first[1] is not None and not self.prior_seen[:width][first[1]].all()):
             self._spread_prior(*first)
         self.rows += rows * weight
-        self.width += (width - self.width) / min(self.steps + 1, HALF_LIFE)
+        self.width = max(self.width, width)
         self.steps += 1
         self._cache = None
 
@@ -135,18 +144,22 @@ class AcceptanceModel:
             self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths[real] == depth).sum()))
             self.prior_seen[index] = PRIOR_STEPS
 
-    def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per node index: chance it exists in a row's tree, its optimistic acceptance, its mean depth."""
+    def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per node index: the chance it exists in a row's tree (mean and upper bound), its
+        acceptance (upper bound) and its mean depth. A node's existence starts from the prior that
+        the drafter proposes it (weight :data:`PRIOR_STEPS`), so a drafter that proposed nothing
+        for a while (lookup before the text repeats) is asked again once that evidence has faded."""
         if self._cache is None:
             seen = self.present * self.scale + self.prior_seen
             rate = (self.on_path * self.scale + self.prior_on) / np.maximum(seen, 1e-9)
-            spread = np.maximum(rate * (1 - rate), 0.01) / (seen + 1)
-            optimistic = np.minimum(rate + CONFIDENCE * np.sqrt(spread), 1.0)
-            exists = np.minimum(self.exists / max(self.rows, 1e-300), 1.0)
+            optimistic = _upper(rate, seen)
+            rows = self.rows * self.scale + PRIOR_STEPS
+            exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / rows, 1.0)
+            likely = _upper(exists, np.full_like(exists, rows))
             depth = self.depth_sum / np.maximum(self.exists, 1e-300)
             if optimistic.size:
-                optimistic[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
-            self._cache = (exists, optimistic, depth)
+                optimistic[0] = exists[0] = likely[0] = 0.0  # the root is always committed, counted as the bonus token
+            self._cache = (exists, likely, optimistic, depth)
         return self._cache
 
     @property
@@ -157,11 +170,11 @@ class AcceptanceModel:
         """For ``n = 1 .. width`` (index ``n - 1``; n = 1: the root alone): the expected drafted tokens
         a row accepts from the first ``n`` nodes of its tree, and the expected padded width of
         ``rows`` such trees."""
-        exists, optimistic, _ = self._estimates()
+        exists, likely, optimistic, _ = self._estimates()
         count = min(width, exists.size)
         gain, padded = np.zeros(width), np.ones(width)
         if count > 1:
-            gain[:count] = np.cumsum(exists[:count] * optimistic[:count])
+            gain[:count] = np.cumsum(likely[:count] * optimistic[:count])
             padded[:count] += np.cumsum(exists[:count] if rows == 1 else 1.0 - (1.0 - exists[:count]) ** rows)
             gain[count:], padded[count:] = gain[count - 1], padded[count - 1]
         return gain, padded
@@ -169,7 +182,7 @@ class AcceptanceModel:
     def tree_gains(self, sizes: np.ndarray, cuts: np.ndarray) -> np.ndarray:
         """``[C]``: expected drafted tokens accepted over rows whose trees have ``sizes`` ``[R]``
         nodes, each cut to its first ``n`` nodes, for each ``n`` of ``cuts`` ``[C]``."""
-        _, optimistic, _ = self._estimates()
+        _, _, optimistic, _ = self._estimates()
         width = int(sizes.max())
         prefix = np.zeros(width)
         count = min(width, optimistic.size)
@@ -181,20 +194,20 @@ class AcceptanceModel:
     def depth_cuts(self) -> list[tuple[int, float, int]]:
         """``(depth, expected drafted tokens a row accepts, expected padded width)`` for each depth
         cut of a typical tree (depth 1 .. the deepest node seen)."""
-        exists, optimistic, depth = self._estimates()
-        real = exists > 0
+        _, likely, optimistic, depth = self._estimates()
+        real = self.exists > 0
         real[:1] = False
         if not real.any():
             return []
         cuts = []
         for limit in range(1, int(np.ceil(depth[real].max() - 1e-9)) + 1):
             inside = real & (depth <= limit + 1e-9)
-            cuts.append((limit, float((exists * optimistic)[inside].sum()), 1 + int(inside.sum())))
+            cuts.append((limit, float((likely * optimistic)[inside].sum()), 1 + int(inside.sum())))
         return cuts
 
     def summary(self) -> dict:
-        exists, optimistic, _ = self._estimates()
+        exists, _, optimistic, _ = self._estimates()
         shown = min(exists.size, 16)
-        return {"steps": self.steps, "mean_width": round(self.width, 2),
+        return {"steps": self.steps, "width": self.width,
                 "node_acceptance": [round(float(value), 3) for value in optimistic[1:shown]],
                 "node_presence": [round(float(value), 3) for value in exists[1:shown]]}

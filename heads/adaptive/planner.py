@@ -87,15 +87,18 @@ class Adaptive:
     """The state ``auto`` keeps for one spec across calls: one cost curve, one acceptance model per
     rule key (greedy, each sampling setting), seeded from the adapter's recorded acceptance."""
 
-    def __init__(self, prior_by_depth: list[float] | None = None) -> None:
+    def __init__(self, prior_by_depth: list[float] | None = None, width: int = 1) -> None:
+        """``prior_by_depth``: the acceptance by depth recorded at save time; ``width``: the widest
+        tree the drafter is configured to propose (root included)."""
         self.costs = CostCurve()
         self.models: dict[tuple[str, str | None], AcceptanceModel] = {}
         self.prior_by_depth = list(prior_by_depth or ())
+        self.width = width
 
     def model(self, key: str, mode: str | None = None) -> AcceptanceModel:
         """The acceptance model of rule ``key`` and drafting ``mode``."""
         if (key, mode) not in self.models:
-            self.models[(key, mode)] = AcceptanceModel(self.prior_by_depth)
+            self.models[(key, mode)] = AcceptanceModel(self.prior_by_depth, self.width)
         return self.models[(key, mode)]
 
     def planner(self, key: str, deterministic: bool, drafter=None) -> "CallPlanner":
@@ -123,7 +126,7 @@ class CallPlanner:
         """The cuts a step may take before drafting: (nodes ``[C]``, depth cut or None per option,
         expected drafted tokens a row accepts ``[C]``, expected padded width ``[C]``)."""
         if self.deterministic:
-            width = max(2, round(acceptance.width))
+            width = max(2, acceptance.width)
             nodes = self._cuts.get(width)
             if nodes is None:
                 nodes = self._cuts[width] = np.array([cut for cut in (*CUTS, width) if cut <= width])
@@ -156,7 +159,7 @@ class CallPlanner:
                 best_rate = float(rates[index])
                 best = Choice(True, int(nodes[index]), depths[index], 1.0 + float(gains[index]), float(seconds[index]),
                               plain, "drafting pays", mode)
-                self.planned_width = max(2, round(model.width))
+                self.planned_width = max(2, model.width)
         return best
 
     def release(self) -> None:

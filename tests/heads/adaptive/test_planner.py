@@ -47,7 +47,7 @@ def test_acceptance_counts_what_each_prefix_would_have_accepted():
     for accepted in [3, 3, 1, 3]:  # accepted path lengths (drafted nodes)
         model.proposed(trees)
         model.observe(trees, torch.arange(accepted + 1)[None], torch.tensor([accepted + 1]))
-    exists, optimistic, depth = model._estimates()
+    exists, _, optimistic, depth = model._estimates()
     assert list(depth[1:5]) == [1, 2, 3, 4] and list(exists[1:5]) == [1, 1, 1, 1]
     rates = (model.on_path * model.scale + model.prior_on) / (model.present * model.scale + model.prior_seen)
     assert rates[1] > rates[2] > rates[4]  # node 1 always accepted, node 4 never
@@ -66,10 +66,22 @@ def test_fading_reopens_a_question_after_plain_steps():
     for _ in range(8):  # node 1 rejected 8 times
         model.proposed(trees)
         model.observe(trees, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
-    low = model._estimates()[1][1]
+    low = model._estimates()[2][1]
     for _ in range(200):  # plain steps: no evidence, old evidence fades
         model.fade()
-    assert model._estimates()[1][1] > low + 0.2
+    assert model._estimates()[2][1] > low + 0.2
+
+
+def test_a_drafter_that_proposed_nothing_is_asked_again_after_plain_steps():
+    model = AcceptanceModel()
+    empty = _chain_batch(1)
+    model.proposed(_chain_batch(4))
+    for _ in range(30):  # lookup before the text repeats: roots alone
+        model.proposed(empty)
+    low = model.prefix_gains(4, 1)[0][-1]
+    for _ in range(300):
+        model.fade()
+    assert model.prefix_gains(4, 1)[0][-1] > 2 * low
 
 
 def test_recorded_acceptance_is_the_mean_over_mixes():
