@@ -121,6 +121,9 @@ def layout_refusals(config: dict, fmt: str, options: ExportOptions) -> list[str]
     """:func:`eagle_refusals` from the adapter config alone (``CheckpointFormat.refusals``), and a
     bias-free ``fc`` asked of a layout whose ``fc`` has no bias anyway."""
     reasons = eagle_refusals(config, "eagle3" if fmt == SPECULATORS else fmt)
+    if reasons:
+        reasons.append("`selfdraft train --kind eagle --for vllm` (or --for sglang) trains a drafter these "
+                       "formats hold")
     if not options.fc_bias and fmt != "eagle":
         reasons.append("--no-fc-bias applies to --format eagle (EAGLE-1's fc); EAGLE-3's fc has no bias")
     return reasons
