@@ -121,9 +121,9 @@ def layout_refusals(config: dict, fmt: str, options: ExportOptions) -> list[str]
     """:func:`eagle_refusals` from the adapter config alone (``CheckpointFormat.refusals``), and a
     bias-free ``fc`` asked of a layout whose ``fc`` has no bias anyway."""
     reasons = eagle_refusals(config, "eagle3" if fmt == SPECULATORS else fmt)
-    if reasons:
-        reasons.append("`selfdraft train --kind eagle --for vllm` (or --for sglang) trains a drafter these "
-                       "formats hold")
+    if reasons and fmt != "eagle":  # --for trains the EAGLE-3 layout (eagle3, speculators), not EAGLE-1's
+        reasons.append("`selfdraft train --kind eagle --for vllm` (or --for sglang) trains a drafter this format "
+                       "holds")
     if not options.fc_bias and fmt != "eagle":
         reasons.append("--no-fc-bias applies to --format eagle (EAGLE-1's fc); EAGLE-3's fc has no bias")
     return reasons
