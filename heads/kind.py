@@ -103,10 +103,17 @@ class DrafterKind:
     """``(spec, directory, **metadata)``: write the kind's own adapter directory (None: the generic
     ``adapter_config.json`` + ``adapter_model.safetensors`` of ``spec.heads``' tensors)."""
     load: Callable[..., object] | None = None
-    """``(model, directory, config, strict=, merge_lora=)`` -> ``SpeculativeModel``: read what :attr:`save`
-    wrote; ``config`` is the checked ``adapter_config.json``, the target pin not yet compared."""
+    """``(model, directory, config, strict=)`` -> ``(kind config, metadata)``: read what :attr:`save`
+    wrote: the kind's config holding what it loaded (e.g. a draft model) and what ``spec.metadata``
+    records of it; ``config`` is the checked ``adapter_config.json``, the target pin not yet
+    compared (the hook compares it, ``strict`` as in ``load_heads``). ``heads.load_heads`` builds
+    the spec from them."""
     adapter_files: tuple[str, ...] = ()
     """Names :attr:`save` writes beside ``adapter_config.json`` (an earlier output with them may be replaced)."""
+    hybrid: Callable[[object], object] | None = None
+    """``(config) -> hybrid``: this kind's drafting added to any other kind's trees
+    (``SpeculativeModel.set_lookup``); ``hybrid.wrap(drafter)`` is the drafter of the merged trees. At
+    most one kind has it (:func:`heads.kinds.hybrid`)."""
     extra: dict = field(default_factory=dict)
 
 

@@ -1,22 +1,47 @@
 """The registry of drafter kinds: one ``KIND`` object per ``heads/<kind>/`` package.
 
-Adding a kind is one folder under ``heads/`` plus its package name in :data:`PACKAGES` (and in
-:data:`COMMAND_LINES` when ``selfdraft train`` trains it).
+Adding a kind is one folder under ``heads/`` plus its line in :data:`PACKAGES` (a function importing
+its package) and its name in :data:`COMMAND_LINES` when ``selfdraft train`` trains it.
 
 A trainable kind's package imports only its ``cli`` module (flags, no torch); ``KIND`` and the rest
-load on first use, so the command line lists kinds and their flags without importing torch.
+load on first use, so the command line lists kinds and their flags without importing torch. Each
+kind's package is imported explicitly, by a function called on first use, so the import graph
+stays visible (no ``importlib``) and no kind is imported before it is asked for.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from .kind import CheckpointFormat, DrafterKind
 
-PACKAGES = ("medusa", "eagle", "lookup", "draft")
-"""The kinds' packages under ``heads/``, in the order formats are detected and kinds listed."""
+
+def _medusa() -> ModuleType:
+    from . import medusa
+    return medusa
+
+
+def _eagle() -> ModuleType:
+    from . import eagle
+    return eagle
+
+
+def _lookup() -> ModuleType:
+    from . import lookup
+    return lookup
+
+
+def _draft() -> ModuleType:
+    from . import draft
+    return draft
+
+
+PACKAGES: dict[str, Callable[[], ModuleType]] = {"medusa": _medusa, "eagle": _eagle, "lookup": _lookup,
+                                                  "draft": _draft}
+"""``{name: function importing heads.<name>}``: the kinds' packages, in the order formats are detected
+and kinds listed."""
 COMMAND_LINES = ("medusa", "eagle", "draft")
 """The trainable kinds (``KIND.trainable``, checked by a test), whose ``heads/<kind>/cli.py`` declares
 their ``selfdraft train`` flags."""
@@ -45,6 +70,16 @@ def get(name: object, what: str = "kind") -> DrafterKind:
     return kinds[name]
 
 
+def hybrid() -> DrafterKind:
+    """The kind whose drafting joins any other kind's trees (``DrafterKind.hybrid`` set: lookup), what
+    ``SpeculativeModel.set_lookup`` adds; LookupError unless exactly one kind has it."""
+    found = [kind for kind in registry().values() if kind.hybrid is not None]
+    if len(found) != 1:
+        raise LookupError(f"one registered kind must join other kinds' trees (DrafterKind.hybrid); found "
+                          f"{[kind.name for kind in found]}")
+    return found[0]
+
+
 def trainable() -> tuple[str, ...]:
     return tuple(name for name, kind in registry().items() if kind.trainable)
 
@@ -68,6 +103,6 @@ def format_names() -> tuple[str, ...]:
     return tuple(fmt for name in PACKAGES if name in COMMAND_LINES for fmt in _package(name).FORMAT_NAMES)
 
 
-def _package(name: str):
-    """The kind package ``heads.<name>``."""
-    return importlib.import_module(f"heads.{name}")
+def _package(name: str) -> ModuleType:
+    """The kind package ``heads.<name>`` (imported by its :data:`PACKAGES` function)."""
+    return PACKAGES[name]()

@@ -154,6 +154,24 @@ def _shipped_lora(model, directory: Path, config: dict, strict: bool, merge_lora
     return model, backbone_lora
 
 
+def _load_own_files(kind, model, directory: Path, config: dict, strict: bool,
+                    merge_lora: bool) -> SpeculativeModel:
+    """A spec on ``model`` of a kind that reads its own adapter directory (``DrafterKind.load``: its
+    config holding the weights it loaded, and what the spec's metadata records of them)."""
+    settings, recorded = kind.load(model, directory, config, strict=strict)
+    model, backbone_lora = attach_backbone(model, merge_lora=merge_lora)
+    model.requires_grad_(False)
+    try:
+        spec = build_spec(inspect_backbone(model), kind.name, settings)
+    except ValueError as error:  # e.g. a draft model that does not fit the target (vocabulary, special ids)
+        raise AdapterError(f"{directory}: {error}") from error
+    spec.backbone_lora = backbone_lora
+    spec.metadata = {"training": config.get("training", {}), "acceptance": config.get("acceptance", {}),
+                     "target": config["target"], "source_format": interop.SELFDRAFT, **recorded}
+    restore_lookup(spec, config, directory)
+    return spec
+
+
 def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: bool = True,
                merge_lora: bool | None = None) -> SpeculativeModel:
     """Attach the adapter in ``directory`` to ``model``.
@@ -187,7 +205,7 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
         config, tensors = read_config(directory), None
         own = kinds.registry().get(config["kind"])
         if own is not None and own.load is not None:  # a kind with its own files (the draft kind's model or LoRA)
-            return own.load(model, Path(directory), config, strict=strict, merge_lora=bool(merge_lora))
+            return _load_own_files(own, model, Path(directory), config, strict, bool(merge_lora))
         found = read_header(Path(directory) / WEIGHTS_NAME)
     else:
         config, tensors = interop.read_external(directory, source, lora.underlying_model(model))

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from tree_attention.capabilities import ComposedDrafter
 from tree_attention.decode import DecodeStats, SpeculativeDecoder
 from tree_attention.tree import TreeTemplate
-from tree_attention.verify import GreedyRule
 
 from . import kinds
 from .adaptive import Adaptive, recorded_acceptance
@@ -169,7 +169,8 @@ class SpeculativeModel:
         ``PeftModel``): its outputs then differ from the base model's, and the adapter pins both."""
         self._policy = None
         self.lookup = None
-        self._lookup_memory = self._lookup_gate = None
+        """The settings of the lookup drafting added to this drafter's trees (:meth:`set_lookup`), or None."""
+        self._hybrid = None  # what the hybrid drafters share (the registry's ``DrafterKind.hybrid``), or None
         self.set_tree(config.tree)
 
     @property
@@ -211,11 +212,7 @@ class SpeculativeModel:
     def drafter_for(self, tree=None):
         """A drafter for another tree (as :meth:`set_tree` takes it), leaving this spec's own unchanged."""
         drafter = kinds.get(self.kind).build_drafter(self, tree)
-        if self.lookup is None:
-            return drafter
-        from .lookup import HybridDrafter, LookupDrafter
-
-        return HybridDrafter(drafter, LookupDrafter(self.lookup, self._lookup_memory), self._lookup_gate)
+        return drafter if self._hybrid is None else self._hybrid.wrap(drafter)
 
     @_one_call_at_a_time
     def set_lookup(self, lookup=True, **options) -> None:
@@ -226,15 +223,13 @@ class SpeculativeModel:
         Outputs are unchanged (lossless); each step's tree grows by at most the lookup budget where
         the text repeats itself.
         """
-        from .lookup import LookupConfig, LookupGate, LookupMemory, make_config
-
         if lookup is None or lookup is False:
-            self.lookup = self._lookup_memory = self._lookup_gate = None
+            self.lookup = self._hybrid = None
         else:
-            config = lookup if isinstance(lookup, LookupConfig) else make_config(
+            entry = kinds.hybrid()
+            config = lookup if isinstance(lookup, entry.config_class) else entry.make_config(
                 **(dict(lookup) if isinstance(lookup, dict) else {}), **options)
-            self.lookup, self._lookup_memory = config, LookupMemory(config)
-            self._lookup_gate = LookupGate() if config.gate else None
+            self.lookup, self._hybrid = config, entry.hybrid(config)
         self._policy = None
         self.set_tree(None)
 
@@ -350,17 +345,11 @@ class SpeculativeModel:
         return output
 
     def _bind(self, drafter, rule):
-        """The drafter set up for ``rule`` by its kind (``DrafterKind.bind_rule``), if the kind has a hook."""
+        """The drafter set up for ``rule`` by its kind (``DrafterKind.bind_rule``), if the kind has a hook;
+        a drafter made of others (a hybrid) sets itself up and hands the hook to the kind's part."""
         bind = kinds.get(self.kind).bind_rule
-        from .lookup import HybridDrafter
-
-        if isinstance(drafter, HybridDrafter):
-            # which tree is verified never changes a greedy output; a sampled call's draws must not
-            # depend on timings, so its steps always verify the merged tree
-            drafter.gating = drafter.gate is not None and isinstance(rule, GreedyRule)
-            if bind is not None:
-                drafter.base = bind(drafter.base, rule)
-            return drafter
+        if isinstance(drafter, ComposedDrafter):
+            return drafter.bind_parts(rule, bind)
         return drafter if bind is None else bind(drafter, rule)
 
     @property

@@ -142,14 +142,13 @@ def _lora_draft(directory: Path, block: Mapping, target):
     return draft.eval()
 
 
-def load_adapter(model, directory: Path, config: dict, strict: bool = True, merge_lora: bool = False):
-    """A draft spec on ``model`` from a directory :func:`save_adapter` wrote (``KIND.load``).
+def load_adapter(model, directory: Path, config: dict, strict: bool = True) -> tuple[DraftConfig, dict]:
+    """What :func:`save_adapter` wrote, for a spec on ``model`` (``KIND.load``): the draft config
+    holding the loaded draft model, and what the spec's metadata records of it (``draft``).
 
     Raises ``TargetMismatchError`` when ``model`` is not the pinned target (``strict``; a warning
     otherwise) and ``AdapterError`` for a missing, swapped or unreadable draft or LoRA."""
     from .. import lora
-    from ..loading import attach_backbone, restore_lookup
-    from ..model import build_spec
 
     directory = Path(directory)
     check_drafter(config["drafter"], str(directory / CONFIG_NAME))
@@ -161,14 +160,4 @@ def load_adapter(model, directory: Path, config: dict, strict: bool = True, merg
     TargetPin(config["target"]).check(model, strict=strict, where=directory)
     plain = inspect_backbone(lora.underlying_model(model), probe=False)
     draft = (_lora_draft if block["weights"] == "lora" else _full_draft)(directory, block, plain)
-    model, backbone_lora = attach_backbone(model, merge_lora=merge_lora)
-    model.requires_grad_(False)
-    try:
-        spec = build_spec(inspect_backbone(model), "draft", replace(settings, draft_model=draft))
-    except ValueError as error:  # a draft that does not fit the target (vocabulary, special ids)
-        raise AdapterError(f"{directory}: {error}") from error
-    spec.backbone_lora = backbone_lora
-    spec.metadata = {"training": config.get("training", {}), "acceptance": config.get("acceptance", {}),
-                     "target": config["target"], "source_format": "selfdraft", "draft": dict(block)}
-    restore_lookup(spec, config, directory)
-    return spec
+    return replace(settings, draft_model=draft), {"draft": dict(block)}

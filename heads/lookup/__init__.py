@@ -9,11 +9,11 @@ from .config import LookupConfig
 from .corpus import CorpusIndex
 from .drafter import LookupDrafter, LookupMemory
 from .gate import LookupGate
-from .hybrid import HybridDrafter, merge_proposal
+from .hybrid import Hybrid, HybridDrafter, merge_proposal
 from .index import Proposal, SuffixIndex, pad_proposals, propose
 
 __all__ = ["KIND", "LookupConfig", "CorpusIndex", "LookupDrafter", "LookupMemory", "SuffixIndex", "Proposal",
-           "propose", "pad_proposals", "encode_corpus", "HybridDrafter", "LookupGate", "merge_proposal",
+           "propose", "pad_proposals", "encode_corpus", "Hybrid", "HybridDrafter", "LookupGate", "merge_proposal",
            "make_config"]
 
 OPTIONS = ("tree", "budget", "adaptive", "extend", "gate", "max_depth", "max_ngram", "min_match", "max_occurrences", "history_tokens",
@@ -56,5 +56,5 @@ def policy_sizes(spec) -> tuple[int, ...]:
 KIND = DrafterKind(
     name="lookup", config_class=LookupConfig, make_config=make_config,
     build_heads=lambda target, config: LookupMemory(config), build_drafter=build_drafter,
-    options=OPTIONS, policy_sizes=policy_sizes, trainable=False,
+    options=OPTIONS, policy_sizes=policy_sizes, trainable=False, hybrid=Hybrid,
 )

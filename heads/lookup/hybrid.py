@@ -14,13 +14,17 @@ draw: the sampling rule (accept with ``r(x)``, remove ``x`` from the residual) s
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
+from tree_attention.capabilities import StatelessDrafter
 from tree_attention.decode import DraftBatch
 from tree_attention.tree import Tree, TreeBatch
+from tree_attention.verify import GreedyRule
 
-from .drafter import LookupDrafter
+from .config import LookupConfig
+from .drafter import LookupDrafter, LookupMemory
 from .gate import LookupGate, match_class, tree_accepted
 from .index import Proposal
 
@@ -73,7 +77,9 @@ class HybridDrafter:
     With a :class:`~heads.lookup.gate.LookupGate` and a greedy rule (``gating``), a step where
     lookup's proposals alone are worth more (see the gate) verifies them without running the trained
     drafter (where lookup found nothing, the roots alone); what that drafter did not see is handed
-    to it, row by row in order, at the next step that runs it (``DraftBatch.then``)."""
+    to it, row by row in order, at the next step that runs it (``DraftBatch.then``).
+
+    A ``tree_attention.capabilities.ComposedDrafter``: :meth:`bind_parts` sets it up for a rule."""
 
     def __init__(self, base, lookup: LookupDrafter, gate: LookupGate | None = None) -> None:
         self.base = base
@@ -85,6 +91,27 @@ class HybridDrafter:
         self._returned: float | None = None  # when the last propose returned
         self._started: float | None = None  # when the last propose started
         self._forced: str | None = None  # the mode a planner asked for (use_mode), None: the gate's
+
+    @property
+    def base(self):
+        """The trained kind's drafter."""
+        return self._base
+
+    @base.setter
+    def base(self, drafter) -> None:
+        self._base = drafter
+        # a drafter that keeps nothing between steps needs the latest entries only after a skipped step
+        self._base_stateless = isinstance(drafter, StatelessDrafter)
+
+    def bind_parts(self, rule, bind: Callable[[object, object], object] | None) -> HybridDrafter:
+        """This drafter set up for the serving ``rule``, its trained drafter by ``bind`` (the trained
+        kind's ``DrafterKind.bind_rule``; None: nothing to set up). The gate decides only under a
+        greedy rule: which tree is verified never changes a greedy output, and a sampled call's
+        draws must not depend on timings, so its steps always verify the merged tree."""
+        self.gating = self.gate is not None and isinstance(rule, GreedyRule)
+        if bind is not None:
+            self.base = bind(self.base, rule)
+        return self
 
     modes = ("merged", "lookup")
     """``merged``: the trained drafter's tree with lookup's proposals merged in; ``lookup``: lookup's
@@ -148,9 +175,8 @@ class HybridDrafter:
             started = looked
         if self._forced == "lookup" or (gate is not None and gate.lookup_alone(keys)):
             # lookup alone (where it found nothing: the roots alone, a plain step); a drafter that
-            # keeps nothing between steps (``stateless``) needs the latest entries only
-            stateless = getattr(self.base, "stateless", False)
-            if stateless:
+            # keeps nothing between steps (``StatelessDrafter``) needs the latest entries only
+            if self._base_stateless:
                 self._unseen = [batch]
             else:
                 self._unseen.append(batch)  # (joined once, when the base runs)
@@ -174,3 +200,18 @@ class HybridDrafter:
             self._last = (False, keys, proposals, trees)
             self._returned = time.perf_counter()
         return trees
+
+
+class Hybrid:
+    """Lookup added to any other kind's drafter (``SpeculativeModel.set_lookup``; ``KIND.hybrid``):
+    the settings, and the memory of earlier requests and the gate that all of one spec's hybrid
+    drafters share."""
+
+    def __init__(self, config: LookupConfig) -> None:
+        self.config = config
+        self.memory = LookupMemory(config)
+        self.gate = LookupGate() if config.gate else None
+
+    def wrap(self, drafter) -> HybridDrafter:
+        """``drafter``'s trees with lookup's proposals merged in."""
+        return HybridDrafter(drafter, LookupDrafter(self.config, self.memory), self.gate)

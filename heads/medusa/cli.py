@@ -61,7 +61,7 @@ def target_options(args: argparse.Namespace, vocab_size: int) -> dict:
 
 
 JOINT_FLAGS = ("lora_lr", "joint_heads_only_steps", "joint_lambda", "joint_lambda_warmup")
-"""Joint-only flags; the LoRA flags are checked by :func:`heads.lora_flags.train_options`."""
+"""Joint-only flags; the LoRA flags are checked by :func:`heads.lora_flags.check`."""
 
 
 def train_options(args: argparse.Namespace) -> dict:

@@ -20,7 +20,7 @@ import argparse
 import math
 from pathlib import Path
 
-from heads import _refuse_foreign_options, kinds
+from heads import _refuse_foreign_options, kinds, lora_flags
 
 from ..config import DIVERGENCES
 from .common import (
@@ -175,6 +175,7 @@ def train_config(args):
     """The ``TrainConfig`` of the flags (every trainable kind's loss fields included)."""
     from ..trainer import TrainConfig
 
+    lora_flags.check(args, {name: lora_flags.switch(kind) for name, kind in kinds.registry().items()})
     kind_fields = {}
     for cli in kinds.command_lines().values():
         kind_fields.update(cli.train_options(args))

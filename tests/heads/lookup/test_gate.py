@@ -52,7 +52,7 @@ def test_skipping_the_trained_drafter_is_lossless(monkeypatch, family, name):
         prompt = repeated_prompt(8, seed)
         assert torch.equal(spec.generate(prompt, max_new_tokens=32),
                            reference(model, prompt, torch.ones_like(prompt), 32))
-    assert True in calls and spec._lookup_gate.lookup_steps > 0 and spec._lookup_gate.merged_steps > 0
+    assert True in calls and spec._hybrid.gate.lookup_steps > 0 and spec._hybrid.gate.merged_steps > 0
 
 
 @pytest.mark.parametrize("name", list(KINDS))
@@ -63,7 +63,7 @@ def test_skipping_in_a_batch_is_lossless(monkeypatch, name):
     prompts = [repeated_prompt(length, seed)[0] for length, seed in ((4, 1), (9, 2), (6, 3), (5, 4))]
     ids, mask = left_pad(prompts)
     assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=24), reference(model, ids, mask, 24))
-    assert spec._lookup_gate.lookup_steps > 0
+    assert spec._hybrid.gate.lookup_steps > 0
 
 
 def test_the_draft_kind_catches_up_after_skips(monkeypatch):
@@ -73,7 +73,7 @@ def test_the_draft_kind_catches_up_after_skips(monkeypatch):
     _forced(monkeypatch, [True, False, True, True, False])
     prompt = repeated_prompt(8, 3)
     assert torch.equal(spec.generate(prompt, max_new_tokens=32), reference(model, prompt, torch.ones_like(prompt), 32))
-    assert spec._lookup_gate.lookup_steps > 0
+    assert spec._hybrid.gate.lookup_steps > 0
 
 
 def _naive_accepted(tokens, parents, produced):
@@ -235,7 +235,7 @@ def test_sampled_calls_never_gate(monkeypatch):
     calls = _forced(monkeypatch, [True])
     prompt = repeated_prompt(8, 1)
     spec.generate(prompt, max_new_tokens=24, do_sample=True, temperature=0.7, generator=torch.Generator().manual_seed(0))
-    assert not calls and spec._lookup_gate.lookup_steps == 0
+    assert not calls and spec._hybrid.gate.lookup_steps == 0
     assert isinstance(spec.drafter, HybridDrafter)
 
 
@@ -246,6 +246,6 @@ def test_gate_off_always_merges(monkeypatch):
     calls = _forced(monkeypatch, [True])
     prompt = repeated_prompt(8, 1)
     assert torch.equal(spec.generate(prompt, max_new_tokens=24), reference(model, prompt, torch.ones_like(prompt), 24))
-    assert not calls and spec._lookup_gate is None
+    assert not calls and spec._hybrid.gate is None
     with pytest.raises(ValueError, match="gate"):
         heads.attach_heads(model, kind="medusa", num_heads=2, lookup={"gate": "yes"})

@@ -36,7 +36,7 @@ def test_hybrid_greedy_parity_every_architecture(name, kind):
         ones = torch.ones_like(prompt)
         assert torch.equal(spec.generate(prompt, max_new_tokens=32), reference(model, prompt, ones, 32))
         merged_lookup = spec.last_stats.tree_size > sum(KINDS[kind].values()) - 1
-        assert merged_lookup or spec._lookup_gate.lookup_steps > 0 or kind == "eagle"
+        assert merged_lookup or spec._hybrid.gate.lookup_steps > 0 or kind == "eagle"
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
