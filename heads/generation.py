@@ -14,6 +14,7 @@ bad words, sequence bias, ...) are refused rather than ignored: ignoring them wo
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -182,11 +183,13 @@ def check_seed(seed, generator: torch.Generator | None) -> int | list[int] | Non
     if generator is not None:
         raise ValueError("give seed= (output a function of prompt, settings and seed, whatever drafts) or "
                          "generator= (draws of the speculative sampling rule), not both")
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        return seed
-    if isinstance(seed, (list, tuple)) and seed and all(isinstance(value, int) and not isinstance(value, bool)
-                                                          for value in seed):
-        return list(seed)
+    def integer(value) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    if integer(seed):
+        return int(seed)
+    if isinstance(seed, (list, tuple)) and seed and all(integer(value) for value in seed):
+        return [int(value) for value in seed]
     raise TypeError(f"seed must be an int or a non-empty list of ints (one per row); got {seed!r}")
 
 

@@ -14,8 +14,9 @@ exact draw from the target's distribution there.
 **The stream.** ``G`` comes from a counter-based generator (no state): splitmix64's output function
 applied to ``stream(key, t) + (v + 1) * golden``, read as a uniform ``u`` in (0, 1) (53 bits) and
 mapped to ``-log(-log u)``. Integer arithmetic wraps modulo ``2**64`` on int64 tensors; right shifts
-are made logical by masking. The same ``(key, t, v)`` gives the same noise on any device and in any
-tensor shape, so only the noise of the tokens a rule looks at is ever computed.
+are made logical by masking. The same ``(key, t, v)`` gives the same 64-bit word in any tensor shape
+(and on any device; the float64 logarithms after it agree to rounding), so only the noise of the
+tokens a rule looks at is ever computed.
 
 **Keys.** A row's key mixes the seed with a hash of its prompt tokens (padding excluded), so rows with
 different prompts draw independent noise and a row's output does not depend on its place in a batch;
