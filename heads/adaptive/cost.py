@@ -8,7 +8,9 @@ and a width never verified is priced by interpolating its measured neighbours li
 on the cheap side of a convex curve, so an unmeasured width in between gets tried), and past the
 widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
 A width's excess cost over a plain step counts as if it had one more sample at the plain cost, so a
-width written off on one noisy step is tried again, and the estimate converges as samples come.
+width written off on one noisy step is tried again, and the estimate converges as samples come; and
+no width is priced above a wider one (the lower envelope): timing noise on a shared machine only ever
+adds time, and verifying more nodes never costs less.
 Drafting cost is kept per rows bucket for a drafter's steady steps; a request's first ``propose``
 (the drafter catching up on the prompt) is kept apart and never charged to a step's choice.
 """
@@ -24,11 +26,6 @@ COST_HORIZON = 32
 """Observations a running cost averages over (an exponential mean of weight ``1 / min(n, COST_HORIZON)``):
 long enough to smooth one step's timing noise, short enough to follow the cache growing and the
 machine's load changing."""
-
-PLAIN_SAMPLES = 3
-"""Plain steps timed in a rows bucket before drafting is judged against them: every width is priced
-against the plain step, so one noisy sample of it would skew every choice in the bucket."""
-
 
 @dataclass
 class RunningMean:
@@ -52,7 +49,7 @@ class CostCurve:
         self.verify: dict[int, dict[int, RunningMean]] = {}
         self.drafting: dict[str | None, dict[int, RunningMean]] = {}  # per drafting mode, per rows bucket
         self.first_drafting: dict[str | None, dict[int, RunningMean]] = {}
-        self._curves: dict[int, tuple] = {}  # per bucket: log2 widths, seconds, width -> index
+        self._curves: dict[int, list] = {}  # per bucket: log2 widths, seconds, width -> index, envelope
 
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
         bucket = rows_bucket(rows)
@@ -84,9 +81,8 @@ class CostCurve:
         return tables[min(tables, key=lambda other: (abs(math.log2(other / bucket)), other))]
 
     def knows_plain(self, rows: int) -> bool:
-        """Whether plain steps (width 1) have been timed :data:`PLAIN_SAMPLES` times in ``rows``' bucket."""
-        plain = self.verify.get(rows_bucket(rows), {}).get(1)
-        return plain is not None and plain.count >= PLAIN_SAMPLES
+        """Whether a plain step (width 1) has been timed in ``rows``' bucket."""
+        return 1 in self.verify.get(rows_bucket(rows), {})
 
     def verify_curve(self, rows: int, widths: np.ndarray) -> np.ndarray | None:
         """Predicted seconds of a verify forward over ``rows`` rows of each of ``widths`` nodes per
@@ -100,11 +96,13 @@ class CostCurve:
         if curve is None:
             table = self.verify[bucket]
             measured = sorted(table)
-            curve = self._curves[bucket] = (np.log2(measured), np.zeros(len(measured)),
-                                            {width: index for index, width in enumerate(measured)})
+            curve = self._curves[bucket] = [np.log2(measured), np.zeros(len(measured)),
+                                            {width: index for index, width in enumerate(measured)}, None]
             for width in measured:
                 self._price(bucket, width)
-        return np.interp(np.log2(np.maximum(widths, 1.0)), curve[0], curve[1])
+        if curve[3] is None:  # the lower envelope: no width priced above a wider one
+            curve[3] = np.minimum.accumulate(curve[1][::-1])[::-1]
+        return np.interp(np.log2(np.maximum(widths, 1.0)), curve[0], curve[3])
 
     def _price(self, bucket: int, width: int) -> None:
         """Set ``width``'s entry of ``bucket``'s curve: its mean, its excess over the plain step's cost
@@ -118,6 +116,7 @@ class CostCurve:
             count = min(mean.count, COST_HORIZON)
             value = plain.value + (mean.value - plain.value) * count / (count + 1)
         curve[1][curve[2][width]] = value
+        curve[3] = None
 
     def verify_seconds(self, rows: int, width: int) -> float | None:
         """:meth:`verify_curve` for one width."""

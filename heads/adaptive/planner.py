@@ -144,7 +144,7 @@ class CallPlanner:
             if not model.known:
                 return Choice(True, nodes=0, reason="drafter not measured yet: draft and measure", mode=mode)
         if not self.costs.knows_plain(rows):
-            return Choice(False, reason="time a plain step")
+            return Choice(False, nodes=0, reason="time a plain step")  # (nodes=0: planned again next step)
         plain = self.costs.verify_seconds(rows, 1)
         best, best_rate = Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest"), 1.0 / plain
         for mode, model in models:
