@@ -172,6 +172,19 @@ class GumbelRule(GreedyRule):
         warped = self.warp(logits.reshape(-1, logits.shape[-1]).float()).view(logits.shape)
         return perturbed_argmax(warped, keys, positions.to(logits.device) + 1)
 
+    def coupled_candidates(self, draft_logits: torch.Tensor, batch_rows: list[int], positions: torch.Tensor,
+                           count: int) -> torch.Tensor:
+        """A drafter's ``count`` candidates for the tokens at ``positions`` ``[R, ...]`` (the drafted
+        tokens' own positions, not their queries'), from its logits ``[R, ..., V]`` warped as the
+        target's and perturbed with the target's noise there (:func:`perturbed_top_k`): with the
+        draft's logits equal to the target's, the first candidate is the target's draw. Returns
+        ``[R, ..., count]`` long. The output never depends on it; only acceptance does."""
+        index = torch.as_tensor(batch_rows, dtype=torch.long, device=self.keys.device)
+        keys = self.keys[index].to(draft_logits.device)
+        keys = keys.view(-1, *([1] * (positions.dim() - 1))).expand(positions.shape)
+        warped = self.warp(draft_logits.reshape(-1, draft_logits.shape[-1]).float()).view(draft_logits.shape)
+        return perturbed_top_k(warped, keys, positions.to(draft_logits.device), count)
+
     def first_token(self, logits: torch.Tensor) -> int:
         raise ValueError("GumbelRule draws by row and position: use first_tokens with batch_rows and positions")
 

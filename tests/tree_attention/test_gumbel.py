@@ -207,3 +207,13 @@ def test_the_walk_equals_draws_at_every_node_with_repeated_sibling_tokens(monkey
         for row in range(2):
             length = int(eager.lengths[row])
             assert eager.paths[row, :length].tolist() == walked.paths[row, :length].tolist()
+
+
+def test_coupled_candidates_of_the_targets_own_logits_start_with_its_draw():
+    rule = GumbelRule(lambda logits: logits / 0.7, seeds=[3, 4]).for_prompts(torch.tensor([[5, 6], [7, 8]]), None)
+    logits = torch.randn(2, 5, 30, generator=torch.Generator().manual_seed(5))
+    positions = torch.tensor([[4], [11]]) + torch.arange(5)[None, :]  # query positions
+    draws = rule.choices(logits, [1, 0], positions)
+    candidates = rule.coupled_candidates(logits, [1, 0], positions + 1, 3)  # the drawn tokens' positions
+    assert candidates.shape == (2, 5, 3)
+    assert torch.equal(candidates[..., 0], draws)
