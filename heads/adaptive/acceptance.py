@@ -38,7 +38,16 @@ UNINFORMED = 0.5
 """Prior chance that a drafted token is accepted, given its parent was, when the adapter recorded no
 acceptance (lookup, untrained drafters): the accepted path reaches depth ``d`` with ``UNINFORMED ** d``."""
 
+SCORE_BINS = 16
+"""Bins of a drafter's own node scores (half powers of two from 1 down to ``2 ** -7.5``) that
+acceptance is calibrated in, for drafters whose trees carry scores (lookup)."""
+
 _RESCALE = 1e-150  # the running weight is folded back into the counts below this (float64 range)
+
+
+def score_bins(scores: np.ndarray) -> np.ndarray:
+    """The calibration bin of each node score (``-2 log2(score)``, clamped to the bins)."""
+    return np.clip(np.floor(-2.0 * np.log2(np.maximum(scores, 1e-30))), 0, SCORE_BINS - 1).astype(np.int64)
 
 
 def _upper(rate: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -70,6 +79,11 @@ class AcceptanceModel:
         self.steps = 0
         self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
+        # calibration of node scores: per bin, nodes verified and accepted (stored, see scale); prior
+        # weight PRIOR_STEPS at the bin's own score (the drafter is trusted until shown otherwise)
+        centers = 2.0 ** (-(np.arange(SCORE_BINS) + 0.5) / 2)
+        self.score_trials, self.score_hits = np.zeros(SCORE_BINS), np.zeros(SCORE_BINS)
+        self._score_prior = (PRIOR_STEPS * centers, np.full(SCORE_BINS, PRIOR_STEPS))
         self._grow(self.width)
 
     def _grow(self, width: int) -> None:
@@ -86,6 +100,8 @@ class AcceptanceModel:
             for array in (self.exists, self.present, self.on_path, self.depth_sum):
                 array *= self.scale
             self.rows *= self.scale
+            self.score_trials *= self.scale
+            self.score_hits *= self.scale
             self.scale = 1.0
         self._cache = None
 
@@ -129,6 +145,15 @@ class AcceptanceModel:
         else:
             accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
             self.on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
+        if trees.scores is not None:
+            hit = np.zeros((trees.rows, width), dtype=bool)
+            kept = np.arange(paths.shape[1])[None, :] < lengths[:, None]
+            hit[np.nonzero(kept)[0], paths[kept]] = True
+            real = np.arange(width)[None, :] < trees.sizes.numpy()[:, None]
+            real[:, 0] = False
+            bins = score_bins(trees.scores.numpy())[real]
+            self.score_trials += weight * np.bincount(bins, minlength=SCORE_BINS)
+            self.score_hits += weight * np.bincount(bins, weights=hit[real], minlength=SCORE_BINS)
         self._cache = None
 
     def _spread_prior(self, depths: np.ndarray, exists: np.ndarray | None) -> None:
@@ -190,6 +215,18 @@ class AcceptanceModel:
             prefix[:count] = np.cumsum(optimistic[:count])
             prefix[count:] = prefix[count - 1]
         return prefix[np.minimum(sizes[:, None], cuts[None, :]) - 1].sum(axis=0)
+
+    def score_gains(self, scores: np.ndarray, sizes: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+        """``[C]``: expected drafted tokens accepted over rows whose trees carry the drafter's node
+        ``scores`` ``[R, N]`` (sizes ``[R]``), each cut to its first ``n`` nodes for each ``n`` of
+        ``cuts``: the sum over kept nodes of the calibrated chance that the node is accepted."""
+        prior_hits, prior_trials = self._score_prior
+        rate = (self.score_hits * self.scale + prior_hits) / (self.score_trials * self.scale + prior_trials)
+        calibrated = _upper(rate, self.score_trials * self.scale + prior_trials)[score_bins(scores)]  # (R, N)
+        calibrated[:, 0] = 0.0
+        calibrated[np.arange(scores.shape[1])[None, :] >= sizes[:, None]] = 0.0
+        prefix = np.cumsum(calibrated.sum(axis=0))
+        return prefix[np.minimum(cuts, scores.shape[1]) - 1]
 
     def depth_cuts(self) -> list[tuple[int, float, int]]:
         """``(depth, expected drafted tokens a row accepts, expected padded width)`` for each depth

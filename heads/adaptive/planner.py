@@ -190,7 +190,7 @@ class CallPlanner:
             return trees
         if not self.deterministic:
             return trees if choice.depth is None else truncate_batch(trees, [choice.depth] * trees.rows)
-        if trees.uniform and trees.width == self.planned_width:  # the plan saw this very shape
+        if trees.uniform and trees.scores is None and trees.width == self.planned_width:  # the plan saw this shape
             return prefix_batch(trees, choice.nodes)
         return self._best_prefix(trees)
 
@@ -204,7 +204,11 @@ class CallPlanner:
         seconds = self.costs.verify_curve(rows, cuts)
         if seconds is None:
             return trees
-        rates = (rows + self.acceptance.tree_gains(sizes, cuts)) / np.maximum(seconds, 1e-9)
+        if trees.scores is not None:  # the drafter scored its nodes: calibrated scores, this very tree
+            gains = self.acceptance.score_gains(trees.scores.numpy(), sizes, cuts)
+        else:
+            gains = self.acceptance.tree_gains(sizes, cuts)
+        rates = (rows + gains) / np.maximum(seconds, 1e-9)
         best_nodes = int(cuts[int(np.argmax(rates))])
         return trees if best_nodes >= width else prefix_batch(trees, best_nodes)
 
