@@ -190,27 +190,26 @@ class CallPlanner:
             return trees
         if not self.deterministic:
             return trees if choice.depth is None else truncate_batch(trees, [choice.depth] * trees.rows)
-        if trees.uniform and trees.scores is None and trees.width == self.planned_width:  # the plan saw this shape
-            return prefix_batch(trees, choice.nodes)
-        return self._best_prefix(trees)
-
-    def _best_prefix(self, trees: TreeBatch) -> TreeBatch:
-        """The node-order prefix of ``trees`` with the most expected tokens per second, drafting spent."""
-        rows, width = trees.rows, trees.width
-        if width <= 1:
+        if trees.width <= choice.nodes:  # nothing beyond the planned cut
             return trees
+        if self._age > 1 or (trees.uniform and trees.scores is None and trees.width == self.planned_width):
+            return prefix_batch(trees, choice.nodes)  # within a plan's life, or the very shape it planned for
+        self.choice.nodes = self._best_prefix(trees)
+        return prefix_batch(trees, self.choice.nodes)
+
+    def _best_prefix(self, trees: TreeBatch) -> int:
+        """The node-order prefix of ``trees`` (its node count) with the most expected tokens per
+        second, drafting spent; it stands for the rest of the plan's life."""
+        rows, width = trees.rows, trees.width
         sizes = np.full(rows, width) if trees.uniform else trees.sizes.cpu().numpy()
         cuts = np.array([1, *(cut for cut in CUTS if cut < width), width])
         seconds = self.costs.verify_curve(rows, cuts)
-        if seconds is None:
-            return trees
         if trees.scores is not None:  # the drafter scored its nodes: calibrated scores, this very tree
             gains = self.acceptance.score_gains(trees.scores.numpy(), sizes, cuts)
         else:
             gains = self.acceptance.tree_gains(sizes, cuts)
         rates = (rows + gains) / np.maximum(seconds, 1e-9)
-        best_nodes = int(cuts[int(np.argmax(rates))])
-        return trees if best_nodes >= width else prefix_batch(trees, best_nodes)
+        return int(cuts[int(np.argmax(rates))])
 
     def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
                 lengths: torch.Tensor) -> None:
