@@ -28,6 +28,7 @@ from typing import Mapping
 from ..adapter import CONFIG_NAME, WEIGHTS_NAME, AdapterError, TargetPin, adapter_config, json_writer, write_directory
 from ..adapter.schema import validate_config
 from ..backbone import inspect_backbone, target_fingerprint, weights_fingerprint
+from .calibration import check_calibration
 from .config import DraftConfig
 from .modules import DraftModel, load_draft_model
 
@@ -70,6 +71,7 @@ def save_adapter(spec, directory, **metadata) -> None:
     draft: DraftModel = spec.heads
     config = adapter_config(spec, **metadata)
     config["drafter"]["model"] = model_block(draft)
+    config["drafter"]["calibration"] = draft.calibration.to_dict()
     config = validate_config(config, f"adapter config for {directory}")
     files = {CONFIG_NAME: json_writer(config)}
     if draft.lora is not None:
@@ -102,6 +104,11 @@ def check_drafter(drafter: Mapping, where: str) -> None:
         if not _sha(block.get(key)):
             raise AdapterError(f"{where}: drafter.model.{key} must be a 64-digit lowercase sha256 hex string; got "
                                f"{block.get(key)!r}")
+    if drafter.get("calibration") is not None:
+        try:
+            check_calibration(drafter["calibration"])
+        except ValueError as error:
+            raise AdapterError(f"{where}: drafter.calibration: {error}") from error
     if weights == "lora" and not block.get("base"):
         raise AdapterError(f"{where}: a draft LoRA needs drafter.model.base, the draft model it was trained on")
 

@@ -7,11 +7,14 @@ from typing import Mapping
 
 from tree_attention.dynamic import DYNAMIC_FIELDS, check_dynamic_size, dynamic_shape_overrides
 
-# A chain of 4 (Leviathan et al.'s gamma): on this CPU every drafting level is one more forward of
-# the draft model, so chains beat wide trees unless the draft is nearly free (see heads/eagle/config.py).
-DEFAULT_DEPTH = 4
+from .calibration import check_calibration
+
+# Chains (every drafting level is one more forward of the draft model, so chains beat wide trees
+# unless the draft is nearly free; see heads/eagle/config.py) of up to 8 nodes: with ``adaptive``
+# the calibrated confidence chooses each step's length below that cap.
+DEFAULT_DEPTH = 8
 DEFAULT_TOP_K = 1
-DEFAULT_TOTAL_TOKENS = 4
+DEFAULT_TOTAL_TOKENS = 8
 SAMPLE_MODES = ("auto", "never", "always")
 _TREE_FIELDS = DYNAMIC_FIELDS
 
@@ -44,6 +47,14 @@ class DraftConfig:
     draft is unsure, like transformers' ``assistant_confidence_threshold``; 0 drafts ``depth``
     tokens every step. The choice depends on the draft's distribution, never on the drawn token,
     so sampled chains stay lossless."""
+    adaptive: bool = True
+    """Chains only: each step's length per row, up to ``depth``, from the draft's confidence at each
+    position calibrated against what the target accepted, and the measured seconds of a draft
+    forward and of a verified node (:mod:`heads.draft.calibration`); False drafts ``depth`` tokens
+    every step (or fewer, with ``confidence``)."""
+    calibration: dict | None = field(default=None, repr=False, compare=False)
+    """The calibrated acceptance an adapter recorded (``ChainCalibration.to_dict``), the prior of
+    the online calibration; None: the draft's confidence itself."""
     draft_model: object = field(default=None, repr=False, compare=False)
     """The draft ``PreTrainedModel`` (a live object: not part of :meth:`to_dict`)."""
 
@@ -59,6 +70,10 @@ class DraftConfig:
         if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) or \
                 not 0.0 <= self.confidence < 1.0:
             raise ValueError(f"DraftConfig.confidence must be in [0, 1); got {self.confidence!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"DraftConfig.adaptive must be True or False; got {self.adaptive!r}")
+        if self.calibration is not None:
+            check_calibration(self.calibration)
         if self.sample not in SAMPLE_MODES:
             raise ValueError(f"DraftConfig.sample must be one of {SAMPLE_MODES}; got {self.sample!r}")
         if self.sample == "always" and self.top_k != 1:
@@ -80,4 +95,4 @@ class DraftConfig:
 
     def to_dict(self) -> dict:
         """The hyper-parameters (the draft model itself is not recorded)."""
-        return {name: getattr(self, name) for name in (*_TREE_FIELDS, "sample", "confidence")}
+        return {name: getattr(self, name) for name in (*_TREE_FIELDS, "sample", "confidence", "adaptive")}

@@ -3,6 +3,8 @@ rows of a batch, one draft forward per tree level, with its own ragged KV cache.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tree_attention import cache as cache_ops
@@ -11,6 +13,7 @@ from tree_attention.dynamic import advance_growth, grow_dynamic_tree
 from tree_attention.mask import causal_visibility
 from tree_attention.tree import Tree, TreeBatch, chain_batch
 
+from .calibration import confidence_bins, depth_buckets
 from .config import DraftConfig
 from .modules import DraftModel
 
@@ -27,6 +30,14 @@ class DraftModelDrafter:
     its draft is less sure of than ``config.confidence``) or dynamic trees in lockstep, one draft
     forward per level.
 
+    By default (``config.adaptive``) a chain's length is chosen per row and step, up to
+    ``depth``: a node is kept while the chance that the target accepts it and all its ancestors
+    (the calibrated acceptance of each node's confidence bin, multiplied along the chain) pays for
+    one more verified node, and one more draft forward runs while the expected gain of the next
+    node pays for that forward and its node (:mod:`heads.draft.calibration`; the heads'
+    ``calibration`` and ``costs`` learn from every step). Each decision reads the draft's
+    distributions and the tokens already drafted, never the token a decision is about.
+
     Candidates are the draft's top-k tokens (point masses for the sampling rule) unless
     :meth:`sample_with` set a warp: then chains (``top_k`` 1) draw each token from the draft's
     warped distribution q and carry q in ``draft_probs``.
@@ -37,6 +48,7 @@ class DraftModelDrafter:
         self.draft = heads.backbone
         self.config = config
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
+        self.calibration, self.costs = heads.calibration, heads.costs
         self.warp = self.generator = None
         self.reset(1)
 
@@ -57,12 +69,24 @@ class DraftModelDrafter:
         self.cache = cache_ops.RaggedCache(batch_size, device)
         self.committed = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.started = False  # after the first propose, each batch's first token is the root already fed
+        self.chains = None  # the last adaptive chains: (tokens [R, W] roots first, sizes [R], bins [R, W - 1], mode)
+        self.proposed_at = None  # perf_counter when the last propose of this call returned
+        self.pending: DraftBatch | None = None  # committed entries of plain steps, not fed to the draft yet
+        self.costs.waited = self.costs.interval  # each call's first step drafts
 
     def retire(self, keep: torch.Tensor) -> None:
         """Drop the cache rows of sequences that left the batch."""
         keep = keep.to(self.committed.device)
         self.cache.select_rows(keep)
         self.committed = self.committed[keep]
+        if self.chains is not None:
+            tokens, sizes, bins, mode = self.chains
+            keep = keep.to(tokens.device)
+            self.chains = (tokens[keep], sizes[keep], bins[keep], mode)
+        if self.pending is not None and keep.numel():
+            pending, keep = self.pending, keep.to(self.pending.lengths.device)
+            self.pending = DraftBatch(pending.features[keep], pending.tokens[keep], pending.lengths[keep],
+                                      pending.roots[keep])
 
     def _commit(self, batch: DraftBatch) -> torch.Tensor:
         """Feed each row's new tokens and its root; the draft's logits at the roots ``[R, V]``."""
@@ -107,11 +131,55 @@ class DraftModelDrafter:
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> TreeBatch:
         """One chain (``top_k`` 1) or dynamic tree per row of ``batch``."""
+        started = time.perf_counter()
+        self._observe(batch, started)
+        if self.pending is not None:
+            batch, self.pending = self.pending.then(batch), None
+        adaptive = self.config.adaptive and self.top_k == 1 and self.depth and self.total_tokens
+        if adaptive and not self.costs.draft_now():  # a plain step: the draft catches up when it next drafts
+            self.pending = batch
+            trees = TreeBatch.roots_only(batch.roots.to(self.committed.device))
+            self.proposed_at = time.perf_counter()
+            self.propose_seconds, self.width = self.proposed_at - started, 1
+            return trees
         root_logits = self._commit(batch)  # (R, V)
         self.cache.compact()
-        if self.top_k == 1:
-            return self._chain(batch.roots.to(root_logits.device), root_logits)
-        return self._tree(batch.roots.tolist(), root_logits)
+        if self.top_k != 1:
+            trees = self._tree(batch.roots.tolist(), root_logits)
+        elif adaptive:
+            trees = self._adaptive_chain(batch.roots.to(root_logits.device), root_logits)
+        else:
+            trees = self._chain(batch.roots.to(root_logits.device), root_logits)
+        self.proposed_at = time.perf_counter()
+        self.propose_seconds, self.width = self.proposed_at - started, trees.width
+        return trees
+
+    def _observe(self, batch: DraftBatch, now: float) -> None:
+        """Learn from what the target kept of the last step's chains: its verify seconds, and per
+        row the verdict on each node whose parent was accepted (node ``k + 1`` after ``k`` accepted
+        nodes was accepted exactly when the target's next token is that node's token). Rows whose
+        committed tokens are not a prefix of their chain (a step the chain did not serve) teach nothing."""
+        if self.proposed_at is not None:
+            verify = now - self.proposed_at
+            self.costs.add_step(self.width, verify, verify + self.propose_seconds, float(batch.lengths.float().mean()))
+        if self.chains is None:
+            return
+        chain, sizes, bins, mode = self.chains
+        self.chains = None
+        device = chain.device
+        accepted = batch.lengths.to(device) - 1  # (R,) drafted tokens kept
+        levels = torch.arange(1, chain.shape[1], device=device)[None, :]  # (1, D)
+        width = min(batch.tokens.shape[1], chain.shape[1])
+        committed = torch.zeros_like(chain)
+        committed[:, :width] = batch.tokens[:, :width].to(device)
+        same = (committed[:, 1:] == chain[:, 1:]) | (levels > accepted[:, None])  # (R, D)
+        usable = same.all(dim=1) & (accepted < sizes)  # (R,)
+        seen = usable[:, None] & (levels <= accepted[:, None] + 1) & (levels < sizes[:, None])  # (R, D)
+        verdict = (levels <= accepted[:, None]) | (chain[:, 1:] == batch.roots.to(device)[:, None])
+        depths = levels.expand_as(seen)
+        self.calibration.observe(mode, depths[seen], bins[seen], verdict[seen])
+        if bool(usable.any()):
+            self.costs.add_drafted(float(accepted[usable].float().mean()), self.propose_seconds, self.width)
 
     def _chain(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
         """Every row's chain, one draft forward per level for all rows; a row stops growing below
@@ -137,6 +205,48 @@ class DraftModelDrafter:
             _, logits = self.draft.forward(token[:, None], positions, mask, self.cache.cache, "last")
             logits = logits[:, -1]
         return chain_batch(torch.stack(tokens, dim=1), sizes, draws if self.sampling else None)
+
+    def _adaptive_chain(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
+        """Every row's chain of the length its calibrated acceptance pays for (at most ``depth``),
+        one draft forward per level for the rows still growing (others ride along)."""
+        rows, device = roots.shape[0], roots.device
+        mode = "sampled" if self.sampling else "greedy"
+        rates = self.calibration.rates(mode)  # (DEPTHS, BINS)
+        next_rates = self.calibration.next_rates(mode, rates).to(device, torch.float32)  # (DEPTHS, BINS)
+        rates = rates.to(device, torch.float32)
+        draft_price, node_price = self.costs.prices()  # tokens
+        tokens, draws, bins = [roots], [], []
+        sizes = torch.ones(rows, dtype=torch.long, device=device)
+        growing = torch.ones(rows, dtype=torch.bool, device=device)
+        chance = torch.ones(rows, device=device)  # the target accepts every node so far
+        start = self.committed - 1  # (R,) the roots' positions
+        for level in range(1, self.depth + 1):
+            token, confidence, q = self._next(logits)
+            level_bins = confidence_bins(confidence)  # (R,)
+            acceptance = rates[depth_buckets(level)][level_bins]  # (R,)
+            if level > 1:  # what the forward bought the rows it ran for
+                self.calibration.observe_following(mode, level, bins[-1][growing], acceptance[growing])
+            chance = chance * acceptance
+            growing = growing & (chance > node_price)
+            tokens.append(token)
+            draws.append(q)
+            bins.append(level_bins)
+            sizes = sizes + growing.long()
+            gain = chance * next_rates[depth_buckets(level + 1)][level_bins]  # (R,) expected from one more level
+            growing = growing & (confidence >= self.config.confidence) & (gain > node_price)
+            if level == self.depth or not bool((growing & (gain > draft_price + node_price)).any()):
+                break
+            began = time.perf_counter()
+            positions = (start + level)[:, None]  # (R, 1)
+            keys = start[:, None] + torch.arange(1, level + 1, device=device)[None, :]  # this step's chain slots
+            visible = torch.ones(rows, 1, level, dtype=torch.bool, device=device)
+            mask = self.cache.mask(positions, visible, self.draft.layout, self.draft.dtype, keys)
+            _, logits = self.draft.forward(token[:, None], positions, mask, self.cache.cache, "last")
+            logits = logits[:, -1]
+            self.costs.add_draft(time.perf_counter() - began)
+        chain = torch.stack(tokens, dim=1)  # (R, W)
+        self.chains = (chain, sizes, torch.stack(bins, dim=1), mode)
+        return chain_batch(chain, sizes, draws if self.sampling else None)
 
     def _tree(self, roots: list[int], root_logits: torch.Tensor) -> TreeBatch:
         """Every row's dynamic tree (EAGLE-2 growth), one draft forward per level for all rows."""

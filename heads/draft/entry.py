@@ -11,6 +11,7 @@ from tree_attention.verify import SamplingRule
 from ..kind import DrafterKind, refuse_options
 from . import cli
 from .adapter import ADAPTER_FILES, check_drafter, load_adapter, save_adapter
+from .calibration import ChainCalibration
 from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, SAMPLE_MODES, DraftConfig
 from .drafter import DraftModelDrafter
 from .loss import DraftLoss
@@ -22,12 +23,13 @@ __all__ = ["KIND", "DraftConfig", "DraftModel", "DraftModelDrafter", "DraftLoss"
            "check_draft_model", "check_special_ids", "check_tokenizers", "load_draft_model",
            "DEFAULT_DEPTH", "DEFAULT_TOP_K", "DEFAULT_TOTAL_TOKENS", "SAMPLE_MODES"]
 
-OPTIONS = ("draft_model", "depth", "top_k", "total_tokens", "sample", "confidence", "tokenizer", "draft_tokenizer")
+OPTIONS = ("draft_model", "depth", "top_k", "total_tokens", "sample", "confidence", "adaptive", "tokenizer",
+           "draft_tokenizer")
 
 
 def make_config(draft_model=None, depth: int | None = None, top_k: int | None = None,
                 total_tokens: int | None = None, sample: str | None = None, confidence: float | None = None,
-                tokenizer=None, draft_tokenizer=None, **others) -> DraftConfig:
+                adaptive: bool | None = None, tokenizer=None, draft_tokenizer=None, **others) -> DraftConfig:
     """The config ``attach_heads(kind="draft", ...)`` builds; ``draft_model`` is required (a
     ``PreTrainedModel`` or the directory of one, loaded when the spec is built), a lone
     ``total_tokens`` lowers the default depth to fit it, and ``tokenizer``/``draft_tokenizer``
@@ -42,7 +44,8 @@ def make_config(draft_model=None, depth: int | None = None, top_k: int | None = 
     shape = {name: value for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens))
              if value is not None}
     return DraftConfig(sample=sample or "auto", confidence=0.0 if confidence is None else confidence,
-                       draft_model=draft_model, **DraftConfig().with_tree(shape).tree)
+                       adaptive=True if adaptive is None else adaptive, draft_model=draft_model,
+                       **DraftConfig().with_tree(shape).tree)
 
 
 def build_heads(target, config: DraftConfig) -> DraftModel:
@@ -52,7 +55,9 @@ def build_heads(target, config: DraftConfig) -> DraftModel:
     draft = config.draft_model
     if isinstance(draft, (str, os.PathLike)):
         draft = load_draft_model(draft, target)
-    return DraftModel(target, draft)
+    heads = DraftModel(target, draft)
+    heads.calibration = ChainCalibration(config.calibration)
+    return heads
 
 
 def build_drafter(spec, tree) -> DraftModelDrafter:

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..backbone import Backbone, inspect_backbone, target_fingerprint
+from .calibration import ChainCalibration, ChainCosts
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -109,6 +110,8 @@ class DraftModel(nn.Module):
     weight (:meth:`train_all_weights`) or a peft LoRA injected in place (:meth:`add_lora`, kept
     unmerged in :attr:`lora` until saved). :attr:`base_pin` is the draft's fingerprint before
     training and :attr:`source` where it was loaded from, both recorded when it is saved.
+    :attr:`calibration` (recorded too) and :attr:`costs` are what its drafters learn while serving
+    (:mod:`heads.draft.calibration`), shared by every drafter built on it.
     """
 
     def __init__(self, target: Backbone, draft_model: PreTrainedModel) -> None:
@@ -124,6 +127,8 @@ class DraftModel(nn.Module):
         self.source = model_source(draft_model)
         self.base_pin: dict | None = None
         self.lora = None  # heads.lora.BackboneLora while a LoRA is trained on the draft
+        self.calibration = ChainCalibration()
+        self.costs = ChainCosts()
         self.train(draft_model.training)  # a fresh Module trains: keep the draft's own mode (generate restores it)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

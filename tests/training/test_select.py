@@ -19,7 +19,8 @@ def dirs(toy_target, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("select")
     save_target_and_draft(toy_target, root)
     # the target as its own draft, saved as a draft adapter: every drafted token is accepted (11 = 1 + 2 x 5)
-    heads.attach_heads(toy_target, kind="draft", draft_model=toy_target).save_pretrained(root / "self-draft")
+    heads.attach_heads(toy_target, kind="draft", draft_model=toy_target, depth=4, total_tokens=4,
+                       adaptive=False).save_pretrained(root / "self-draft")
     _write_prompts(root / "prompts.jsonl", 6, seed=4)
     return {name: root / name for name in ("model", "draft", "self-draft", "prompts.jsonl")} | {"root": root}
 

@@ -26,7 +26,7 @@ from tests.stats import FALSE_ALARM, chi_square_pvalue
 from tree_attention.decode import speculative_generate
 from tree_attention.verify import SamplingRule
 
-CHAIN = dict(depth=4, top_k=1, total_tokens=4)
+CHAIN = dict(depth=4, top_k=1, total_tokens=4, adaptive=False)  # a fixed chain (the default adapts: test_adaptive_chain.py)
 TREE = dict(depth=3, top_k=2, total_tokens=6)
 
 
@@ -107,7 +107,7 @@ def test_eos_inside_an_accepted_chain(name):
         if found and found[0] < 8:
             break
     stop, eos = found
-    spec = heads.attach_heads(model, kind="draft", draft_model=model, depth=8, total_tokens=8)
+    spec = heads.attach_heads(model, kind="draft", draft_model=model, depth=8, total_tokens=8, adaptive=False)
     model.generation_config.eos_token_id = eos
     expected = reference(model, prompt, torch.ones_like(prompt), 30)
     actual = spec.generate(prompt, max_new_tokens=30)
@@ -178,7 +178,7 @@ def test_confident_chains_grow_ragged(toy_target):
     prompts[1][4:6] = torch.randint(3, 96, (2,), generator=generator)  # a surprise: some steps are unsure
     ids, mask = left_pad(prompts)
     spec = heads.attach_heads(toy_target, kind="draft", draft_model=noisy_copy(toy_target, 0.3), depth=5,
-                              total_tokens=5, confidence=0.6)
+                              total_tokens=5, confidence=0.6, adaptive=False)
     recorder = Recorder(spec.drafter_for(None))
     output, stats = speculative_generate(spec.target, recorder, ids, 30, (), None, mask, spec.pad_token_id)
     assert torch.equal(output, reference(toy_target, ids, mask, 30))
@@ -247,7 +247,8 @@ def sampled_chain(toy_pair, settings):
     calls ``bind_rule``): chain tokens drawn from the draft's warped q, carried as ``draft_probs``;
     chains stop below an unsure draft distribution (``confidence``), so their lengths vary."""
     target, draft = toy_pair
-    spec = heads.attach_heads(target, kind="draft", draft_model=draft, depth=3, total_tokens=3, confidence=0.18)
+    spec = heads.attach_heads(target, kind="draft", draft_model=draft, depth=3, total_tokens=3, confidence=0.18,
+                              adaptive=False)
 
     def run(ids, mask, generator):
         rule = acceptance_rule(target.generation_config, True, generator=generator, **settings)
@@ -265,7 +266,7 @@ def sampled_chain(toy_pair, settings):
 def sampled_chain_through_generate(toy_pair, settings):
     """As :func:`sampled_chain`, through ``spec.generate`` (which binds the drafter to the rule)."""
     target, draft = toy_pair
-    spec = heads.attach_heads(target, kind="draft", draft_model=draft, depth=3, total_tokens=3)
+    spec = heads.attach_heads(target, kind="draft", draft_model=draft, depth=3, total_tokens=3, adaptive=False)
 
     def run(ids, mask, generator):
         output = spec.generate(ids, attention_mask=mask, max_new_tokens=SAMPLED + 1, do_sample=True,

@@ -1,0 +1,235 @@
+"""How long a draft chain should be: the draft's confidence calibrated against what the target
+accepts, and the seconds a draft forward and a verified node cost, both learned while serving.
+
+A chain node is drafted from the draft's distribution at its position; its *confidence* is that
+distribution's largest probability (known before the node's token is chosen, so a decision made
+from it never looks at the drawn token: sampled chains stay lossless). :class:`ChainCalibration`
+holds, per rule mode (greedy or sampled), depth and confidence bin, the running rate at which the
+target accepted such a node given that its parent was accepted, seeded from the confidence
+(or an adapter's recorded table), and what a node's confidence predicts of its child's. :class:`ChainCosts` holds running means of the seconds of one
+draft forward, of a verify step as a line in its node count, and of the tokens a step commits.
+
+The drafter (:mod:`heads.draft.drafter`) keeps a node while its expected gain (the product of the
+calibrated acceptances along the chain) pays for one more verified node, and runs one more draft
+forward while the expected gain of the next node pays for that forward plus a node, both priced at
+the rate the steps currently commit tokens per second.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+BINS = 10
+"""Confidence bins of width 1/BINS."""
+DEPTHS = 4
+"""Depth buckets: depths 1, 2, 3 and 4 or deeper."""
+PRIOR_WEIGHT = 4.0
+"""Pseudo-observations behind a table's seed (the confidence itself, or a recorded rate)."""
+MODES = ("greedy", "sampled")
+CALIBRATION_VERSION = 1
+DECAY = 0.9
+"""Running means of costs: the weight the old mean keeps at each new measurement."""
+DRAFT_PRIOR = 0.15
+"""A draft forward in target steps, until one is measured."""
+NODE_PRIOR = 0.04
+"""A verified node in target steps, the prior of the fitted slope (held with :data:`SLOPE_WEIGHT`)."""
+SLOPE_WEIGHT = 4.0
+GAIN_DECAY = 0.7
+"""Drafted tokens a step gains, per state: the weight the old mean keeps at each drafted step."""
+MAX_PROBE_INTERVAL = 8
+"""While drafting does not pay, a step drafts anyway after this many plain steps at most (the
+interval doubles after each probe that did not pay, from 1)."""
+
+
+def confidence_bins(confidence: torch.Tensor) -> torch.Tensor:
+    """Bin index ``[...]`` long of confidences in [0, 1]."""
+    return (confidence * BINS).long().clamp(0, BINS - 1)
+
+
+def depth_buckets(depth: torch.Tensor | int) -> torch.Tensor | int:
+    """Bucket index of depth >= 1 (an int or a tensor)."""
+    if isinstance(depth, int):
+        return min(depth, DEPTHS) - 1
+    return depth.clamp(1, DEPTHS) - 1
+
+
+def _centers() -> torch.Tensor:
+    return (torch.arange(BINS, dtype=torch.float64) + 0.5) / BINS
+
+
+class ChainCalibration:
+    """Acceptance given the parent accepted, per mode, depth bucket and confidence bin; and per
+    mode, depth bucket and the *parent's* confidence bin, the expected calibrated acceptance of a
+    node (what one more draft forward is expected to buy, known before it runs).
+
+    Counts are kept without their prior: ``accepted[mode]``/``seen[mode]`` ``[DEPTHS, BINS]`` and
+    ``following[mode]``/``following_seen[mode]`` ``[DEPTHS, BINS]`` (float64). A rate's prior
+    (:data:`PRIOR_WEIGHT` pseudo-observations) is the recorded table when there is one, else
+    halfway between the confidence and 1 at depth 1 (optimistic, so that a bin gets nodes verified
+    before its rate decides) and the rate one depth up below it; the expected next acceptance's
+    prior is the rate of a node of the parent's bin at the child's depth."""
+
+    def __init__(self, prior: Mapping | None = None) -> None:
+        self.accepted, self.seen, self.following, self.following_seen = {}, {}, {}, {}
+        self.prior_rates, self.prior_following = {}, {}
+        for mode in MODES:
+            recorded = prior.get("modes", {}).get(mode) if prior is not None else None
+            self.prior_rates[mode] = None if recorded is None else \
+                torch.tensor(recorded["acceptance"], dtype=torch.float64)
+            self.prior_following[mode] = None if recorded is None else \
+                torch.tensor(recorded["following"], dtype=torch.float64)
+            for table in (self.accepted, self.seen, self.following, self.following_seen):
+                table[mode] = torch.zeros(DEPTHS, BINS, dtype=torch.float64)
+
+    def rates(self, mode: str) -> torch.Tensor:
+        """``[DEPTHS, BINS]`` calibrated acceptance given the parent accepted."""
+        rows, above = [], 0.5 + _centers() / 2  # optimistic at depth 1: bins are tried before they are trusted
+        for depth in range(DEPTHS):
+            base = above if self.prior_rates[mode] is None else self.prior_rates[mode][depth]
+            above = (self.accepted[mode][depth] + PRIOR_WEIGHT * base) / (self.seen[mode][depth] + PRIOR_WEIGHT)
+            rows.append(above)
+        return torch.stack(rows)
+
+    def next_rates(self, mode: str, rates: torch.Tensor | None = None) -> torch.Tensor:
+        """``[DEPTHS, BINS]``: at [bucket of a child's depth, its parent's bin], the child's
+        expected calibrated acceptance (``rates``: :meth:`rates`, computed if not given)."""
+        base = self.prior_following[mode]
+        if base is None:
+            base = self.rates(mode) if rates is None else rates.double()
+        return (self.following[mode] + PRIOR_WEIGHT * base) / (self.following_seen[mode] + PRIOR_WEIGHT)
+
+    def observe(self, mode: str, depths: torch.Tensor, bins: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Verified nodes whose parents were accepted: ``depths``, ``bins`` and ``accepted`` ``[n]``."""
+        if depths.numel() == 0:
+            return
+        index = (depth_buckets(depths.cpu()), bins.cpu())
+        self.seen[mode].index_put_(index, torch.ones(depths.numel(), dtype=torch.float64), accumulate=True)
+        self.accepted[mode].index_put_(index, accepted.cpu().double(), accumulate=True)
+
+    def observe_following(self, mode: str, depth: int, bins: torch.Tensor, next_rates: torch.Tensor) -> None:
+        """Nodes at ``depth`` (>= 2): their parents' bins ``[n]`` and their calibrated acceptance ``[n]``."""
+        if bins.numel() == 0:
+            return
+        index = (torch.full_like(bins.cpu(), depth_buckets(depth)), bins.cpu())
+        self.following_seen[mode].index_put_(index, torch.ones(bins.numel(), dtype=torch.float64), accumulate=True)
+        self.following[mode].index_put_(index, next_rates.cpu().double(), accumulate=True)
+
+    def to_dict(self) -> dict:
+        """The calibrated rates as JSON (what an adapter records, the prior when it is loaded)."""
+        def table(values: torch.Tensor) -> list:
+            return [[round(float(v), 4) for v in row] for row in values]
+
+        return {"version": CALIBRATION_VERSION, "bins": BINS, "depths": DEPTHS,
+                "modes": {mode: {"acceptance": table(self.rates(mode)), "following": table(self.next_rates(mode)),
+                                 "observed": int(self.seen[mode].sum())} for mode in MODES}}
+
+
+def check_calibration(table: object) -> None:
+    """ValueError unless ``table`` is what :meth:`ChainCalibration.to_dict` writes."""
+    if not isinstance(table, Mapping):
+        raise ValueError(f"calibration must be an object; got {type(table).__name__}")
+    if table.get("version") != CALIBRATION_VERSION or table.get("bins") != BINS or table.get("depths") != DEPTHS:
+        raise ValueError(f"calibration must have version {CALIBRATION_VERSION}, {BINS} bins and {DEPTHS} depth "
+                         f"buckets; got version {table.get('version')!r}, bins {table.get('bins')!r}, depths "
+                         f"{table.get('depths')!r}")
+    modes = table.get("modes")
+    if not isinstance(modes, Mapping) or not set(modes) <= set(MODES):
+        raise ValueError(f"calibration.modes must map some of {MODES} to tables; got {modes!r}")
+    for mode, block in modes.items():
+        rows = block.get("acceptance") if isinstance(block, Mapping) else None
+        following = block.get("following") if isinstance(block, Mapping) else None
+        shaped = all(isinstance(rows, list) and len(rows) == DEPTHS and
+                     all(isinstance(row, list) and len(row) == BINS for row in rows) for rows in (rows, following))
+        values = [v for row in rows + following for v in row] if shaped else []
+        if not shaped or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
+                                 for v in values):
+            raise ValueError(f"calibration.modes.{mode} must hold 'acceptance' and 'following' tables "
+                             f"[{DEPTHS}][{BINS}] of rates in [0, 1]")
+
+
+class ChainCosts:
+    """Running means, in seconds, of one draft forward (all rows, one token each), of a verify step
+    as ``intercept + slope * (nodes - 1)``, and of the tokens a row commits per step; the slope is
+    a weighted least-squares fit held towards :data:`NODE_PRIOR` of the intercept (chains of one
+    length alone cannot tell it apart)."""
+
+    def __init__(self) -> None:
+        self.draft: float | None = None
+        self.weight = self.nodes = self.seconds = self.nodes2 = self.cross = 0.0  # decayed sums of (nodes - 1, s)
+        self.step_seconds: float | None = None
+        self.tokens = 1.0
+        # drafted tokens a row kept per drafted step, after a drafted step that kept less than half
+        # a token a row (state 0) or more (state 1); optimistic until measured
+        self.gain, self.state = [1.0, 1.0], 1
+        self.draft_step: float | None = None  # seconds of a drafted step beyond a plain one
+        self.interval, self.waited = 1, 0
+
+    def add_draft(self, seconds: float) -> None:
+        self.draft = seconds if self.draft is None else DECAY * self.draft + (1 - DECAY) * seconds
+
+    def add_step(self, nodes: int, verify_seconds: float, step_seconds: float, tokens: float) -> None:
+        """One step: its widest row's node count (root included), the seconds from the end of its
+        proposal to the next one, its whole seconds and the tokens a row committed on average."""
+        x = float(nodes - 1)
+        self.weight = DECAY * self.weight + 1
+        self.nodes = DECAY * self.nodes + x
+        self.seconds = DECAY * self.seconds + verify_seconds
+        self.nodes2 = DECAY * self.nodes2 + x * x
+        self.cross = DECAY * self.cross + x * verify_seconds
+        self.step_seconds = step_seconds if self.step_seconds is None else \
+            DECAY * self.step_seconds + (1 - DECAY) * step_seconds
+        self.tokens = DECAY * self.tokens + (1 - DECAY) * tokens
+
+    def add_drafted(self, gain: float, propose_seconds: float, nodes: int) -> None:
+        """A drafted step: the drafted tokens a row kept, the seconds of the proposal and the
+        widest row's node count (root included)."""
+        self.gain[self.state] = GAIN_DECAY * self.gain[self.state] + (1 - GAIN_DECAY) * gain
+        self.state = int(gain >= 0.5)
+        line = self.verify_line()
+        extra = propose_seconds + (0.0 if line is None else line[1] * (nodes - 1))
+        self.draft_step = extra if self.draft_step is None else DECAY * self.draft_step + (1 - DECAY) * extra
+        if self.pays():
+            self.interval = 1
+        elif self.waited >= self.interval:  # a probe that did not pay: wait longer before the next
+            self.interval = min(2 * self.interval, MAX_PROBE_INTERVAL)
+        self.waited = 0
+
+    def pays(self) -> bool:
+        """Whether a drafted step is expected to commit tokens faster than a plain step: the
+        tokens it gains after a step like the last drafted one exceed its extra seconds in plain
+        steps (True until measured)."""
+        line = self.verify_line()
+        if line is None or self.draft_step is None:
+            return True
+        return self.gain[self.state] > self.draft_step / line[0]
+
+    def draft_now(self) -> bool:
+        """Draft at this step: it pays, or the plain steps since the last draft reached the probe interval."""
+        if self.pays() or self.waited >= self.interval:
+            return True
+        self.waited += 1
+        return False
+
+    def verify_line(self) -> tuple[float, float] | None:
+        """``(intercept, slope)`` seconds of a verify step, None before any step was measured."""
+        if self.weight == 0:
+            return None
+        mean_x, mean_y = self.nodes / self.weight, self.seconds / self.weight
+        intercept0 = max(mean_y, 1e-9)
+        slope = ((self.cross - self.weight * mean_x * mean_y) + SLOPE_WEIGHT * NODE_PRIOR * intercept0) / \
+            ((self.nodes2 - self.weight * mean_x * mean_x) + SLOPE_WEIGHT)
+        slope = max(slope, 0.0)
+        return max(mean_y - slope * mean_x, 1e-9), slope
+
+    def prices(self) -> tuple[float, float]:
+        """``(draft forward, verified node)`` in tokens: their seconds at the tokens per second the
+        steps commit (priors in target steps until measured)."""
+        line = self.verify_line()
+        if line is None or self.step_seconds is None:
+            return DRAFT_PRIOR, NODE_PRIOR
+        intercept, slope = line
+        rate = self.tokens / self.step_seconds  # tokens a row commits per second
+        draft = self.draft if self.draft is not None else DRAFT_PRIOR * intercept
+        return draft * rate, slope * rate

@@ -1,0 +1,258 @@
+"""The draft kind's default: chain lengths from the draft's calibrated confidence, plain steps where
+drafting does not pay (the draft catches up later), and the calibration an adapter records.
+
+Greedy parity with ``model.generate`` on every family, batch 1 and left-padded batches, with the
+decisions left to real timings and with forced patterns (plain steps between drafted ones, long
+and short chains); the calibration's bookkeeping checked exactly against what the target accepted;
+lossless sampling with confidence-adaptive lengths and plain steps, with two negative controls (a
+rule without the residual, and a length rule that reads the drawn token's own probability); the
+calibration's round trip through ``save_pretrained``/``load_heads``; the cost model's fit and its
+probing schedule.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import heads
+from heads.adapter import AdapterError
+from heads.draft import DraftConfig, DraftModelDrafter, bind_rule
+from heads.draft.calibration import BINS, DEPTHS, MAX_PROBE_INTERVAL, ChainCalibration, ChainCosts
+from heads.generation import acceptance_rule
+from tests.conftest import ARCHITECTURES, build_model, left_pad, random_prompt
+from tests.heads.draft.test_draft_kind import (  # noqa: F401  (toy_pair: a fixture)
+    PROMPT, ROWS, RUNS, SAMPLED, Recorder, exact_joint, noisy_copy, reference, toy_pair,
+)
+from tests.stats import FALSE_ALARM, chi_square_pvalue
+from tree_attention.decode import speculative_generate
+from tree_attention.verify import SamplingRule
+
+
+def force(spec, prices=(0.2, 0.02), plain_every: int | None = 2):
+    """Decisions independent of timings: fixed prices (draft forward, node) in tokens, and every
+    ``plain_every``-th step plain (None: none)."""
+    costs, calls = spec.heads.costs, [0]
+
+    def draft_now():
+        calls[0] += 1
+        return plain_every is None or calls[0] % plain_every != 0
+
+    costs.prices = lambda: prices
+    costs.draft_now = draft_now
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_adaptive_greedy_parity(name):
+    model = build_model(name, seed=1)
+    prompt = random_prompt(9, seed=0)
+    expected = reference(model, prompt, torch.ones_like(prompt), 40)
+    for draft in (noisy_copy(model, 0.1), model):
+        spec = heads.attach_heads(model, kind="draft", draft_model=draft)
+        assert spec.config.adaptive and spec.config.depth == 8
+        for _ in range(2):  # the second call starts from what the first learned
+            assert torch.equal(spec.generate(prompt, max_new_tokens=40), expected), name
+        force(spec, prices=(0.05, 0.01))
+        recorder = Recorder(spec.drafter)
+        output, _ = speculative_generate(spec.target, recorder, prompt, 40, (), None, None, spec.pad_token_id)
+        assert torch.equal(output, expected), name
+        assert 1 in recorder.sizes and max(recorder.sizes) > 2, recorder.sizes  # plain steps and chains
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma2", "qwen2"])
+def test_adaptive_batched_greedy_parity(name):
+    """Left-padded rows of different lengths, one ending early at eos while the draft is behind
+    (plain steps), ragged chains: equal to ``model.generate`` on the batch."""
+    model = build_model(name, seed=1)
+    generator = torch.Generator().manual_seed(2)
+    ids, mask = left_pad([torch.randint(3, 96, (length,), generator=generator) for length in (5, 11, 8, 2)])
+    model.generation_config.eos_token_id = int(reference(model, ids, mask, 5)[1, ids.shape[1] + 4])
+    expected = reference(model, ids, mask, 24)
+    for every in (None, 2, 3):
+        spec = heads.attach_heads(model, kind="draft", draft_model=noisy_copy(model, 0.1))
+        force(spec, prices=(0.1, 0.02), plain_every=every)
+        assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=24), expected), (name, every)
+        assert sum(spec.last_stats.accepted_lengths) > 0
+    spec = heads.attach_heads(model, kind="draft", draft_model=noisy_copy(model, 0.1))  # real timings
+    assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=24), expected), name
+
+
+def test_the_calibration_counts_what_the_target_accepted():
+    """Batch 1, greedy: every drafted token the target kept is counted accepted at its depth, and
+    every node whose parent was kept is counted seen (all but the last step, which nobody observes)."""
+    model = build_model("llama", seed=2)
+    prompt = random_prompt(9, seed=3)
+    for draft, all_kept in ((model, True), (noisy_copy(model, 0.15), False)):
+        spec = heads.attach_heads(model, kind="draft", draft_model=draft)
+        force(spec, prices=(0.0, 0.0), plain_every=None)  # whole chains of 8: every depth is seen
+        recorder = Recorder(spec.drafter)
+        output, stats = speculative_generate(spec.target, recorder, prompt, 60, (), None, None, spec.pad_token_id)
+        assert torch.equal(output, reference(model, prompt, torch.ones_like(prompt), 60))
+        calibration = spec.heads.calibration
+        accepted, seen = calibration.accepted["greedy"], calibration.seen["greedy"]
+        steps = list(zip(stats.accepted_lengths, recorder.sizes))[:-1]
+        assert int(accepted.sum()) == sum(kept for kept, _ in steps)
+        assert int(seen.sum()) == sum(min(kept + 1, size - 1) for kept, size in steps)
+        assert int(seen[0].sum()) == len(steps)  # every step's first node, in its confidence bin
+        assert torch.equal(accepted, seen) == all_kept
+        assert int(calibration.seen["sampled"].sum()) == 0
+        if all_kept:
+            rates = calibration.rates("greedy")
+            assert bool((rates[seen > 0] > ChainCalibration().rates("greedy")[seen > 0]).all())
+
+
+# ------------------------------------------------------------------------------ lossless sampling
+
+
+def sample_runs(run, least: float, runs: int = RUNS) -> list[tuple[int, ...]]:
+    """``run(ids, mask, generator)`` → (output, stats) on batches of ROWS prompt copies, ``runs``
+    samples; at least ``least`` drafted tokens accepted per sample (else the rule was hardly exercised)."""
+    ids, mask = left_pad([PROMPT[0]] * ROWS, width=PROMPT.shape[1] + 2)
+    generator = torch.Generator().manual_seed(0)
+    samples, accepted = [], 0
+    for _ in range(runs // ROWS):
+        output, stats = run(ids, mask, generator)
+        samples += [tuple(row) for row in output[:, ids.shape[1]:ids.shape[1] + SAMPLED].tolist()]
+        accepted += sum(stats.accepted_lengths)
+    assert accepted > runs * least, f"{accepted} drafted tokens accepted in {runs} samples"
+    return samples
+
+
+def adaptive_sampled_chain(toy_pair, settings, prices=(0.03, 0.005), calibration=None, least=0.4, runs=RUNS):
+    """Through the decode loop with the bound drafter: adaptive chains (up to 4) of tokens drawn from
+    the draft's q, one step in four plain (the draft catches up at the next drafted step)."""
+    target, draft = toy_pair
+    spec = heads.attach_heads(target, kind="draft", draft_model=draft, depth=4, total_tokens=4)
+    force(spec, prices=prices, plain_every=4)
+    if calibration is not None:
+        spec.heads.calibration = ChainCalibration(calibration)
+
+    def run(ids, mask, generator):
+        rule = acceptance_rule(target.generation_config, True, generator=generator, **settings)
+        drafter = bind_rule(spec.drafter_for(None), rule)
+        assert drafter.sampling and drafter.config.adaptive
+        recorder.drafter = drafter
+        return speculative_generate(spec.target, recorder, ids, SAMPLED + 1, (), rule, mask, spec.pad_token_id)
+
+    recorder = Recorder(None)
+    samples = sample_runs(run, least, runs)
+    assert int(spec.heads.calibration.seen["sampled"].sum()) > 0
+    return samples, set(recorder.sizes)
+
+
+SETTINGS = dict(temperature=1.0, top_k=0, top_p=None)
+# recorded rates that keep no node whose confidence is under 0.1 (the toy draft's largest
+# probability is always above it, the probability of the token it draws often is not)
+CAUTIOUS = {"version": 1, "bins": BINS, "depths": DEPTHS, "modes": {"sampled": {
+    "acceptance": [[0.0] + [0.9] * (BINS - 1)] * DEPTHS, "following": [[0.0] + [0.9] * (BINS - 1)] * DEPTHS}}}
+
+
+CONTROL_RUNS = 8 * RUNS  # the length rule's control is a subtler bias than a missing residual
+
+
+@pytest.mark.parametrize("calibration, runs", [(None, RUNS), (CAUTIOUS, CONTROL_RUNS)])
+def test_adaptive_sampled_chains_match_the_target(toy_pair, calibration, runs):
+    samples, sizes = adaptive_sampled_chain(toy_pair, SETTINGS, (0.3, 0.05), calibration, least=0.2, runs=runs)
+    assert {1, 2, 3} <= sizes, sorted(sizes)  # plain steps, chains of 1 and 2
+    assert chi_square_pvalue(samples, exact_joint(toy_pair[0], **SETTINGS)) > FALSE_ALARM
+
+
+def test_a_wrong_residual_is_caught_with_adaptive_chains(toy_pair, monkeypatch):
+    original = SamplingRule.__init__
+
+    def no_residual(self, warp, generator=None, use_residual=True):
+        original(self, warp, generator, use_residual=False)
+
+    monkeypatch.setattr(SamplingRule, "__init__", no_residual)
+    samples, _ = adaptive_sampled_chain(toy_pair, SETTINGS, (0.3, 0.05))
+    pvalue = chi_square_pvalue(samples, exact_joint(toy_pair[0], **SETTINGS))
+    assert pvalue < FALSE_ALARM, pvalue
+
+
+def test_a_length_rule_that_reads_the_drawn_token_is_caught(toy_pair, monkeypatch):
+    """Keeping a node by its own token's probability (instead of its distribution's largest) drops
+    unlikely draws after they were drawn: no longer lossless, and the test sees it."""
+    original = DraftModelDrafter._next
+
+    def own_probability(self, logits):
+        tokens, confidence, q = original(self, logits)
+        if q is not None:
+            confidence = q.gather(1, tokens[:, None])[:, 0]
+        return tokens, confidence, q
+
+    monkeypatch.setattr(DraftModelDrafter, "_next", own_probability)
+    samples, _ = adaptive_sampled_chain(toy_pair, SETTINGS, (0.3, 0.05), CAUTIOUS, least=0.2, runs=CONTROL_RUNS)
+    pvalue = chi_square_pvalue(samples, exact_joint(toy_pair[0], **SETTINGS))
+    assert pvalue < FALSE_ALARM, pvalue
+
+
+# ------------------------------------------------------------------------------ the adapter's record
+
+
+def test_the_calibration_round_trips_through_the_adapter(tmp_path):
+    model = build_model("llama", seed=4)
+    prompt = random_prompt(9, seed=5)
+    spec = heads.attach_heads(model, kind="draft", draft_model=noisy_copy(model, 0.15))
+    force(spec, prices=(0.0, 0.0), plain_every=None)
+    spec.generate(prompt, max_new_tokens=40)
+    spec.generate(prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_k=0)
+    calibration = spec.heads.calibration
+    assert int(calibration.seen["greedy"].sum()) > 0 and int(calibration.seen["sampled"].sum()) > 0
+    spec.save_pretrained(str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    recorded = config["drafter"]["calibration"]
+    assert recorded == calibration.to_dict() and config["drafter"]["adaptive"] is True
+    loaded = heads.load_heads(model, tmp_path / "adapter")
+    for mode in ("greedy", "sampled"):
+        assert torch.allclose(loaded.heads.calibration.rates(mode), calibration.rates(mode), atol=1e-4)
+        assert torch.allclose(loaded.heads.calibration.next_rates(mode), calibration.next_rates(mode), atol=1e-4)
+        assert not torch.allclose(loaded.heads.calibration.rates(mode), ChainCalibration().rates(mode))
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=20), reference(model, prompt, torch.ones_like(prompt), 20))
+    # a table of another shape is refused by name; an adapter without one starts from the confidence
+    config["drafter"]["calibration"]["bins"] = 5
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match="calibration"):
+        heads.load_heads(model, tmp_path / "adapter")
+    del config["drafter"]["calibration"], config["drafter"]["adaptive"]
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    old = heads.load_heads(model, tmp_path / "adapter")
+    assert old.config.adaptive and torch.equal(old.heads.calibration.rates("greedy"), ChainCalibration().rates("greedy"))
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="adaptive"):
+        DraftConfig(adaptive="yes")
+    with pytest.raises(ValueError, match="calibration"):
+        DraftConfig(calibration={"version": 1, "bins": 10, "depths": 4, "modes": {"greedy": {"acceptance": [[2.0]]}}})
+    table = ChainCalibration().to_dict()
+    assert DraftConfig(calibration=table).calibration == table
+
+
+# ------------------------------------------------------------------------------ the cost model
+
+
+def test_the_verify_line_and_the_probes():
+    costs = ChainCosts()
+    assert costs.prices() == pytest.approx((0.15, 0.04))  # priors, in target steps, until measured
+    for nodes in (1, 3, 5, 9, 2, 7) * 4:  # verify seconds 10 ms + 1 ms a node
+        costs.add_step(nodes, 0.010 + 0.001 * (nodes - 1), 0.012 + 0.001 * (nodes - 1), 1.5)
+    intercept, slope = costs.verify_line()
+    assert intercept == pytest.approx(0.010, rel=0.05) and slope == pytest.approx(0.001, rel=0.1)
+    costs.add_draft(0.002)
+    draft_price, node_price = costs.prices()
+    rate = costs.tokens / costs.step_seconds
+    assert draft_price == pytest.approx(0.002 * rate) and node_price == pytest.approx(slope * rate)
+    # drafting that gains nothing: plain steps, with a probe after 1, 2, 4, ... plain steps
+    pattern = []
+    for _ in range(60):
+        drafted = costs.draft_now()
+        pattern.append(drafted)
+        if drafted:
+            costs.add_drafted(0.0, 0.005, 5)
+    gaps = [len(run) for run in "".join("d" if d else "." for d in pattern).split("d")[1:-1] if run]
+    assert gaps[:4] == [1, 2, 4, 8] and max(gaps) == MAX_PROBE_INTERVAL, gaps
+    costs.add_drafted(3.0, 0.005, 5)  # a probe that paid, twice: drafting at every step again
+    costs.add_drafted(3.0, 0.005, 5)
+    assert costs.pays() and all(costs.draft_now() for _ in range(5))
