@@ -3,10 +3,10 @@
 Verify cost depends on the rows a step decodes and the nodes it verifies per row, not on which
 drafter proposed them, so every verify forward the loop runs (plain steps included) teaches the
 same table. Rows are kept in power-of-two buckets; within a bucket each width is a running mean,
-and a width never verified is priced by interpolating its measured neighbours linearly in
-``log2(width)`` (which never prices it above the wider neighbour nor below the narrower one, and is
-on the cheap side of a convex curve, so an unmeasured width in between gets tried), and past the
-widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
+and a width never verified is priced by interpolating its measured neighbours linearly in the width
+(for a cost that grows with the width, cheaper than any interpolation in a concave function of it,
+such as ``log2(width)``, so an unmeasured width in between is tried rather than written off), and past
+the widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
 A width's excess cost over a plain step counts as if it had one more sample at the plain cost, so a
 width written off on one noisy step is tried again, and the estimate converges as samples come; and
 no width is priced above a wider one (the lower envelope): timing noise on a shared machine only ever
@@ -49,7 +49,7 @@ class CostCurve:
         self.verify: dict[int, dict[int, RunningMean]] = {}
         self.drafting: dict[str | None, dict[int, RunningMean]] = {}  # per drafting mode, per rows bucket
         self.first_drafting: dict[str | None, dict[int, RunningMean]] = {}
-        self._curves: dict[int, list] = {}  # per bucket: log2 widths, seconds, width -> index, envelope
+        self._curves: dict[int, list] = {}  # per bucket: widths, seconds, width -> index, envelope
 
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
         bucket = rows_bucket(rows)
@@ -96,13 +96,13 @@ class CostCurve:
         if curve is None:
             table = self.verify[bucket]
             measured = sorted(table)
-            curve = self._curves[bucket] = [np.log2(measured), np.zeros(len(measured)),
+            curve = self._curves[bucket] = [np.array(measured, dtype=float), np.zeros(len(measured)),
                                             {width: index for index, width in enumerate(measured)}, None]
             for width in measured:
                 self._price(bucket, width)
         if curve[3] is None:  # the lower envelope: no width priced above a wider one
             curve[3] = np.minimum.accumulate(curve[1][::-1])[::-1]
-        return np.interp(np.log2(np.maximum(widths, 1.0)), curve[0], curve[3])
+        return np.interp(widths, curve[0], curve[3])
 
     def _price(self, bucket: int, width: int) -> None:
         """Set ``width``'s entry of ``bucket``'s curve: its mean, its excess over the plain step's cost

@@ -16,7 +16,7 @@ from tree_attention.decode import PerRowDrafter, SpeculativeDecoder
 from tree_attention.tree import TreeBatch, from_choices, prefix_batch
 
 
-def test_cost_curve_interpolates_in_log_width_and_keeps_buckets_apart():
+def test_cost_curve_interpolates_optimistically_and_keeps_buckets_apart():
     costs = CostCurve()
     assert costs.verify_seconds(1, 4) is None and costs.draft_seconds(1) == 0.0
     costs.observe_verify(1, 1, 1.0)
@@ -26,8 +26,15 @@ def test_cost_curve_interpolates_in_log_width_and_keeps_buckets_apart():
     for _ in range(3):
         costs.observe_verify(1, 16, 3.0)
     assert costs.verify_seconds(1, 16) == pytest.approx(1.0 + 2.0 * 4 / 5)
-    assert costs.verify_seconds(1, 4) == pytest.approx(1.0 + 0.5 * 1.6)  # halfway in log2 width
-    assert costs.verify_seconds(1, 64) == pytest.approx(2.6)  # past the widest: its cost
+    assert costs.verify_seconds(1, 4) == pytest.approx(1.0 + 0.2 * 1.6)  # linear in width: the cheaper here
+    for _ in range(4):
+        costs.observe_verify(1, 64, 5.0)
+    wide, narrow = costs.verify_seconds(1, 64), costs.verify_seconds(1, 16)
+    assert wide == pytest.approx(1.0 + 4.0 * 4 / 5)
+    assert costs.verify_seconds(1, 32) == pytest.approx(narrow + (wide - narrow) / 3)  # linear in the width
+    assert costs.verify_seconds(1, 256) == pytest.approx(wide)  # past the widest: its cost
+    costs.observe_verify(1, 8, 9.0)  # a noisy narrower width is priced no higher than a wider one
+    assert costs.verify_seconds(1, 8) == pytest.approx(narrow)
     costs.observe_verify(5, 1, 10.0)  # rows 4..7 share a bucket, apart from batch 1
     assert costs.verify_seconds(4, 1) == pytest.approx(10.0) and costs.verify_seconds(1, 1) == pytest.approx(1.0)
     assert costs.verify_seconds(16, 1) == pytest.approx(10.0)  # an unseen bucket borrows the nearest
