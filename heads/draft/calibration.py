@@ -38,7 +38,7 @@ NODE_PRIOR = 0.04
 SLOPE_WEIGHT = 4.0
 GAIN_DECAY = 0.7
 """Drafted tokens a step gains, per state: the weight the old mean keeps at each drafted step."""
-MAX_PROBE_INTERVAL = 8
+MAX_PROBE_INTERVAL = 16
 """While drafting does not pay, a step drafts anyway after this many plain steps at most (the
 interval doubles after each probe that did not pay, from 1)."""
 
@@ -195,6 +195,13 @@ class ChainCosts:
         elif self.waited >= self.interval:  # a probe that did not pay: wait longer before the next
             self.interval = min(2 * self.interval, MAX_PROBE_INTERVAL)
         self.waited = 0
+
+    def add_replayed(self, gain: float) -> None:
+        """A plain step replayed: the drafted tokens a row would have kept with a chain of one."""
+        self.gain[self.state] = GAIN_DECAY * self.gain[self.state] + (1 - GAIN_DECAY) * gain
+        self.state = int(gain >= 0.5)
+        if self.pays():
+            self.interval = 1
 
     def pays(self) -> bool:
         """Whether a drafted step is expected to commit tokens faster than a plain step: the

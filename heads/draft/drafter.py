@@ -72,6 +72,7 @@ class DraftModelDrafter:
         self.chains = None  # the last adaptive chains: (tokens [R, W] roots first, sizes [R], bins [R, W - 1], mode)
         self.proposed_at = None  # perf_counter when the last propose of this call returned
         self.pending: DraftBatch | None = None  # committed entries of plain steps, not fed to the draft yet
+        self.plain_steps = 0  # plain steps in pending (each committed one token)
         self.costs.waited = self.costs.interval  # each call's first step drafts
 
     def retire(self, keep: torch.Tensor) -> None:
@@ -107,11 +108,26 @@ class DraftModelDrafter:
         visible = causal_visibility(width, device) & (valid[:, None, :] | torch.eye(width, dtype=torch.bool,
                                                                                      device=device)[None])
         mask = self.cache.mask(positions, visible, self.draft.layout, self.draft.dtype)
-        _, logits = self.draft.forward(query, positions, mask, self.cache.cache, "last")
+        features, logits = self.draft.forward(query, positions, mask, self.cache.cache, "last")
+        if self.started and self.plain_steps and not self.sampling:
+            self._replay(features[:, width - 1 - self.plain_steps:width - 1], query[:, width - self.plain_steps:])
         self.cache.extend(valid, positions)
         self.committed = self.committed + counts
         self.started = True
         return logits[:, -1]
+
+    def _replay(self, features: torch.Tensor, following: torch.Tensor) -> None:
+        """Greedy: what drafting would have gained at the plain steps just caught up on, for free
+        from the catch-up forward: the draft's first token at each plain step's root (features
+        ``[R, p, F]``) against the token the target committed after it (``following`` ``[R, p]``),
+        counted as depth-1 verdicts of the calibration and as one-token drafted steps of the costs."""
+        probabilities = torch.softmax(self.draft.logits(features).float(), dim=-1)  # (R, p, V)
+        confidence, guess = probabilities.max(dim=-1)
+        kept = guess == following  # (R, p)
+        self.calibration.observe("greedy", torch.ones_like(following).view(-1), confidence_bins(confidence).view(-1),
+                                 kept.view(-1))
+        for gain in kept.float().mean(dim=0).tolist():
+            self.costs.add_replayed(gain)
 
     def _children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k children tokens and their log-probabilities ``[m, top_k]`` from logits ``[m, V]``."""
@@ -137,12 +153,13 @@ class DraftModelDrafter:
             batch, self.pending = self.pending.then(batch), None
         adaptive = self.config.adaptive and self.top_k == 1 and self.depth and self.total_tokens
         if adaptive and not self.costs.draft_now():  # a plain step: the draft catches up when it next drafts
-            self.pending = batch
+            self.pending, self.plain_steps = batch, self.plain_steps + 1
             trees = TreeBatch.roots_only(batch.roots.to(self.committed.device))
             self.proposed_at = time.perf_counter()
             self.propose_seconds, self.width = self.proposed_at - started, 1
             return trees
         root_logits = self._commit(batch)  # (R, V)
+        self.plain_steps = 0
         self.cache.compact()
         if self.top_k != 1:
             trees = self._tree(batch.roots.tolist(), root_logits)
