@@ -48,15 +48,18 @@ def confidence_bins(confidence: torch.Tensor) -> torch.Tensor:
     return (confidence * BINS).long().clamp(0, BINS - 1)
 
 
-def depth_buckets(depth: torch.Tensor | int) -> torch.Tensor | int:
-    """Bucket index of depth >= 1 (an int or a tensor)."""
-    if isinstance(depth, int):
-        return min(depth, DEPTHS) - 1
-    return depth.clamp(1, DEPTHS) - 1
+def confidence_bin(confidence: float) -> int:
+    """Bin index of one confidence in [0, 1]."""
+    return min(max(int(confidence * BINS), 0), BINS - 1)
 
 
-def _centers() -> torch.Tensor:
-    return (torch.arange(BINS, dtype=torch.float64) + 0.5) / BINS
+def depth_bucket(depth: int) -> int:
+    """Bucket index of a depth >= 1."""
+    return min(depth, DEPTHS) - 1
+
+
+def _table(value: float = 0.0) -> list[list[float]]:
+    return [[value] * BINS for _ in range(DEPTHS)]
 
 
 class ChainCalibration:
@@ -64,66 +67,77 @@ class ChainCalibration:
     mode, depth bucket and the *parent's* confidence bin, the expected calibrated acceptance of a
     node (what one more draft forward is expected to buy, known before it runs).
 
-    Counts are kept without their prior: ``accepted[mode]``/``seen[mode]`` ``[DEPTHS, BINS]`` and
-    ``following[mode]``/``following_seen[mode]`` ``[DEPTHS, BINS]`` (float64). A rate's prior
-    (:data:`PRIOR_WEIGHT` pseudo-observations) is the recorded table when there is one, else
-    halfway between the confidence and 1 at depth 1 (optimistic, so that a bin gets nodes verified
-    before its rate decides) and the rate one depth up below it; the expected next acceptance's
-    prior is the rate of a node of the parent's bin at the child's depth."""
+    Counts are kept without their prior, as host floats ``[DEPTHS][BINS]`` per mode (a few
+    additions per step: cheaper than tensor operations); :attr:`accepted`, :attr:`seen` and
+    :meth:`rates` give tensors. A rate's prior (:data:`PRIOR_WEIGHT` pseudo-observations) is the
+    recorded table when there is one, else halfway between the confidence and 1 at depth 1
+    (optimistic, so that a bin gets nodes verified before its rate decides) and the rate one depth
+    up below it; the expected next acceptance's prior is the rate of a node of the parent's bin at
+    the child's depth."""
 
     def __init__(self, prior: Mapping | None = None) -> None:
-        self.accepted, self.seen, self.following, self.following_seen = {}, {}, {}, {}
-        self.prior_rates, self.prior_following = {}, {}
+        self.counts = {mode: {name: _table() for name in ("accepted", "seen", "following", "following_seen")}
+                       for mode in MODES}
+        self.prior = {}
         for mode in MODES:
             recorded = prior.get("modes", {}).get(mode) if prior is not None else None
-            self.prior_rates[mode] = None if recorded is None else \
-                torch.tensor(recorded["acceptance"], dtype=torch.float64)
-            self.prior_following[mode] = None if recorded is None else \
-                torch.tensor(recorded["following"], dtype=torch.float64)
-            for table in (self.accepted, self.seen, self.following, self.following_seen):
-                table[mode] = torch.zeros(DEPTHS, BINS, dtype=torch.float64)
+            self.prior[mode] = None if recorded is None else (recorded["acceptance"], recorded["following"])
+
+    @property
+    def accepted(self) -> dict[str, torch.Tensor]:
+        return {mode: torch.tensor(self.counts[mode]["accepted"], dtype=torch.float64) for mode in MODES}
+
+    @property
+    def seen(self) -> dict[str, torch.Tensor]:
+        return {mode: torch.tensor(self.counts[mode]["seen"], dtype=torch.float64) for mode in MODES}
+
+    def rate_lists(self, mode: str) -> tuple[list[list[float]], list[list[float]]]:
+        """``(acceptance, following)`` ``[DEPTHS][BINS]``: the calibrated acceptance given the parent
+        accepted, and at [bucket of a child's depth, its parent's bin] the child's expected one."""
+        counts, prior = self.counts[mode], self.prior[mode]
+        rates, above = [], [0.5 + (b + 0.5) / BINS / 2 for b in range(BINS)]
+        for depth in range(DEPTHS):
+            base = above if prior is None else prior[0][depth]
+            above = [(a + PRIOR_WEIGHT * p) / (n + PRIOR_WEIGHT)
+                     for a, n, p in zip(counts["accepted"][depth], counts["seen"][depth], base)]
+            rates.append(above)
+        bases = rates if prior is None else prior[1]
+        following = [[(f + PRIOR_WEIGHT * p) / (n + PRIOR_WEIGHT) for f, n, p in zip(*row)]
+                     for row in zip(counts["following"], counts["following_seen"], bases)]
+        return rates, following
 
     def rates(self, mode: str) -> torch.Tensor:
         """``[DEPTHS, BINS]`` calibrated acceptance given the parent accepted."""
-        rows, above = [], 0.5 + _centers() / 2  # optimistic at depth 1: bins are tried before they are trusted
-        for depth in range(DEPTHS):
-            base = above if self.prior_rates[mode] is None else self.prior_rates[mode][depth]
-            above = (self.accepted[mode][depth] + PRIOR_WEIGHT * base) / (self.seen[mode][depth] + PRIOR_WEIGHT)
-            rows.append(above)
-        return torch.stack(rows)
+        return torch.tensor(self.rate_lists(mode)[0], dtype=torch.float64)
 
-    def next_rates(self, mode: str, rates: torch.Tensor | None = None) -> torch.Tensor:
+    def next_rates(self, mode: str) -> torch.Tensor:
         """``[DEPTHS, BINS]``: at [bucket of a child's depth, its parent's bin], the child's
-        expected calibrated acceptance (``rates``: :meth:`rates`, computed if not given)."""
-        base = self.prior_following[mode]
-        if base is None:
-            base = self.rates(mode) if rates is None else rates.double()
-        return (self.following[mode] + PRIOR_WEIGHT * base) / (self.following_seen[mode] + PRIOR_WEIGHT)
+        expected calibrated acceptance."""
+        return torch.tensor(self.rate_lists(mode)[1], dtype=torch.float64)
 
-    def observe(self, mode: str, depths: torch.Tensor, bins: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Verified nodes whose parents were accepted: ``depths``, ``bins`` and ``accepted`` ``[n]``."""
-        if depths.numel() == 0:
-            return
-        index = (depth_buckets(depths.cpu()), bins.cpu())
-        self.seen[mode].index_put_(index, torch.ones(depths.numel(), dtype=torch.float64), accumulate=True)
-        self.accepted[mode].index_put_(index, accepted.cpu().double(), accumulate=True)
+    def observe(self, mode: str, depth: int, bin_index: int, accepted: bool) -> None:
+        """A verified node at ``depth`` whose parent was accepted."""
+        counts = self.counts[mode]
+        counts["seen"][depth_bucket(depth)][bin_index] += 1
+        counts["accepted"][depth_bucket(depth)][bin_index] += float(accepted)
 
-    def observe_following(self, mode: str, depth: int, bins: torch.Tensor, next_rates: torch.Tensor) -> None:
-        """Nodes at ``depth`` (>= 2): their parents' bins ``[n]`` and their calibrated acceptance ``[n]``."""
-        if bins.numel() == 0:
-            return
-        index = (torch.full_like(bins.cpu(), depth_buckets(depth)), bins.cpu())
-        self.following_seen[mode].index_put_(index, torch.ones(bins.numel(), dtype=torch.float64), accumulate=True)
-        self.following[mode].index_put_(index, next_rates.cpu().double(), accumulate=True)
+    def observe_following(self, mode: str, depth: int, parent_bin: int, rate: float) -> None:
+        """A node at ``depth`` (>= 2): its parent's bin and its own calibrated acceptance."""
+        counts = self.counts[mode]
+        counts["following_seen"][depth_bucket(depth)][parent_bin] += 1
+        counts["following"][depth_bucket(depth)][parent_bin] += rate
 
     def to_dict(self) -> dict:
         """The calibrated rates as JSON (what an adapter records, the prior when it is loaded)."""
-        def table(values: torch.Tensor) -> list:
+        def table(values: list[list[float]]) -> list:
             return [[round(float(v), 4) for v in row] for row in values]
 
-        return {"version": CALIBRATION_VERSION, "bins": BINS, "depths": DEPTHS,
-                "modes": {mode: {"acceptance": table(self.rates(mode)), "following": table(self.next_rates(mode)),
-                                 "observed": int(self.seen[mode].sum())} for mode in MODES}}
+        modes = {}
+        for mode in MODES:
+            rates, following = self.rate_lists(mode)
+            modes[mode] = {"acceptance": table(rates), "following": table(following),
+                           "observed": int(sum(map(sum, self.counts[mode]["seen"])))}
+        return {"version": CALIBRATION_VERSION, "bins": BINS, "depths": DEPTHS, "modes": modes}
 
 
 def check_calibration(table: object) -> None:

@@ -13,7 +13,7 @@ from tree_attention.dynamic import advance_growth, grow_dynamic_tree
 from tree_attention.mask import causal_visibility
 from tree_attention.tree import Tree, TreeBatch, chain_batch
 
-from .calibration import confidence_bins, depth_buckets
+from .calibration import confidence_bin, confidence_bins, depth_bucket
 from .config import DraftConfig
 from .modules import DraftModel
 
@@ -69,7 +69,7 @@ class DraftModelDrafter:
         self.cache = cache_ops.RaggedCache(batch_size, device)
         self.committed = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.started = False  # after the first propose, each batch's first token is the root already fed
-        self.chains = None  # the last adaptive chains: (tokens [R, W] roots first, sizes [R], bins [R, W - 1], mode)
+        self.chains = None  # the last adaptive chains, per row: (tokens roots first, size, confidence bins), mode
         self.proposed_at = None  # perf_counter when the last propose of this call returned
         self.pending: DraftBatch | None = None  # committed entries of plain steps, not fed to the draft yet
         self.plain_steps = 0  # plain steps in pending (each committed one token)
@@ -82,8 +82,8 @@ class DraftModelDrafter:
         self.committed = self.committed[keep]
         if self.chains is not None:
             tokens, sizes, bins, mode = self.chains
-            keep = keep.to(tokens.device)
-            self.chains = (tokens[keep], sizes[keep], bins[keep], mode)
+            rows = keep.tolist()
+            self.chains = ([tokens[r] for r in rows], [sizes[r] for r in rows], [bins[r] for r in rows], mode)
         if self.pending is not None and keep.numel():
             pending, keep = self.pending, keep.to(self.pending.lengths.device)
             self.pending = DraftBatch(pending.features[keep], pending.tokens[keep], pending.lengths[keep],
@@ -124,8 +124,8 @@ class DraftModelDrafter:
         probabilities = torch.softmax(self.draft.logits(features).float(), dim=-1)  # (R, p, V)
         confidence, guess = probabilities.max(dim=-1)
         kept = guess == following  # (R, p)
-        self.calibration.observe("greedy", torch.ones_like(following).view(-1), confidence_bins(confidence).view(-1),
-                                 kept.view(-1))
+        for index, verdict in zip(confidence_bins(confidence).view(-1).tolist(), kept.view(-1).tolist()):
+            self.calibration.observe("greedy", 1, index, verdict)
         for gain in kept.float().mean(dim=0).tolist():
             self.costs.add_replayed(gain)
 
@@ -175,28 +175,28 @@ class DraftModelDrafter:
         """Learn from what the target kept of the last step's chains: its verify seconds, and per
         row the verdict on each node whose parent was accepted (node ``k + 1`` after ``k`` accepted
         nodes was accepted exactly when the target's next token is that node's token). Rows whose
-        committed tokens are not a prefix of their chain (a step the chain did not serve) teach nothing."""
+        committed tokens are not a prefix of their chain (a step the chain did not serve) teach
+        nothing. Host arithmetic on a few ints per row."""
+        lengths = batch.lengths.tolist()
         if self.proposed_at is not None:
             verify = now - self.proposed_at
-            self.costs.add_step(self.width, verify, verify + self.propose_seconds, float(batch.lengths.float().mean()))
+            self.costs.add_step(self.width, verify, verify + self.propose_seconds, sum(lengths) / len(lengths))
         if self.chains is None:
             return
         chain, sizes, bins, mode = self.chains
         self.chains = None
-        device = chain.device
-        accepted = batch.lengths.to(device) - 1  # (R,) drafted tokens kept
-        levels = torch.arange(1, chain.shape[1], device=device)[None, :]  # (1, D)
-        width = min(batch.tokens.shape[1], chain.shape[1])
-        committed = torch.zeros_like(chain)
-        committed[:, :width] = batch.tokens[:, :width].to(device)
-        same = (committed[:, 1:] == chain[:, 1:]) | (levels > accepted[:, None])  # (R, D)
-        usable = same.all(dim=1) & (accepted < sizes)  # (R,)
-        seen = usable[:, None] & (levels <= accepted[:, None] + 1) & (levels < sizes[:, None])  # (R, D)
-        verdict = (levels <= accepted[:, None]) | (chain[:, 1:] == batch.roots.to(device)[:, None])
-        depths = levels.expand_as(seen)
-        self.calibration.observe(mode, depths[seen], bins[seen], verdict[seen])
-        if bool(usable.any()):
-            self.costs.add_drafted(float(accepted[usable].float().mean()), self.propose_seconds, self.width)
+        committed = batch.tokens[:, :len(chain[0])].tolist()
+        kept = []
+        for row, (nodes, size, row_bins, path, root, length) in enumerate(
+                zip(chain, sizes, bins, committed, batch.roots.tolist(), lengths)):
+            accepted = length - 1  # drafted tokens kept
+            if accepted >= size or path[1:length] != nodes[1:length]:
+                continue
+            kept.append(accepted)
+            for depth in range(1, min(accepted + 1, size - 1) + 1):
+                self.calibration.observe(mode, depth, row_bins[depth - 1], depth <= accepted or nodes[depth] == root)
+        if kept:
+            self.costs.add_drafted(sum(kept) / len(kept), self.propose_seconds, self.width)
 
     def _chain(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
         """Every row's chain, one draft forward per level for all rows; a row stops growing below
@@ -225,33 +225,35 @@ class DraftModelDrafter:
 
     def _adaptive_chain(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
         """Every row's chain of the length its calibrated acceptance pays for (at most ``depth``),
-        one draft forward per level for the rows still growing (others ride along)."""
+        one draft forward per level for the rows still growing (others ride along). The decisions
+        are host arithmetic on each row's confidence (one transfer per level, where the loop
+        synchronises anyway)."""
         rows, device = roots.shape[0], roots.device
         mode = "sampled" if self.sampling else "greedy"
-        rates = self.calibration.rates(mode)  # (DEPTHS, BINS)
-        next_rates = self.calibration.next_rates(mode, rates).to(device, torch.float32)  # (DEPTHS, BINS)
-        rates = rates.to(device, torch.float32)
+        rates, next_rates = self.calibration.rate_lists(mode)
         draft_price, node_price = self.costs.prices()  # tokens
-        tokens, draws, bins = [roots], [], []
-        sizes = torch.ones(rows, dtype=torch.long, device=device)
-        growing = torch.ones(rows, dtype=torch.bool, device=device)
-        chance = torch.ones(rows, device=device)  # the target accepts every node so far
+        tokens, draws = [roots], []
+        sizes, growing, chance = [1] * rows, [True] * rows, [1.0] * rows  # chance: the target accepts all so far
+        bins: list[list[int]] = [[] for _ in range(rows)]
         start = self.committed - 1  # (R,) the roots' positions
         for level in range(1, self.depth + 1):
             token, confidence, q = self._next(logits)
-            level_bins = confidence_bins(confidence)  # (R,)
-            acceptance = rates[depth_buckets(level)][level_bins]  # (R,)
-            if level > 1:  # what the forward bought the rows it ran for
-                self.calibration.observe_following(mode, level, bins[-1][growing], acceptance[growing])
-            chance = chance * acceptance
-            growing = growing & (chance > node_price)
             tokens.append(token)
             draws.append(q)
-            bins.append(level_bins)
-            sizes = sizes + growing.long()
-            gain = chance * next_rates[depth_buckets(level + 1)][level_bins]  # (R,) expected from one more level
-            growing = growing & (confidence >= self.config.confidence) & (gain > node_price)
-            if level == self.depth or not bool((growing & (gain > draft_price + node_price)).any()):
+            wanted = False
+            for row, sure in enumerate(confidence.tolist()):
+                index = confidence_bin(sure)
+                acceptance = rates[depth_bucket(level)][index]
+                if level > 1 and growing[row]:  # what the forward bought the rows it ran for
+                    self.calibration.observe_following(mode, level, bins[row][-1], acceptance)
+                bins[row].append(index)
+                chance[row] *= acceptance
+                keep = growing[row] and chance[row] > node_price
+                sizes[row] += keep
+                gain = chance[row] * next_rates[depth_bucket(level + 1)][index]  # expected from one more level
+                growing[row] = keep and sure >= self.config.confidence and gain > node_price
+                wanted = wanted or (growing[row] and gain > draft_price + node_price)
+            if level == self.depth or not wanted:
                 break
             began = time.perf_counter()
             positions = (start + level)[:, None]  # (R, 1)
@@ -262,8 +264,8 @@ class DraftModelDrafter:
             logits = logits[:, -1]
             self.costs.add_draft(time.perf_counter() - began)
         chain = torch.stack(tokens, dim=1)  # (R, W)
-        self.chains = (chain, sizes, torch.stack(bins, dim=1), mode)
-        return chain_batch(chain, sizes, draws if self.sampling else None)
+        self.chains = (chain.tolist(), sizes, bins, mode)
+        return chain_batch(chain, torch.tensor(sizes, device=device), draws if self.sampling else None)
 
     def _tree(self, roots: list[int], root_logits: torch.Tensor) -> TreeBatch:
         """Every row's dynamic tree (EAGLE-2 growth), one draft forward per level for all rows."""
