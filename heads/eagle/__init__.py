@@ -7,6 +7,7 @@ Under lossless sampling the sequential drafter's candidates are drawn from its w
 
 from __future__ import annotations
 
+from ..lazy import entry_names
 from . import cli  # the kind's `selfdraft train` flags, importable without torch
 
 FORMAT_NAMES = ("speculators", "eagle3", "eagle")
@@ -14,14 +15,10 @@ FORMAT_NAMES = ("speculators", "eagle3", "eagle")
 of ``KIND.formats``, checked by a test), listed without torch."""
 
 
-def __getattr__(name: str):
-    """``KIND`` and the kind's public names (:mod:`.entry`), imported with torch on first use; other
-    names (a submodule not imported yet, which the import system then imports) are AttributeErrors."""
-    if name == "entry" or name.startswith("__"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _entry():
     from . import entry
 
-    try:
-        return getattr(entry, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    return entry
+
+
+__getattr__ = entry_names(__name__, _entry)  # ``KIND`` and the kind's public names (:mod:`.entry`), loaded on first use
