@@ -190,7 +190,8 @@ def deploy(args: argparse.Namespace, engine: str | None, model_config) -> str:
 
     ``engine`` None (``--for`` not given) means ``any`` unless a given flag asks for selfdraft-only
     drafting or the target cannot hold an exportable drafter: then ``hf`` (the export line says
-    why). An explicit engine with such a flag or target is a ValueError naming them."""
+    why). A Llama target too shallow for EAGLE-3 (fewer than 4 layers) gets the EAGLE-1 layout under
+    ``any`` and ``sglang``. An explicit engine with such a flag or target is a ValueError naming them."""
     from ..families import LLAMA_EXPORT_FAMILIES, is_llama
 
     if engine == "hf":
@@ -203,6 +204,8 @@ def deploy(args: argparse.Namespace, engine: str | None, model_config) -> str:
     if not is_llama(family):
         target = (f"the EAGLE checkpoint formats engines load build Llama decoder layers "
                   f"({', '.join(LLAMA_EXPORT_FAMILIES)}); this target is {family!r}")
+    elif args.eagle_layout is None and layers < 4 and engine in (None, "any", "sglang"):
+        args.eagle_layout = "eagle1"  # too shallow for EAGLE-3's three fused layers: the layout SGLang also loads
     elif args.eagle_layout != "eagle1" and layers < 4:
         target = (f"EAGLE-3 fuses three of the target's decoder-layer outputs 1..{layers - 1}; this target has "
                   f"{layers} layers (train with --eagle-layout eagle1)")

@@ -95,10 +95,12 @@ def test_default_and_engines_resolve_before_loading(deep_model_dir, tmp_path, no
     assert engine == expected[0] and expected[1] in line, line
 
 
-def test_default_on_a_target_engines_cannot_take_is_selfdraft_only(shallow_model_dir, tmp_path, no_model_loading):
+def test_default_on_a_target_too_shallow_for_eagle3_is_the_eagle1_layout(shallow_model_dir, tmp_path,
+                                                                         no_model_loading):
     data = _write_prompts(tmp_path / "prompts.jsonl", 4, seed=1)
     args, (_, engine, line) = _checked(_args(shallow_model_dir, data, tmp_path / "a"))
-    assert engine == "hf" and args.eagle_layout is None and "will not load in vLLM or SGLang" in line
+    assert engine == "any" and args.eagle_layout == "eagle1" and args.parallel == 1
+    assert "will export to eagle" in line, line
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -128,6 +130,7 @@ def test_for_an_engine_on_a_shallow_target_is_refused(shallow_model_dir, tmp_pat
     assert main(_args(shallow_model_dir, data, tmp_path / "a", "--for", "vllm")) == 2
     assert re.search(r"--for vllm: EAGLE-3 fuses three .* this target has 2 layers .*--eagle-layout eagle1",
                      _one_line_error(capsys, "train"))
+    assert main(_args(shallow_model_dir, data, tmp_path / "b", "--for", "any", "--eagle-layout", "eagle3")) == 2
 
 
 # ----------------------------------------------------------------------------- held-out tau (item 4)
