@@ -37,7 +37,7 @@ NODE_PRIOR = 0.04
 """A verified node in target steps, the prior of the fitted slope (held with :data:`SLOPE_WEIGHT`)."""
 SLOPE_WEIGHT = 4.0
 GAIN_DECAY = 0.7
-"""Drafted tokens a step gains, per state: the weight the old mean keeps at each drafted step."""
+"""Drafted tokens a step gains: the weight the old mean keeps at each drafted (or replayed) step."""
 MAX_PROBE_INTERVAL = 16
 """While drafting does not pay, a step drafts anyway after this many plain steps at most (the
 interval doubles after each probe that did not pay, from 1)."""
@@ -65,7 +65,8 @@ def _table(value: float = 0.0) -> list[list[float]]:
 class ChainCalibration:
     """Acceptance given the parent accepted, per mode, depth bucket and confidence bin; and per
     mode, depth bucket and the *parent's* confidence bin, the expected calibrated acceptance of a
-    node (what one more draft forward is expected to buy, known before it runs).
+    node (what one more draft forward is expected to buy, known before it runs): the current rates
+    averaged over the bins children of such parents were seen in.
 
     Counts are kept without their prior, as host floats ``[DEPTHS][BINS]`` per mode (a few
     additions per step: cheaper than tensor operations); :attr:`accepted`, :attr:`seen` and
@@ -76,8 +77,9 @@ class ChainCalibration:
     the child's depth."""
 
     def __init__(self, prior: Mapping | None = None) -> None:
-        self.counts = {mode: {name: _table() for name in ("accepted", "seen", "following", "following_seen")}
-                       for mode in MODES}
+        self.counts = {mode: {"accepted": _table(), "seen": _table(),
+                              "children": [[[0.0] * BINS for _ in range(BINS)] for _ in range(DEPTHS)]}
+                       for mode in MODES}  # children[depth bucket][parent bin][child bin]
         self.prior = {}
         for mode in MODES:
             recorded = prior.get("modes", {}).get(mode) if prior is not None else None
@@ -102,8 +104,14 @@ class ChainCalibration:
                      for a, n, p in zip(counts["accepted"][depth], counts["seen"][depth], base)]
             rates.append(above)
         bases = rates if prior is None else prior[1]
-        following = [[(f + PRIOR_WEIGHT * p) / (n + PRIOR_WEIGHT) for f, n, p in zip(*row)]
-                     for row in zip(counts["following"], counts["following_seen"], bases)]
+        following = []
+        for depth in range(DEPTHS):
+            row = []
+            for parent in range(BINS):
+                children = counts["children"][depth][parent]
+                expected = sum(n * rate for n, rate in zip(children, rates[depth]))
+                row.append((expected + PRIOR_WEIGHT * bases[depth][parent]) / (sum(children) + PRIOR_WEIGHT))
+            following.append(row)
         return rates, following
 
     def rates(self, mode: str) -> torch.Tensor:
@@ -121,11 +129,9 @@ class ChainCalibration:
         counts["seen"][depth_bucket(depth)][bin_index] += 1
         counts["accepted"][depth_bucket(depth)][bin_index] += float(accepted)
 
-    def observe_following(self, mode: str, depth: int, parent_bin: int, rate: float) -> None:
-        """A node at ``depth`` (>= 2): its parent's bin and its own calibrated acceptance."""
-        counts = self.counts[mode]
-        counts["following_seen"][depth_bucket(depth)][parent_bin] += 1
-        counts["following"][depth_bucket(depth)][parent_bin] += rate
+    def observe_following(self, mode: str, depth: int, parent_bin: int, child_bin: int) -> None:
+        """A node drafted at ``depth`` (>= 2): its parent's confidence bin and its own."""
+        self.counts[mode]["children"][depth_bucket(depth)][parent_bin][child_bin] += 1
 
     def to_dict(self) -> dict:
         """The calibrated rates as JSON (what an adapter records, the prior when it is loaded)."""
@@ -174,9 +180,7 @@ class ChainCosts:
         self.weight = self.nodes = self.seconds = self.nodes2 = self.cross = 0.0  # decayed sums of (nodes - 1, s)
         self.step_seconds: float | None = None
         self.tokens = 1.0
-        # drafted tokens a row kept per drafted step, after a drafted step that kept less than half
-        # a token a row (state 0) or more (state 1); optimistic until measured
-        self.gain, self.state = [1.0, 1.0], 1
+        self.gain = 1.0  # drafted tokens a row kept per drafted step (optimistic until measured)
         self.draft_step: float | None = None  # seconds of a drafted step beyond a plain one
         self.interval, self.waited = 1, 0
 
@@ -199,8 +203,7 @@ class ChainCosts:
     def add_drafted(self, gain: float, propose_seconds: float, nodes: int) -> None:
         """A drafted step: the drafted tokens a row kept, the seconds of the proposal and the
         widest row's node count (root included)."""
-        self.gain[self.state] = GAIN_DECAY * self.gain[self.state] + (1 - GAIN_DECAY) * gain
-        self.state = int(gain >= 0.5)
+        self.gain = GAIN_DECAY * self.gain + (1 - GAIN_DECAY) * gain
         line = self.verify_line()
         extra = propose_seconds + (0.0 if line is None else line[1] * (nodes - 1))
         self.draft_step = extra if self.draft_step is None else DECAY * self.draft_step + (1 - DECAY) * extra
@@ -212,19 +215,17 @@ class ChainCosts:
 
     def add_replayed(self, gain: float) -> None:
         """A plain step replayed: the drafted tokens a row would have kept with a chain of one."""
-        self.gain[self.state] = GAIN_DECAY * self.gain[self.state] + (1 - GAIN_DECAY) * gain
-        self.state = int(gain >= 0.5)
+        self.gain = GAIN_DECAY * self.gain + (1 - GAIN_DECAY) * gain
         if self.pays():
             self.interval = 1
 
     def pays(self) -> bool:
         """Whether a drafted step is expected to commit tokens faster than a plain step: the
-        tokens it gains after a step like the last drafted one exceed its extra seconds in plain
-        steps (True until measured)."""
+        tokens it gains exceed its extra seconds in plain steps (True until measured)."""
         line = self.verify_line()
         if line is None or self.draft_step is None:
             return True
-        return self.gain[self.state] > self.draft_step / line[0]
+        return self.gain > self.draft_step / line[0]
 
     def draft_now(self) -> bool:
         """Draft at this step: it pays, or the plain steps since the last draft reached the probe interval."""

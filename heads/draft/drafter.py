@@ -245,7 +245,7 @@ class DraftModelDrafter:
                 index = confidence_bin(sure)
                 acceptance = rates[depth_bucket(level)][index]
                 if level > 1 and growing[row]:  # what the forward bought the rows it ran for
-                    self.calibration.observe_following(mode, level, bins[row][-1], acceptance)
+                    self.calibration.observe_following(mode, level, bins[row][-1], index)
                 bins[row].append(index)
                 chance[row] *= acceptance
                 keep = growing[row] and chance[row] > node_price
