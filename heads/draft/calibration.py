@@ -200,13 +200,18 @@ class ChainCosts:
             DECAY * self.step_seconds + (1 - DECAY) * step_seconds
         self.tokens = DECAY * self.tokens + (1 - DECAY) * tokens
 
-    def add_drafted(self, gain: float, propose_seconds: float, nodes: int) -> None:
+    def add_drafted(self, gain: float, propose_seconds: float, nodes: int, caught_up: bool = False) -> None:
         """A drafted step: the drafted tokens a row kept, the seconds of the proposal and the
-        widest row's node count (root included)."""
+        widest row's node count (root included); ``caught_up``: the proposal also fed the tokens of
+        plain steps before it (its seconds then price those steps' deferred feeding too, so they
+        do not enter the mean seconds of a drafted step, unless none is known yet)."""
         self.gain = GAIN_DECAY * self.gain + (1 - GAIN_DECAY) * gain
         line = self.verify_line()
         extra = propose_seconds + (0.0 if line is None else line[1] * (nodes - 1))
-        self.draft_step = extra if self.draft_step is None else DECAY * self.draft_step + (1 - DECAY) * extra
+        if self.draft_step is None:
+            self.draft_step = extra
+        elif not caught_up:
+            self.draft_step = DECAY * self.draft_step + (1 - DECAY) * extra
         if self.pays():
             self.interval = 1
         elif self.waited >= self.interval:  # a probe that did not pay: wait longer before the next

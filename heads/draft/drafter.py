@@ -73,6 +73,7 @@ class DraftModelDrafter:
         self.proposed_at = None  # perf_counter when the last propose of this call returned
         self.pending: DraftBatch | None = None  # committed entries of plain steps, not fed to the draft yet
         self.plain_steps = 0  # plain steps in pending (each committed one token)
+        self.caught_up = False  # the last drafted step also fed plain steps' tokens
         self.costs.waited = self.costs.interval  # each call's first step drafts
 
     def retire(self, keep: torch.Tensor) -> None:
@@ -159,7 +160,7 @@ class DraftModelDrafter:
             self.propose_seconds, self.width = self.proposed_at - started, 1
             return trees
         root_logits = self._commit(batch)  # (R, V)
-        self.plain_steps = 0
+        self.caught_up, self.plain_steps = self.plain_steps > 0, 0
         self.cache.compact()
         if self.top_k != 1:
             trees = self._tree(batch.roots.tolist(), root_logits)
@@ -196,7 +197,7 @@ class DraftModelDrafter:
             for depth in range(1, min(accepted + 1, size - 1) + 1):
                 self.calibration.observe(mode, depth, row_bins[depth - 1], depth <= accepted or nodes[depth] == root)
         if kept:
-            self.costs.add_drafted(sum(kept) / len(kept), self.propose_seconds, self.width)
+            self.costs.add_drafted(sum(kept) / len(kept), self.propose_seconds, self.width, self.caught_up)
 
     def _chain(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
         """Every row's chain, one draft forward per level for all rows; a row stops growing below
