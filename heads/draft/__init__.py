@@ -3,11 +3,16 @@ causal LM that shares the target's tokenizer drafts chains or dynamic trees (EAG
 top-k expansion with a node budget, scored by the draft's log-probabilities). Registered as
 ``KIND`` (see :mod:`heads.kinds`).
 
-    spec = heads.attach_heads(model, kind="draft", draft_model=small)               # a chain of 4
+    spec = heads.attach_heads(model, kind="draft", draft_model=small)   # chains of up to 8, length per step
+    spec = heads.attach_heads(model, kind="draft", draft_model=small, depth=4, adaptive=False)  # a fixed chain of 4
     spec = heads.attach_heads(model, kind="draft", draft_model=small, depth=5, top_k=2, total_tokens=8)
-    spec = heads.attach_heads(model, kind="draft", draft_model=small, depth=8, confidence=0.4)  # stop when unsure
+    spec = heads.attach_heads(model, kind="draft", draft_model=small, depth=8, adaptive=False, confidence=0.4)
     spec = heads.attach_heads(model, kind="draft", draft_model=small, tokenizer=tok, draft_tokenizer=small_tok)
     spec = heads.attach_heads(model, kind="draft", draft_model="path/to/small")     # loaded in the target's dtype
+
+By default a chain's length (and whether a step drafts at all) comes from the draft's confidence
+calibrated online against what the target accepts and the measured cost of a draft forward
+(:mod:`heads.draft.calibration`; docs/draft.md).
 
 Distillation (DistillSpec; ``selfdraft train --kind draft --draft DIR``) trains the draft model itself,
 every weight or a peft LoRA (:mod:`heads.draft.loss`); ``spec.save_pretrained(dir)`` writes the
