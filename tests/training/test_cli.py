@@ -310,7 +310,7 @@ def test_eagle_resume_with_the_automatic_draft_vocabulary(model_dir, tmp_path, c
     checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
     args = _train_args(model_dir, data, tmp_path / "adapter", tmp_path / "cache", tmp_path / "s.json", steps=4)
     at = args.index("--num-heads")
-    args[at:at + 2] = ["--kind", "eagle"]
+    args[at:at + 2] = ["--kind", "eagle", "--for", "hf"]  # (a 2-layer target's engine default is EAGLE-1: no draft vocabulary)
     args[args.index("--eval-prompts") + 1] = "0"
     assert main(args + checkpoints) == 0
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
