@@ -216,13 +216,20 @@ class DraftModelDrafter:
             growing = growing & (confidence >= self.config.confidence)
             if level == depth or not bool(growing.any()):
                 break
-            positions = (start + level)[:, None]  # (R, 1)
-            keys = start[:, None] + torch.arange(1, level + 1, device=device)[None, :]  # this step's chain slots
-            visible = torch.ones(rows, 1, level, dtype=torch.bool, device=device)
-            mask = self.cache.mask(positions, visible, self.draft.layout, self.draft.dtype, keys)
-            _, logits = self.draft.forward(token[:, None], positions, mask, self.cache.cache, "last")
-            logits = logits[:, -1]
+            logits = self._chain_level(token, start, level)
         return chain_batch(torch.stack(tokens, dim=1), sizes, draws if self.sampling else None)
+
+    def _chain_level(self, token: torch.Tensor, start: torch.Tensor, level: int) -> torch.Tensor:
+        """One draft forward of every row's chain token at ``level`` (``token`` ``[R]``, ``start``
+        ``[R]`` the roots' positions), which sees the row's committed tokens and its chain so far;
+        the logits ``[R, V]`` of the next level."""
+        rows, device = token.shape[0], token.device
+        positions = (start + level)[:, None]  # (R, 1)
+        keys = start[:, None] + torch.arange(1, level + 1, device=device)[None, :]  # this step's chain slots
+        visible = torch.ones(rows, 1, level, dtype=torch.bool, device=device)
+        mask = self.cache.mask(positions, visible, self.draft.layout, self.draft.dtype, keys)
+        _, logits = self.draft.forward(token[:, None], positions, mask, self.cache.cache, "last")
+        return logits[:, -1]
 
     def _adaptive_chain(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
         """Every row's chain of the length its calibrated acceptance pays for (at most ``depth``),
@@ -257,12 +264,7 @@ class DraftModelDrafter:
             if level == self.depth or not wanted:
                 break
             began = time.perf_counter()
-            positions = (start + level)[:, None]  # (R, 1)
-            keys = start[:, None] + torch.arange(1, level + 1, device=device)[None, :]  # this step's chain slots
-            visible = torch.ones(rows, 1, level, dtype=torch.bool, device=device)
-            mask = self.cache.mask(positions, visible, self.draft.layout, self.draft.dtype, keys)
-            _, logits = self.draft.forward(token[:, None], positions, mask, self.cache.cache, "last")
-            logits = logits[:, -1]
+            logits = self._chain_level(token, start, level)
             self.costs.add_draft(time.perf_counter() - began)
         chain = torch.stack(tokens, dim=1)  # (R, W)
         self.chains = (chain.tolist(), sizes, bins, mode)
