@@ -24,7 +24,7 @@ from heads.draft.calibration import BINS, DEPTHS, MAX_PROBE_INTERVAL, ChainCalib
 from heads.generation import acceptance_rule
 from tests.conftest import ARCHITECTURES, build_model, left_pad, random_prompt
 from tests.heads.draft.test_draft_kind import (  # noqa: F401  (toy_pair: a fixture)
-    PROMPT, ROWS, RUNS, SAMPLED, Recorder, exact_joint, noisy_copy, reference, toy_pair,
+    RUNS, SAMPLED, Recorder, exact_joint, noisy_copy, reference, sample_runs, toy_pair,
 )
 from tests.stats import FALSE_ALARM, chi_square_pvalue
 from tree_attention.decode import speculative_generate
@@ -106,20 +106,6 @@ def test_the_calibration_counts_what_the_target_accepted():
 # ------------------------------------------------------------------------------ lossless sampling
 
 
-def sample_runs(run, least: float, runs: int = RUNS) -> list[tuple[int, ...]]:
-    """``run(ids, mask, generator)`` → (output, stats) on batches of ROWS prompt copies, ``runs``
-    samples; at least ``least`` drafted tokens accepted per sample (else the rule was hardly exercised)."""
-    ids, mask = left_pad([PROMPT[0]] * ROWS, width=PROMPT.shape[1] + 2)
-    generator = torch.Generator().manual_seed(0)
-    samples, accepted = [], 0
-    for _ in range(runs // ROWS):
-        output, stats = run(ids, mask, generator)
-        samples += [tuple(row) for row in output[:, ids.shape[1]:ids.shape[1] + SAMPLED].tolist()]
-        accepted += sum(stats.accepted_lengths)
-    assert accepted > runs * least, f"{accepted} drafted tokens accepted in {runs} samples"
-    return samples
-
-
 def adaptive_sampled_chain(toy_pair, settings, prices=(0.03, 0.005), calibration=None, least=0.4, runs=RUNS):
     """Through the decode loop with the bound drafter: adaptive chains (up to 4) of tokens drawn from
     the draft's q, one step in four plain (the draft catches up at the next drafted step)."""
@@ -137,7 +123,7 @@ def adaptive_sampled_chain(toy_pair, settings, prices=(0.03, 0.005), calibration
         return speculative_generate(spec.target, recorder, ids, SAMPLED + 1, (), rule, mask, spec.pad_token_id)
 
     recorder = Recorder(None)
-    samples = sample_runs(run, least, runs)
+    samples = sample_runs(run, runs, least)
     assert int(spec.heads.calibration.seen["sampled"].sum()) > 0
     return samples, set(recorder.sizes)
 
