@@ -15,7 +15,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.conftest import VOCAB
-from tests.training.test_cli import _one_line_error, _tokenizer, _write_prompts, no_model_loading  # noqa: F401
+from tests.training.test_cli import (  # noqa: F401  (fixtures)
+    _one_line_error, _tokenizer, _write_prompts, model_dir as shallow_model_dir, no_model_loading,
+)
 from training.cli import build_parser, main
 from training.commands import train as train_command
 
@@ -31,14 +33,6 @@ def deep_model_dir(tmp_path_factory) -> Path:
     _tokenizer().save_pretrained(directory)
     return directory
 
-
-@pytest.fixture(scope="module")
-def shallow_model_dir(toy_target, tmp_path_factory) -> Path:
-    """The 2-layer toy Llama: too shallow for EAGLE-3."""
-    directory = tmp_path_factory.mktemp("shallow-model")
-    toy_target.save_pretrained(directory)
-    _tokenizer().save_pretrained(directory)
-    return directory
 
 
 def _args(model_dir, data, out, *extra, kind="eagle", steps=3, cache=None) -> list[str]:
