@@ -85,6 +85,13 @@ def main(argv=None) -> int:
                         help="runs of each method per batch; the fastest counts (load on a shared machine only adds time)")
     parser.add_argument("--name", default=None)
     args = parser.parse_args(argv)
+    for name in ("batch", "prompts", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    if args.prompts < args.batch:
+        parser.error(f"--prompts ({args.prompts}) must be at least --batch ({args.batch}): one batch at least")
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0 (0: greedy); got {args.temperature}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
