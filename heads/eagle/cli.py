@@ -17,13 +17,13 @@ because the config module imports torch and the flags must not."""
 
 LEARNING_RATE = 1e-2
 """``selfdraft train --kind eagle``'s default ``--lr``. The drafter's projection and decoder layer start
-random (Medusa's heads start as the identity and a copy of the output head), and at 1e-3 they move
-too little in a few hundred steps: on stories260K (300 steps, batch 8) the held-out depth-1 top-1
-accuracy was 0.52 at 1e-3, 0.67 at 3e-3, 0.72 at 1e-2 and 0.74 at 2e-2 (``benchmarks/bench_eagle_recipe.py``)."""
+random (Medusa's heads start as the identity and a copy of the output head), so they need a larger
+step than heads to learn in a few hundred steps (chosen with ``benchmarks/bench_eagle_recipe.py``;
+figures in CHANGELOG.md)."""
 TOKEN_WEIGHT = 1.0
-"""``--token-weight``'s default (EAGLE-1 uses 0.1): with the token loss at 0.1 the feature regression
-dominates and top-1 agreement, what acceptance counts, lags (stories260K at lr 1e-2: 0.72 at 0.1,
-0.77 at 0.3, 0.78 at 1.0 and 3.0, deeper steps best at 0.3-1.0)."""
+"""``--token-weight``'s default (EAGLE-1 uses 0.1): with a small token loss the feature regression
+dominates and top-1 agreement, what acceptance counts, lags (``benchmarks/bench_eagle_recipe.py``;
+figures in CHANGELOG.md)."""
 PARALLEL = 4
 """``selfdraft train --kind eagle --for hf``'s default ``--parallel`` (engines load sequential drafters:
 see :func:`deploy`), with ``--drafting auto``: the drafter also
@@ -32,9 +32,7 @@ drafts each step sequentially or in parallel, whichever commits more tokens per 
 and traffic (:mod:`heads.eagle.switch`). The drafter itself trains exactly as a sequential drafter's
 (``--parallel 1``): the heads read its depth-1 prediction with the gradient stopped. (With
 ``--parallel-mode mask`` it shares its layer with mask queries, see ``--mask-query-weight``.) Four
-depths against three, side by side (heads reading the prediction, same data and steps): stories260K
-1.47x both (per-prompt medians 1.55x against 1.45x; Medusa 1.48x), demo-llama prose 1.53x against
-1.50x, code 2.14x against 2.10x; the fourth head's held-out top-1 was 0.26 on stories260K."""
+parallel depths ran level with or ahead of three (figures in CHANGELOG.md)."""
 
 
 def layer_list(text: str) -> list[int]:
