@@ -17,7 +17,6 @@ verification mask, forward, acceptance, cache and commit).
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
 from .common import (
@@ -127,57 +126,17 @@ def candidates(args, model) -> dict[str, tuple[str, object]]:
     return specs
 
 
-def batches(tokenizer, texts: list[str], size: int):
-    """Left-padded ``(input_ids, attention_mask)`` batches of ``size`` prompts."""
-    from ..prompts import tokenizer_pad_id
-
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token_id = tokenizer_pad_id(tokenizer)
-    for start in range(0, len(texts), size):
-        encoded = tokenizer(texts[start:start + size], return_tensors="pt", padding=True)
-        yield encoded.input_ids, encoded.attention_mask
-
-
 def measure(model, specs: dict, prompt_batches: list, temperature: float, max_new_tokens: int, seed: int) -> dict:
-    """Per candidate and for plain ``generate``: per batch seconds, new tokens, forwards and phases."""
-    import torch
+    """Per candidate and for plain ``generate``: one :class:`training.evaluate.Run` per batch."""
+    from ..evaluate import paired_runs, plain_method, spec_method
 
-    sampled = temperature > 0
-    settings = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if sampled else dict(do_sample=False)
     pad = model.generation_config.pad_token_id
     if pad is None:
         pad = next(iter(sorted(_eos(model))), 0)
-    names = ["generate", *specs]
-    runs = {name: [] for name in names}
-
-    def call(name, ids, mask, new, generator):
-        if name == "generate":
-            output = model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=pad, **settings)
-            return output, None
-        spec = specs[name][1]
-        output = spec.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=pad,
-                               generator=generator if sampled else None, **settings)
-        return output, spec.last_stats
-
-    first_ids, first_mask = prompt_batches[0]
-    for name in names:  # warm-up: first calls pay one-time costs
-        call(name, first_ids, first_mask, min(4, max_new_tokens), torch.Generator().manual_seed(seed))
-    for index, (ids, mask) in enumerate(prompt_batches):
-        order = names[index % len(names):] + names[:index % len(names)]
-        for name in order:
-            torch.manual_seed(seed * 1000 + index)
-            generator = torch.Generator().manual_seed(seed * 1000 + index)
-            start = time.perf_counter()
-            output, stats = call(name, ids, mask, max_new_tokens, generator)
-            seconds = time.perf_counter() - start
-            new = output[:, ids.shape[1]:]
-            record = {"seconds": seconds, "new": int((new != pad).sum()) if pad is not None else new.numel(),
-                      "steps": new.shape[1], "output": output}
-            if stats is not None:
-                record.update(stats=stats)
-            runs[name].append(record)
-    return runs
+    methods = {"generate": plain_method(model, temperature, pad)}
+    methods.update({name: spec_method(spec, temperature) for name, (_, spec) in specs.items()})
+    return paired_runs(methods, prompt_batches, max_new_tokens, warmup=prompt_batches[0],
+                       warmup_tokens=min(4, max_new_tokens), seed=seed, pad_token_id=pad)
 
 
 def _eos(model) -> set[int]:
@@ -189,14 +148,14 @@ def _eos(model) -> set[int]:
 def rank(runs: dict, specs: dict, sampled: bool) -> tuple[dict, list[dict]]:
     """The plain baseline and the candidates' entries, best first."""
     plain = runs["generate"]
-    plain_seconds, plain_steps = sum(r["seconds"] for r in plain), sum(r["steps"] for r in plain)
+    plain_seconds, plain_steps = sum(r.seconds for r in plain), sum(r.steps for r in plain)
     step_ms = 1000 * plain_seconds / max(1, plain_steps)
-    baseline = {"tokens_per_s": sum(r["new"] for r in plain) / plain_seconds, "step_ms": step_ms}
+    baseline = {"tokens_per_s": sum(r.new_tokens for r in plain) / plain_seconds, "step_ms": step_ms}
     entries = []
     for name, (description, _) in specs.items():
         records = runs[name]
-        ratios = [p["seconds"] / r["seconds"] * r["new"] / max(1, p["new"]) for p, r in zip(plain, records)]
-        stats = [r["stats"] for r in records]
+        ratios = [p.seconds / r.seconds * r.new_tokens / max(1, p.new_tokens) for p, r in zip(plain, records)]
+        stats = [r.stats for r in records]
         new, row_forwards = sum(s.new_tokens for s in stats), sum(s.row_forwards for s in stats)
         accepted = [length for s in stats for length in s.accepted_lengths]
         steps = max(1, sum(s.target_forwards - 1 for s in stats))  # verify forwards (the prefill left out)
@@ -206,7 +165,7 @@ def rank(runs: dict, specs: dict, sampled: bool) -> tuple[dict, list[dict]]:
         tau = new / row_forwards if row_forwards else 0.0
         entry = {
             "name": name, "candidate": description, "speedup": statistics.median(ratios), "tau": tau,
-            "tokens_per_s": sum(r["new"] for r in records) / sum(r["seconds"] for r in records),
+            "tokens_per_s": sum(r.new_tokens for r in records) / sum(r.seconds for r in records),
             "acceptance_by_position": [sum(length > d for length in accepted) / max(1, len(accepted))
                                        for d in range(depth)],
             "draft_ms_per_step": 1000 * draft / steps, "verify_ms_per_step": 1000 * verify / steps,
@@ -215,7 +174,7 @@ def rank(runs: dict, specs: dict, sampled: bool) -> tuple[dict, list[dict]]:
         if not sampled:
             import torch
 
-            entry["identical"] = all(torch.equal(p["output"], r["output"]) for p, r in zip(plain, records))
+            entry["identical"] = all(torch.equal(p.output, r.output) for p, r in zip(plain, records))
         entries.append(entry)
     entries.sort(key=lambda entry: entry["speedup"], reverse=True)
     return baseline, entries
@@ -242,6 +201,8 @@ def print_ranking(baseline: dict, entries: list[dict]) -> None:
 def run(args) -> int:
     import torch
 
+    from ..evaluate import encode_batches
+
     check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -250,7 +211,7 @@ def run(args) -> int:
     texts = [text for text in texts if text.strip()][: args.prompts]
     require(bool(texts), f"--data {args.data}: no non-empty prompt")
     specs = candidates(args, model)
-    prompt_batches = list(batches(tokenizer, texts, args.batch_size))
+    prompt_batches = encode_batches(tokenizer, texts, args.batch_size)
     runs = measure(model, specs, prompt_batches, args.temperature, args.max_new_tokens, args.seed)
     baseline, entries = rank(runs, specs, args.temperature > 0)
     print_ranking(baseline, entries)
