@@ -22,7 +22,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import MIXES, PROMPTS, TARGET, mixed_training_file  # noqa: E402
+from benchmarks.harness.prompts import PROMPTS, TARGETS, mixed_training_file, target_directory  # noqa: E402
+
+TARGET = target_directory("demo-llama")
+MIXES = TARGETS["demo-llama"]["mixes"]
 
 
 def plot(results: dict, path: Path) -> None:

@@ -3,7 +3,7 @@
 1. Verify cost on random-weight Llama configs of about 1B and 8B parameters in bf16: one forward of
    N = 1, 2, 4, ..., 64 new tokens on a 512-token cache (CUDA-synchronised medians), relative to N = 1.
 2. Loop overhead: ``spec.generate`` with a one-node tree over ``model.generate``, greedy, on the 1B config.
-3. The peers table on the shipped targets (``bench_peers`` at reduced size, greedy and T=0.7).
+(``gpu_check.sh`` then runs ``python -m benchmarks.run peers --quick`` on stories260K.)
 
 Each part has a time budget and is skipped with a note when the budget is spent; results go to
 ``$OUT/gpu_check.json`` (or ``benchmarks/results/gpu_check.json``).

@@ -124,9 +124,11 @@ def plain_method(model, temperature: float, pad_token_id: int | None = None) -> 
     return run
 
 
-def spec_method(spec, temperature: float, speculate: str | None = None) -> Method:
+def spec_method(spec, temperature: float, speculate: str | None = None, pad_token_id: int | None = None) -> Method:
     """``spec.generate`` as a :data:`Method` (``speculate``: None for the fixed tree, or "auto")."""
     settings = sampling_settings(temperature)
+    if pad_token_id is not None:
+        settings["pad_token_id"] = pad_token_id
 
     def run(ids, mask, new):
         output = spec.generate(ids, attention_mask=mask, max_new_tokens=new, speculate=speculate, **settings)

@@ -134,7 +134,7 @@ def measure(model, specs: dict, prompt_batches: list, temperature: float, max_ne
     if pad is None:
         pad = next(iter(sorted(_eos(model))), 0)
     methods = {"generate": plain_method(model, temperature, pad)}
-    methods.update({name: spec_method(spec, temperature) for name, (_, spec) in specs.items()})
+    methods.update({name: spec_method(spec, temperature, pad_token_id=pad) for name, (_, spec) in specs.items()})
     return paired_runs(methods, prompt_batches, max_new_tokens, warmup=prompt_batches[0],
                        warmup_tokens=min(4, max_new_tokens), seed=seed, pad_token_id=pad)
 

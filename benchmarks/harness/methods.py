@@ -1,0 +1,126 @@
+"""The registry of methods a benchmark compares, each written as one string:
+
+- ``generate``: the target's own ``model.generate`` (the baseline every speedup is over);
+- ``prompt_lookup_nN``: transformers' prompt lookup, ``prompt_lookup_num_tokens=N``;
+- ``assisted:DRAFT_DIR``: transformers' assisted generation, ``assistant_model=`` the model in DRAFT_DIR;
+- ``ADAPTER_DIR``: a selfdraft adapter (``heads.load_heads``);
+- ``ADAPTER_DIR+lookup``: that adapter as a hybrid with lookup (``spec.set_lookup(True, history_tokens=0)``);
+- ``lookup_N``: selfdraft's lookup kind with a budget of N nodes (``attach_heads(kind="lookup", budget=N,
+  history_tokens=0)``);
+
+and for selfdraft methods ``,tree=T`` (``spec.set_tree``: T drafted nodes, or ``DEPTH:TOP_K:TOTAL`` for
+an EAGLE tree shape) and a final ``@auto`` (``generate(speculate="auto")``). Lookup runs without
+cross-request history, so that no prompt can copy an earlier run of itself. Directories are
+relative to the repository root (or absolute).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .prompts import ROOT, BenchmarkError
+
+FORMS = ("generate, prompt_lookup_nN, assisted:DRAFT_DIR, ADAPTER_DIR, ADAPTER_DIR+lookup, lookup_N; selfdraft "
+         "methods optionally with ,tree=N or ,tree=DEPTH:TOP_K:TOTAL and a final @auto")
+PEERS = ("generate", "prompt_lookup", "assisted")
+"""Bases that are transformers' own ``generate``: no tree, no ``@auto``, batch size 1 for the assisted ones."""
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # as written
+    base: str  # generate | prompt_lookup | assisted | adapter | lookup
+    size: int | None = None  # prompt_lookup: tokens; lookup: node budget
+    directory: Path | None = None  # assisted: the draft model; adapter: the adapter
+    hybrid: bool = False  # adapter + lookup
+    tree: int | dict | None = None  # spec.set_tree argument (None: the configured tree)
+    auto: bool = False  # speculate="auto"
+
+    @property
+    def selfdraft(self) -> bool:
+        return self.base not in PEERS
+
+
+def _tree(text: str, name: str) -> int | dict:
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    if re.fullmatch(r"\d+:\d+:\d+", text):
+        depth, top_k, total = (int(part) for part in text.split(":"))
+        return {"depth": depth, "top_k": top_k, "total_tokens": total}
+    raise BenchmarkError(f"method {name!r}: tree={text!r} is neither a node count nor DEPTH:TOP_K:TOTAL")
+
+
+def _directory(text: str) -> Path:
+    path = Path(text)
+    return path if path.is_absolute() else ROOT / path
+
+
+def parse_method(name: str) -> Method:
+    """The :class:`Method` ``name`` writes; an unknown form, a missing directory or an option that
+    does not apply is a :class:`BenchmarkError` naming it."""
+    rest, auto = (name[:-len("@auto")], True) if name.endswith("@auto") else (name, False)
+    rest, *options = rest.split(",")
+    tree = None
+    for option in options:
+        key, _, value = option.partition("=")
+        if key != "tree" or not value:
+            raise BenchmarkError(f"method {name!r}: unknown option {option!r} (known: tree=T)")
+        tree = _tree(value, name)
+    if rest == "generate":
+        method = Method(name, "generate")
+    elif match := re.fullmatch(r"prompt_lookup_n(\d+)", rest):
+        method = Method(name, "prompt_lookup", size=int(match.group(1)))
+    elif rest.startswith("assisted:"):
+        method = Method(name, "assisted", directory=_directory(rest.split(":", 1)[1]))
+        if not (method.directory / "config.json").is_file():
+            raise BenchmarkError(f"method {name!r}: no model (config.json) in {method.directory}")
+    elif match := re.fullmatch(r"lookup_(\d+)", rest):
+        method = Method(name, "lookup", size=int(match.group(1)), tree=tree, auto=auto)
+    else:
+        hybrid = rest.endswith("+lookup")
+        directory = _directory(rest[:-len("+lookup")] if hybrid else rest)
+        if not (directory / "adapter_config.json").is_file():
+            raise BenchmarkError(f"unknown method {name!r}: not a method name and no adapter (adapter_config.json) "
+                                 f"in {directory}; methods: {FORMS}")
+        method = Method(name, "adapter", directory=directory, hybrid=hybrid, tree=tree, auto=auto)
+    if method.size is not None and method.size < 1:
+        raise BenchmarkError(f"method {name!r}: the size must be at least 1")
+    if not method.selfdraft and (auto or tree is not None):
+        raise BenchmarkError(f"method {name!r}: ,tree= and @auto apply to selfdraft methods only, not to {method.base}")
+    return method
+
+
+def build_method(method: Method, model, temperature: float, pad_token_id: int | None):
+    """``method`` on ``model`` as a :data:`training.evaluate.Method` (a fresh drafter: nothing learned
+    by ``@auto`` or kept by lookup is shared with another method)."""
+    import heads
+    from training.evaluate import plain_method, sampling_settings, spec_method
+
+    if method.base == "generate":
+        return plain_method(model, temperature, pad_token_id)
+    if not method.selfdraft:
+        extra = {"prompt_lookup_num_tokens": method.size} if method.base == "prompt_lookup" else {
+            "assistant_model": _load_draft(method.directory, model)}
+        settings = {**sampling_settings(temperature), **extra}
+
+        def run(ids, mask, new):
+            return model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=pad_token_id,
+                                  **settings), None
+        return run
+    if method.base == "lookup":
+        spec = heads.attach_heads(model, kind="lookup", budget=method.size, history_tokens=0)
+    else:
+        spec = heads.load_heads(model, method.directory)
+        if method.hybrid:
+            spec.set_lookup(True, history_tokens=0)
+    if method.tree is not None:
+        spec.set_tree(method.tree)
+    return spec_method(spec, temperature, "auto" if method.auto else None, pad_token_id)
+
+
+def _load_draft(directory: Path, model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=model.dtype).eval()

@@ -1,0 +1,256 @@
+"""Which draft wins at which serving temperature (DistillSpec's question, on either shipped target).
+
+Medusa heads and the EAGLE drafter are each distilled three ways on the same step budget per kind
+(``--steps``; EAGLE steps cost less here, so it gets more):
+
+- ``greedy-off``: the target's greedy continuations (off-policy), divergence at T=1;
+- ``T0.7-on``: divergence at T=0.7 on the target's samples at 0.7, half of each batch on-policy
+  (sequences speculative generation with the current drafter samples at 0.7, refreshed 4 times);
+- ``T1.0-on``: the same at T=1.0.
+
+Each is served at T in {0, 0.5, 0.7, 1.0} on held-out prompts of each mix (code, prose):
+speculative and plain generation alternate prompt by prompt in one process at the same temperature
+(``training.evaluate.measure``; medians over prompts). Reports tau (tokens per target forward,
+bonus included), tokens/s each way and speedup per cell, per mix; writes
+``temperature.json`` and ``temperature.png`` beside this script (``--target stories260K``:
+``temperature_stories260K.json`` / ``.png``, one mix, training prompts from ``stories_train.jsonl``,
+and by default the CLI's own step budget and learning rate, as the shipped adapters). Adapters are
+cached under ``benchmarks/results/adapters`` (``--retrain`` to redo them).
+
+Candidates under sampling (``--candidates``): ``sampled`` (the kinds' default ``sample="auto"``:
+each node's children drawn from the drafter's warped distribution, accepted with min(1, p/q)),
+``top-k`` (``sample="never"``: the drafter's top-k tokens as point masses) or ``both``, side by
+side in the same cells (greedy cells are the same either way and are measured once); the plot and
+the winners use the first mode listed. ``--quick``: a smoke run (tiny budgets, written to
+``temperature_quick.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness.prompts import PROMPTS, TARGETS, mixed_training_file, target_directory
+from benchmarks.studies.common import RESULTS, table, write_json
+
+HERE = Path(__file__).resolve().parent
+TARGETS = {name: TARGETS[name] for name in ("demo-llama", "stories260K")}
+
+RECIPES = {
+    "greedy-off": ["--temperature", "1.0", "--data-temperature", "0"],
+    "T0.7-on": ["--temperature", "0.7", "--data-temperature", "0.7", "--on-policy"],
+    "T1.0-on": ["--temperature", "1.0", "--data-temperature", "1.0", "--on-policy"],
+}
+MATCHED = {0.0: "greedy-off", 0.7: "T0.7-on", 1.0: "T1.0-on"}
+"""The draft trained for each serving temperature (0.5 has none)."""
+SERVING = (0.0, 0.5, 0.7, 1.0)
+COLUMNS = ["kind", "recipe", "candidates", "serve_T", "mix", "tau", "tok/s plain", "tok/s spec", "speedup", "accept"]
+CANDIDATES = {"sampled": "auto", "top-k": "never"}
+"""``--candidates`` choice -> the kinds' ``sample`` mode."""
+QUICK = {"steps": [4, 4], "train_prompts": 4, "train_new_tokens": 12, "max_length": 32, "pool_prompts": 2,
+         "prompts": 2, "max_new_tokens": 12}
+DEFAULTS = {
+    "demo-llama": {"steps": [60, 120], "lr": 2e-3, "train_prompts": 64, "train_new_tokens": 48, "max_length": 96,
+                   "pool_prompts": 8, "warmup_steps": 5},
+    "stories260K": {"steps": [300, 300], "lr": None, "train_prompts": 500, "train_new_tokens": 128,
+                    "max_length": 256, "pool_prompts": 32, "warmup_steps": None},
+}
+"""Per target, what is not given on the command line (None: the CLI's own default); stories260K: the
+CLI's defaults and all 500 training prompts, as its shipped adapters were trained (``greedy-off`` is
+then their recipe)."""
+
+
+def mixed_file(target: str, per_mix: int) -> Path:
+    """The first ``per_mix`` training prompts of each of ``target``'s mixes, interleaved, in one jsonl file."""
+    name = f"train_mixed_{per_mix}" if target == "demo-llama" else f"train_{target}_{per_mix}"
+    return mixed_training_file(RESULTS / "cache" / f"{name}.jsonl", per_mix, TARGETS[target]["mixes"])
+
+
+def train(kind: str, recipe: str, data: Path, args) -> tuple[Path, dict]:
+    """The cached adapter of ``kind`` x ``recipe`` (trained with ``selfdraft train`` if missing)."""
+    from training.cli import main as selfdraft
+
+    prefix = "temperature" if args.target == "demo-llama" else f"temperature-{args.target}"
+    adapter = RESULTS / "adapters" / f"{prefix}-{kind}-{recipe}{'-quick' if args.quick else ''}"
+    steps = args.steps[("medusa", "eagle").index(kind)]
+    optional = [] if args.lr is None else ["--lr", str(args.lr)]
+    optional += [] if args.warmup_steps is None else ["--warmup-steps", str(args.warmup_steps)]
+    prompts = len(TARGETS[args.target]["mixes"]) * args.train_prompts
+    summary = adapter.parent / f"{adapter.name}.json"
+    if not (adapter / "adapter_config.json").is_file() or not summary.is_file() or args.retrain:
+        started = time.perf_counter()
+        selfdraft([
+            "train", "--model", str(target_directory(args.target)), "--kind", kind, "--data", str(data),
+            "--out", str(adapter), "--steps", str(steps), "--batch-size", "8", *optional,
+            "--max-new-tokens", str(args.train_new_tokens), "--max-length", str(args.max_length),
+            "--max-prompts", str(prompts), "--cache-dir", str(RESULTS / "cache"),
+            "--on-policy-refresh", str(max(1, steps // 4)), "--on-policy-prompts", str(args.pool_prompts),
+            "--eval-prompts", "0", "--json", str(summary), "--no-progress", "--seed", "0", *RECIPES[recipe],
+        ])
+        payload = json.loads(summary.read_text())
+        payload["wall_seconds"] = time.perf_counter() - started  # data generation included
+        summary.write_text(json.dumps(payload, indent=2) + "\n")
+    payload = json.loads(summary.read_text())
+    return adapter, {key: payload.get(key) for key in ("seconds", "wall_seconds", "final_loss",
+                                                       "on_policy_refreshes", "on_policy_tau")}
+
+
+def plot(rows: list[dict], kinds: list[str], path: Path, target: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, len(kinds), figsize=(5.5 * len(kinds), 7.5), squeeze=False)
+    for column, kind in enumerate(kinds):
+        for recipe in RECIPES:
+            for row_index, (metric, label) in enumerate((("tau", "tau (tokens / target forward)"),
+                                                         ("speedup", "speedup vs model.generate (median)"))):
+                axis = axes[row_index][column]
+                for mix, style in zip(TARGETS[target]["mixes"], ("-", "--")):
+                    cells = sorted((r for r in rows if (r["kind"], r["recipe"], r["mix"]) == (kind, recipe, mix)),
+                                   key=lambda r: r["serve_T"])
+                    axis.plot([c["serve_T"] for c in cells], [c[metric] for c in cells], style, marker="o",
+                              color=f"C{list(RECIPES).index(recipe)}", label=f"{recipe} ({mix})")
+                axis.set_xlabel("serving temperature (0 = greedy)")
+                axis.set_ylabel(label)
+                axis.set_title(f"{kind}: {metric} vs serving temperature")
+        axes[0][column].legend(fontsize=7)
+        axes[1][column].axhline(1.0, color="gray", linewidth=1)
+    figure.suptitle(f"drafts distilled greedy/off-policy, on-policy at T=0.7, on-policy at T=1.0 ({target})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def candidate_comparison(rows: list[dict]) -> list[dict]:
+    """Per sampled cell measured with both candidate modes: tau and speedup of each, side by side."""
+    cells = {}
+    for row in rows:
+        if row["serve_T"] > 0:
+            cells.setdefault((row["kind"], row["recipe"], row["serve_T"], row["mix"]), {})[row["candidates"]] = row
+    return [{"kind": kind, "recipe": recipe, "serve_T": temperature, "mix": mix,
+             "tau sampled": pair["sampled"]["tau"], "tau top-k": pair["top-k"]["tau"],
+             "speedup sampled": pair["sampled"]["speedup"], "speedup top-k": pair["top-k"]["speedup"]}
+            for (kind, recipe, temperature, mix), pair in cells.items() if len(pair) == 2]
+
+
+def winners(rows: list[dict], kinds: list[str]) -> dict:
+    """Per kind and serving temperature: the recipe with the highest tau summed over mixes."""
+    best = {}
+    for kind in kinds:
+        for temperature in SERVING:
+            scores = {recipe: sum(r["tau"] for r in rows if (r["kind"], r["recipe"], r["serve_T"])
+                                  == (kind, recipe, temperature)) for recipe in RECIPES}
+            best[f"{kind}@T={temperature}"] = max(scores, key=scores.get)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", choices=list(TARGETS), default="demo-llama", help="shipped target")
+    parser.add_argument("--kinds", nargs="+", default=["medusa", "eagle"], choices=("medusa", "eagle"))
+    parser.add_argument("--steps", type=int, nargs=2, default=None, metavar=("MEDUSA", "EAGLE"),
+                        help="distillation steps per adapter of each kind (the same for its three recipes; "
+                             "default per target, DEFAULTS)")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default per target, DEFAULTS)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="warm-up steps (default per target)")
+    parser.add_argument("--train-prompts", type=int, default=None, help="training prompts per mix (default per target)")
+    parser.add_argument("--train-new-tokens", type=int, default=None,
+                        help="generated tokens per training prompt (default per target)")
+    parser.add_argument("--max-length", type=int, default=None, help="tokens per training sequence (default per target)")
+    parser.add_argument("--pool-prompts", type=int, default=None, help="on-policy prompts per refresh (default per target)")
+    parser.add_argument("--prompts", type=int, default=12, help="held-out prompts per mix and cell")
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per held-out prompt")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
+    parser.add_argument("--train-threads", type=int, default=2, help="torch threads while distilling")
+    parser.add_argument("--retrain", action="store_true", help="retrain cached adapters")
+    parser.add_argument("--candidates", choices=("sampled", "top-k", "both"), default="sampled",
+                        help="candidates under sampling: drawn from the drafter's q (the default), its top-k "
+                             "tokens, or both side by side")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny budgets, temperature_quick.json")
+    args = parser.parse_args()
+    for key, value in DEFAULTS[args.target].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    counts = {"--steps": min(args.steps), "--train-prompts": args.train_prompts,
+              "--train-new-tokens": args.train_new_tokens, "--max-length": args.max_length,
+              "--pool-prompts": args.pool_prompts, "--prompts": args.prompts, "--max-new-tokens": args.max_new_tokens,
+              "--threads": args.threads, "--train-threads": args.train_threads}
+    for flag, value in counts.items():  # before any training or measuring starts
+        if value < 1:
+            parser.error(f"{flag} must be a positive integer; got {value}")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be >= 0; got {args.warmup_steps}")
+    if args.lr is not None and not args.lr > 0:
+        parser.error(f"--lr must be a positive number; got {args.lr}")
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    modes = list(CANDIDATES) if args.candidates == "both" else [args.candidates]
+    suffix = ("" if args.target == "demo-llama" else f"_{args.target}") + ("_quick" if args.quick else "")
+    mixes = TARGETS[args.target]["mixes"]  # held-out prompts: targets/prompts/<mix>.jsonl
+
+    import heads
+    from training.commands.common import load_model
+    from training.prompts import load_prompts
+    from training.evaluate import encode_prompts, measure
+
+    started = time.perf_counter()
+    data = mixed_file(args.target, args.train_prompts)
+    adapters, training = {}, {}
+    torch.set_num_threads(args.train_threads)
+    for kind in args.kinds:
+        for recipe in RECIPES:
+            adapters[kind, recipe], training[f"{kind}/{recipe}"] = train(kind, recipe, data, args)
+            print(f"{kind}/{recipe}: {json.dumps(training[f'{kind}/{recipe}'])}", flush=True)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(str(target_directory(args.target)))
+    prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / f"{mix}.jsonl"), args.prompts) for mix in mixes}
+    rows = []
+    for (kind, recipe), adapter in adapters.items():
+        spec = heads.load_heads(model, adapter)
+        for mode in modes:
+            spec.config.sample = CANDIDATES[mode]
+            spec.set_tree(None)  # a drafter built for this sample mode
+            for temperature in SERVING:
+                if temperature == 0 and mode != modes[0]:
+                    continue  # greedy drafts the top-k tokens in every mode
+                for mix in mixes:
+                    report = measure(spec, prompts[mix], args.max_new_tokens, temperature=temperature, seed=0)
+                    rows.append({"kind": kind, "recipe": recipe, "candidates": mode if temperature else "top-k",
+                                 "serve_T": temperature, "mix": mix, "tau": report.tau,
+                                 "tok/s plain": report.tokens_per_s_plain, "tok/s spec": report.tokens_per_s_spec,
+                                 "speedup": report.speedup,
+                                 "accept": " ".join(f"{a:.2f}" for a in report.acceptance_by_position[:6]),
+                                 "identical": report.identical if temperature == 0 else None})
+                    print(table([rows[-1]], COLUMNS), flush=True)
+    print("\n" + table(rows, COLUMNS))
+    comparison = candidate_comparison(rows)
+    if comparison:
+        print("\nsampled vs top-k candidates:\n" + table(comparison, list(comparison[0])))
+    primary = [row for row in rows if row["serve_T"] == 0 or row["candidates"] == modes[0]]
+    best = winners(primary, args.kinds)
+    matched = {key: best[key] == MATCHED[float(key.split("=")[1])] for key in best
+               if float(key.split("=")[1]) in MATCHED}
+    print("\nbest draft by tau (summed over mixes):", json.dumps(best, indent=1))
+    print("matched draft wins its column:", json.dumps(matched, indent=1))
+    path = write_json(f"temperature{suffix}.json", {
+        "target": TARGETS[args.target]["path"], "prompts_per_mix": args.prompts, "max_new_tokens": args.max_new_tokens,
+        "settings": {key: getattr(args, key) for key in ("steps", "lr", "train_prompts", "train_new_tokens",
+                                                          "max_length", "pool_prompts", "warmup_steps", "threads",
+                                                          "train_threads", "candidates")},
+        "recipes": RECIPES, "cells": rows, "candidate_comparison": comparison, "winners": best,
+        "matched_wins": matched,
+        "training": training, "seconds": time.perf_counter() - started,
+    }, HERE)
+    figure = HERE / f"temperature{suffix}.png"
+    plot(primary, args.kinds, figure, args.target)
+    print(f"wrote {path} and {figure} ({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The benchmark harness (benchmarks/run.py): method names, experiments, the prompt split, bad input
+refused by name before any model loads, and one real run on the smallest shipped target."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import heads
+from benchmarks import run as harness
+from benchmarks.harness import experiments, report
+from benchmarks.harness.methods import parse_method
+from benchmarks.harness.prompts import ROOT, BenchmarkError, mix_prompts
+from tests.conftest import build_model
+from training.evaluate import Run, paired_runs, plain_method, spec_method
+
+ADAPTER = "benchmarks/adapters/stories260K-medusa"
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("generate", dict(base="generate")),
+    ("prompt_lookup_n5", dict(base="prompt_lookup", size=5)),
+    ("assisted:benchmarks/targets/demo-draft", dict(base="assisted", directory=ROOT / "benchmarks/targets/demo-draft")),
+    (ADAPTER, dict(base="adapter", directory=ROOT / ADAPTER, hybrid=False, auto=False)),
+    (f"{ADAPTER}+lookup@auto", dict(base="adapter", hybrid=True, auto=True)),
+    (f"{ADAPTER},tree=8", dict(base="adapter", tree=8)),
+    ("benchmarks/adapters/stories260K-eagle,tree=5:4:16@auto",
+     dict(tree={"depth": 5, "top_k": 4, "total_tokens": 16}, auto=True)),
+    ("lookup_12", dict(base="lookup", size=12, auto=False)),
+    ("lookup_6@auto", dict(base="lookup", size=6, auto=True)),
+])
+def test_method_names_parse(name, expected):
+    method = parse_method(name)
+    assert method.name == name
+    for key, value in expected.items():
+        assert getattr(method, key) == value, key
+
+
+@pytest.mark.parametrize("name, message", [
+    ("medusa_fast", "unknown method 'medusa_fast'"),
+    ("benchmarks/adapters/no-such-adapter+lookup", "no adapter (adapter_config.json) in"),
+    ("assisted:benchmarks/targets/nowhere", "no model (config.json)"),
+    ("generate@auto", "apply to selfdraft methods only"),
+    ("prompt_lookup_n3,tree=4", "apply to selfdraft methods only"),
+    ("lookup_0", "the size must be at least 1"),
+    (f"{ADAPTER},tree=wide", "neither a node count nor DEPTH:TOP_K:TOTAL"),
+    (f"{ADAPTER},depth=3", "unknown option 'depth=3'"),
+])
+def test_bad_method_names_are_named(name, message):
+    with pytest.raises(BenchmarkError) as raised:
+        parse_method(name)
+    assert message in str(raised.value)
+
+
+def test_the_split_is_even_lines_for_tuning_and_odd_for_check(tmp_path):
+    lines = [json.dumps({"prompt": f"p{i}"}) for i in range(5)]
+    (tmp_path / "mix.jsonl").write_text("\n".join(lines[:2] + [""] + lines[2:]) + "\n")  # a blank line is no prompt
+    assert mix_prompts("mix", "tuning", directory=tmp_path) == ["p0", "p2", "p4"]
+    assert mix_prompts("mix", "check", directory=tmp_path) == ["p1", "p3"]
+    assert mix_prompts("mix", "check", 1, directory=tmp_path) == ["p1"]
+    with pytest.raises(BenchmarkError, match="has 2 prompts in its check split; 3 asked for"):
+        mix_prompts("mix", "check", 3, directory=tmp_path)
+    with pytest.raises(BenchmarkError, match="unknown mix 'poetry'"):
+        mix_prompts("poetry", "check", directory=tmp_path)
+    shipped = mix_prompts("stories", "tuning", 2) + mix_prompts("stories", "check", 2)
+    assert len(set(shipped)) == 4  # the shipped mix's splits are disjoint
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+    monkeypatch.setattr("training.commands.common.load_model", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["nope"], "unknown experiment 'nope': expected one of"),
+    (["peers", "--method", "generate", "medusa_fast"], "unknown method 'medusa_fast'"),
+    (["peers", "--method", "benchmarks/adapters/missing"], "no adapter (adapter_config.json) in"),
+    (["peers", "--target", "gpt-5"], "--target gpt-5: experiment 'peers' runs"),
+    (["peers", "--mix", "poetry"], "--mix poetry: the chosen targets run"),
+    (["peers", "--batch", "2"], "run at batch size 1 only"),
+    (["peers", "--prompts", "0"], "prompts must be a whole number >= 1"),
+    (["peers", "--temperature", "-1"], "temperatures must be numbers >= 0"),
+    (["batch", "--batch", "8", "--prompts", "4"], "4 prompts make no batch of 8"),
+    (["peers", "--threads", "0"], "--threads must be at least 1"),
+])
+def test_bad_input_is_refused_by_name_before_any_model_loads(argv, message, capsys, no_model_loading, tmp_path):
+    assert harness.main(argv + ["--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_every_shipped_experiment_loads_and_has_a_quick_form():
+    for name in experiments.names():
+        experiment = experiments.load(name)
+        quick = experiments.select(experiment, quick=True)
+        assert experiment.quick and quick.prompts <= experiment.prompts
+        assert all(entry["methods"][0].name == "generate" or "generate" in {m.name for m in entry["methods"]}
+                   for entry in experiment.targets.values())
+
+
+def test_the_loop_rotates_the_order_and_keeps_the_fastest_repeat():
+    calls = []
+
+    def method(name):
+        def run(ids, mask, new):
+            calls.append(name)
+            if calls.count(name) == 1:
+                time.sleep(0.05)  # each method's first call is slow
+            return torch.cat([ids, torch.zeros(ids.shape[0], new, dtype=ids.dtype)], dim=1), None
+        return run
+
+    batches = [(torch.ones(1, 3, dtype=torch.long), None)] * 3
+    runs = paired_runs({name: method(name) for name in "abc"}, batches, 4, repeats=2)
+    assert calls == list("abcabc" "bcabca" "cabcab")
+    assert [len(runs[name]) for name in "abc"] == [3, 3, 3]
+    assert all(run.steps == 4 and run.new_tokens == 4 for run in runs["a"])
+    assert all(runs[name][0].seconds < 0.05 for name in "abc")  # the fast repeat counts
+
+
+def test_the_loop_on_a_tiny_model_matches_generate():
+    model = build_model("llama", seed=1)
+    spec = heads.attach_heads(model, kind="lookup", budget=4, history_tokens=0)
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7]])
+    runs = paired_runs({"generate": plain_method(model, 0.0), "lookup": spec_method(spec, 0.0)}, [(prompt, None)], 4)
+    plain, drafted = runs["generate"][0], runs["lookup"][0]
+    assert plain.stats is None and drafted.stats is not None and drafted.steps == 4
+    assert torch.equal(plain.output, drafted.output)
+    summary = report.summarise(runs["lookup"], runs["generate"])
+    assert summary["tau"] == pytest.approx(drafted.stats.tau) and summary["speedup"] > 0
+    assert "tau" not in report.summarise(runs["generate"], runs["generate"])
+
+
+def test_a_greedy_mismatch_names_the_method_and_the_batch():
+    same, other = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 4]])
+    runs = {"generate": [Run(1.0, same, 1, 1), Run(1.0, same, 1, 1)],
+            "lookup_4": [Run(1.0, same, 1, 1), Run(1.0, other, 1, 1)]}
+    with pytest.raises(BenchmarkError, match="lookup_4: greedy output differs from generate on batch 1"):
+        harness.check_identical(runs)
+
+
+def test_a_run_writes_its_result_and_the_index(tmp_path, capsys):
+    (tmp_path / "draft_code_T0.json").write_text(json.dumps({"machine": {"cpus": 2, "torch": "x", "threads": 1}}))
+    argv = ["peers", "--target", "stories260K", "--method", "lookup_4", "--temperature", "0", "--prompts", "1",
+            "--max-new-tokens", "4", "--out", str(tmp_path)]
+    assert harness.main(argv) == 0
+    result = json.loads((tmp_path / "peers.json").read_text())
+    assert result["run"]["command"] == "python -m benchmarks.run " + " ".join(argv)
+    (cell,) = result["cells"]
+    assert (cell["target"], cell["mix"], cell["batches"]) == ("stories260K", "stories", 1)
+    assert set(cell["methods"]) == {"generate", "lookup_4"} and "tau" in cell["methods"]["lookup_4"]
+    index = (tmp_path / "README.md").read_text().splitlines()
+    assert any(line.startswith("| `peers.json` | peers | `python -m benchmarks.run peers") for line in index)
+    assert any(line.startswith("| `draft_code_T0.json` | - | benchmarks/bench_draft.py") for line in index)
