@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The check-split grid of bench_auto.py (one cell per run, resumable: a cell whose result exists is skipped).
-# Usage: bash benchmarks/auto_grid.sh [PHASE...]   phases: b1 t07 b4 t10 b16 (default: all, in that order)
+# Usage: [SPLIT=tuning OUT=DIR CORE=N] bash benchmarks/auto_grid.sh [PHASE...]   phases: b1 t07 b4 t10 b16 (default: all)
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+SPLIT=${SPLIT:-check}  # tuning: even prompt lines, check: odd ones (bench_auto.py)
+OUT=${OUT:-benchmarks/results/auto}
 run() {  # name, then bench_auto arguments
   local name=$1; shift
-  [ -f "benchmarks/results/auto/$name.json" ] && return 0
+  [ -f "$OUT/$name.json" ] && return 0
   echo "== $name: $*"
-  OMP_NUM_THREADS=1 taskset -c "${CORE:-1}" "$PY" benchmarks/bench_auto.py "$@" --name "$name" 2>&1 | grep -v "Loading\|^batch" | tail -3
+  OMP_NUM_THREADS=1 taskset -c "${CORE:-1}" "$PY" benchmarks/bench_auto.py "$@" --name "$name" --split "$SPLIT" \
+    --results "$OUT" 2>&1 | grep -v "Loading\|^batch" | tail -3
 }
 cells() {  # temperature, batch, prompts for stories260K, prompts for demo-llama
   local t=$1 b=$2 ns=$3 nd=$4 tag="T${1}_b${2}"

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -31,7 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import heads  # noqa: E402
-from benchmarks.common import write_json  # noqa: E402
 
 TARGETS = {"stories260K": "benchmarks/targets/stories260K", "demo-llama": "benchmarks/targets/demo-llama",
            "demo-draft": "benchmarks/targets/demo-draft"}
@@ -84,6 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of each method per batch; the fastest counts (load on a shared machine only adds time)")
     parser.add_argument("--name", default=None)
+    parser.add_argument("--results", default=str(ROOT / "benchmarks/results/auto"),
+                        help="directory the result JSON is written to")
     args = parser.parse_args(argv)
     for name in ("batch", "prompts", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
@@ -153,7 +156,12 @@ def main(argv=None) -> int:
         "auto_speculation": methods["auto"].last_stats.speculation,
     }
     name = args.name or f"{args.target}_{args.mix}_{args.drafter.split('=')[0]}_T{args.temperature:g}_b{args.batch}"
-    write_json(f"auto/{name}.json", report)
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    temporary = out / f".{name}.json.tmp"
+    temporary.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+                                     "torch": torch.__version__, **report}, indent=2) + "\n")
+    os.replace(temporary, out / f"{name}.json")
     print(json.dumps({key: report[key] for key in ("median_speedup", "median_tau", "best_fixed",
                                                    "auto_over_best_fixed", "cold_start_over_best_fixed")}))
     return 0

@@ -358,10 +358,10 @@ class SpeculativeModel:
         cost curve and the calibrated acceptance per sampling setting), kept across calls; seeded
         with the acceptance by depth the adapter recorded at save time."""
         if self._policy is None:
-            drafted = max(kinds.get(self.kind).policy_sizes(self), default=0)
-            if self.lookup is not None:
-                drafted += self.lookup.budget
-            self._policy = Adaptive(recorded_acceptance(self.metadata.get("acceptance", {})), 1 + drafted)
+            sizes = {1, *kinds.get(self.kind).policy_sizes(self)}  # drafted nodes a step may be resized to
+            extra = 0 if self.lookup is None else self.lookup.budget
+            self._policy = Adaptive(recorded_acceptance(self.metadata.get("acceptance", {})),
+                                    1 + max(sizes) + extra, sizes, extra)
         return self._policy
 
     policy = adaptive  # the name of earlier releases

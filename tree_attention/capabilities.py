@@ -23,3 +23,14 @@ class ComposedDrafter(Protocol):
     def bind_parts(self, rule: object, bind: Callable[[object, object], object] | None) -> object:
         """This drafter set up for ``rule``; ``bind`` (``(drafter, rule) -> drafter``, or None for
         nothing to set up) is applied to the part it was made for."""
+
+
+@runtime_checkable
+class SizedDrafter(Protocol):
+    """A drafter whose tree size can change from one step to the next while it keeps its state
+    (its own cache, its per-row text): ``speculate="auto"`` chooses the size per step, so that a
+    step that verifies a small tree does not pay for drafting a large one."""
+
+    def resize(self, tree: int | None) -> None:
+        """Draft the next steps' trees with ``tree`` drafted nodes (as the kind's ``set_tree`` reads
+        an int; None: the configured tree)."""

@@ -21,6 +21,10 @@ class ModalDrafter(Protocol):
     modes: tuple[str, ...]
     """The ways this drafter can draft a step."""
 
+    fixed_modes: tuple[str, ...]
+    """The modes whose trees do not change with the drafter's size
+    (:class:`~tree_attention.capabilities.SizedDrafter`), e.g. a hybrid's lookup alone."""
+
     def use_mode(self, mode: str | None) -> None:
         """Draft the next steps in ``mode`` (one of :attr:`modes`); None: as the drafter itself chooses."""
 

@@ -29,7 +29,8 @@ HALF_LIFE = 64
 replies' worth of steps, short enough that a stretch of plain steps reopens the question."""
 
 CONFIDENCE = 1.0
-"""Standard errors added to each node's acceptance rate in choices (an upper confidence bound)."""
+"""Standard errors added to an option's expected accepted tokens in choices (an upper confidence
+bound): an option seen on few rows, or long ago, is tried again before it is written off."""
 
 PRIOR_STEPS = 4.0
 """Steps' worth of weight given to the prior (the recorded or the uninformed acceptance)."""
@@ -43,17 +44,12 @@ SCORE_BINS = 16
 acceptance is calibrated in, for drafters whose trees carry scores (lookup)."""
 
 _RESCALE = 1e-150  # the running weight is folded back into the counts below this (float64 range)
+_REFRESH = max(1, HALF_LIFE // 8)  # fades between refreshes of the estimates (weights move < 9%)
 
 
 def score_bins(scores: np.ndarray) -> np.ndarray:
     """The calibration bin of each node score (``-2 log2(score)``, clamped to the bins)."""
     return np.clip(np.floor(-2.0 * np.log2(np.maximum(scores, 1e-30))), 0, SCORE_BINS - 1).astype(np.int64)
-
-
-def _upper(rate: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """``rate`` plus :data:`CONFIDENCE` standard errors of a rate seen over ``weight`` rows, at most 1."""
-    spread = np.maximum(rate * (1 - rate), 0.01) / (weight + 1)
-    return np.minimum(rate + CONFIDENCE * np.sqrt(spread), 1.0)
 
 
 class AcceptanceModel:
@@ -77,7 +73,8 @@ class AcceptanceModel:
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
         self.steps = 0
-        self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._cache: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._faded = 0  # fades since the estimates were computed
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
         # calibration of node scores: per bin, nodes verified and accepted (stored, see scale); prior
         # weight PRIOR_STEPS at the bin's own score (the drafter is trusted until shown otherwise)
@@ -103,7 +100,10 @@ class AcceptanceModel:
             self.score_trials *= self.scale
             self.score_hits *= self.scale
             self.scale = 1.0
-        self._cache = None
+            self._cache = None
+        self._faded += 1
+        if self._faded >= _REFRESH:  # the weights moved enough to move the confidence bounds
+            self._cache = None
 
     def proposed(self, trees) -> None:
         """The trees a drafter proposed this step, before any cut (a ``TreeBatch``): which nodes a
@@ -169,82 +169,57 @@ class AcceptanceModel:
             self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths[real] == depth).sum()))
             self.prior_seen[index] = PRIOR_STEPS
 
-    def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per node index: the chance it exists in a row's tree (mean and upper bound), its
-        acceptance (upper bound) and its mean depth. A node's existence starts from the prior that
-        the drafter proposes it (weight :data:`PRIOR_STEPS`), so a drafter that proposed nothing
-        for a while (lookup before the text repeats) is asked again once that evidence has faded."""
+    def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """Per node index: the chance it exists in a row's tree, its acceptance given it was
+        verified, its mean depth; and the rows' worth of evidence they rest on. A node's existence
+        starts from the prior that the drafter proposes it (weight :data:`PRIOR_STEPS`), so a drafter
+        that proposed nothing for a while (lookup before the text repeats) is asked again once that
+        evidence has faded."""
         if self._cache is None:
             seen = self.present * self.scale + self.prior_seen
             rate = (self.on_path * self.scale + self.prior_on) / np.maximum(seen, 1e-9)
-            optimistic = _upper(rate, seen)
             rows = self.rows * self.scale + PRIOR_STEPS
             exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / rows, 1.0)
-            likely = _upper(exists, np.full_like(exists, rows))
             depth = self.depth_sum / np.maximum(self.exists, 1e-300)
-            if optimistic.size:
-                optimistic[0] = exists[0] = likely[0] = 0.0  # the root is always committed, counted as the bonus token
-            self._cache = (exists, likely, optimistic, depth)
+            if rate.size:
+                rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
+            self._cache, self._faded = (exists, rate, depth, rows), 0
         return self._cache
 
-    @property
-    def known(self) -> bool:
-        return self.steps > 0
-
     def prefix_gains(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """For ``n = 1 .. width`` (index ``n - 1``; n = 1: the root alone): the expected drafted tokens
-        a row accepts from the first ``n`` nodes of its tree, and the expected padded width of
-        ``rows`` such trees."""
-        exists, likely, optimistic, _ = self._estimates()
+        """For ``n = 1 .. width`` (index ``n - 1``; n = 1: the root alone): the drafted tokens a row
+        accepts from the first ``n`` nodes of its tree, as an upper confidence bound (the expected
+        count plus :data:`CONFIDENCE` standard errors, the count's variance taken as its mean), and
+        the expected padded width of ``rows`` such trees. The bound is on each prefix's total, not
+        per node: per-node bounds would add up and favour whichever option has more nodes."""
+        exists, rate, _, weight = self._estimates()
         count = min(width, exists.size)
         gain, padded = np.zeros(width), np.ones(width)
         if count > 1:
-            gain[:count] = np.cumsum(likely[:count] * optimistic[:count])
+            gain[:count] = np.cumsum(exists[:count] * rate[:count])
             padded[:count] += np.cumsum(exists[:count] if rows == 1 else 1.0 - (1.0 - exists[:count]) ** rows)
             gain[count:], padded[count:] = gain[count - 1], padded[count - 1]
+            gain[1:] += CONFIDENCE * np.sqrt(np.maximum(gain[1:], 0.01) / (weight + 1))
         return gain, padded
-
-    def tree_gains(self, sizes: np.ndarray, cuts: np.ndarray) -> np.ndarray:
-        """``[C]``: expected drafted tokens accepted over rows whose trees have ``sizes`` ``[R]``
-        nodes, each cut to its first ``n`` nodes, for each ``n`` of ``cuts`` ``[C]``."""
-        _, _, optimistic, _ = self._estimates()
-        width = int(sizes.max())
-        prefix = np.zeros(width)
-        count = min(width, optimistic.size)
-        if count:
-            prefix[:count] = np.cumsum(optimistic[:count])
-            prefix[count:] = prefix[count - 1]
-        return prefix[np.minimum(sizes[:, None], cuts[None, :]) - 1].sum(axis=0)
 
     def score_gains(self, scores: np.ndarray, sizes: np.ndarray, cuts: np.ndarray) -> np.ndarray:
         """``[C]``: expected drafted tokens accepted over rows whose trees carry the drafter's node
         ``scores`` ``[R, N]`` (sizes ``[R]``), each cut to its first ``n`` nodes for each ``n`` of
-        ``cuts``: the sum over kept nodes of the calibrated chance that the node is accepted."""
+        ``cuts``: the sum over kept nodes of the calibrated chance that the node is accepted (a
+        mean: the trees were drafted already, nothing is explored by cutting them)."""
         prior_hits, prior_trials = self._score_prior
         rate = (self.score_hits * self.scale + prior_hits) / (self.score_trials * self.scale + prior_trials)
-        calibrated = _upper(rate, self.score_trials * self.scale + prior_trials)[score_bins(scores)]  # (R, N)
+        calibrated = rate[score_bins(scores)]  # (R, N)
         calibrated[:, 0] = 0.0
         calibrated[np.arange(scores.shape[1])[None, :] >= sizes[:, None]] = 0.0
         prefix = np.cumsum(calibrated.sum(axis=0))
         return prefix[np.minimum(cuts, scores.shape[1]) - 1]
 
-    def depth_cuts(self) -> list[tuple[int, float, int]]:
-        """``(depth, expected drafted tokens a row accepts, expected padded width)`` for each depth
-        cut of a typical tree (depth 1 .. the deepest node seen)."""
-        _, likely, optimistic, depth = self._estimates()
-        real = self.exists > 0
-        real[:1] = False
-        if not real.any():
-            return []
-        cuts = []
-        for limit in range(1, int(np.ceil(depth[real].max() - 1e-9)) + 1):
-            inside = real & (depth <= limit + 1e-9)
-            cuts.append((limit, float((likely * optimistic)[inside].sum()), 1 + int(inside.sum())))
-        return cuts
-
     def summary(self) -> dict:
-        exists, _, optimistic, _ = self._estimates()
+        exists, rate, _, weight = self._estimates()
         shown = min(exists.size, 16)
-        return {"steps": self.steps, "width": self.width,
-                "node_acceptance": [round(float(value), 3) for value in optimistic[1:shown]],
+        gain, _ = self.prefix_gains(self.width, 1)
+        return {"steps": self.steps, "width": self.width, "evidence_rows": round(float(weight), 1),
+                "expected_accepted": round(float(gain[-1]), 3),
+                "node_acceptance": [round(float(value), 3) for value in rate[1:shown]],
                 "node_presence": [round(float(value), 3) for value in exists[1:shown]]}

@@ -46,11 +46,18 @@ class DraftModelDrafter:
     def __init__(self, heads: DraftModel, config: DraftConfig) -> None:
         self.heads = heads
         self.draft = heads.backbone
-        self.config = config
+        self.config = self.configured = config
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
         self.calibration, self.costs = heads.calibration, heads.costs
         self.warp = self.generator = None
         self.reset(1)
+
+    def resize(self, tree: int | None) -> None:
+        """Draft the next steps' trees at ``tree`` drafted nodes, depth lowered to fit
+        (:meth:`DraftConfig.with_tree`; None: the configured tree); the draft's cache is kept
+        (``tree_attention.capabilities.SizedDrafter``)."""
+        self.config = self.configured.with_tree(tree)
+        self.depth, self.top_k, self.total_tokens = self.config.depth, self.config.top_k, self.config.total_tokens
 
     def sample_with(self, warp, generator: torch.Generator | None) -> None:
         """Draw chain tokens from ``softmax(warp(draft logits))`` with ``generator`` (the serving

@@ -4,8 +4,6 @@ warped distribution."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from tree_attention import cache as cache_ops
@@ -121,6 +119,7 @@ class EagleDrafter:
         check_against_target(config, target)
         self.heads = heads
         self.target = target
+        self.configured = config
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
         self.confidence, self.min_acceptance = config.confidence, config.min_acceptance
         self.sample = config.sample
@@ -128,6 +127,13 @@ class EagleDrafter:
         self.warp = self.generator = None
         self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
         self.reset(1)
+
+    def resize(self, tree: int | None) -> None:
+        """Grow the next steps' trees to ``tree`` drafted nodes, depth lowered to fit
+        (:meth:`EagleConfig.with_tree`; None: the configured tree); the cache is kept
+        (``tree_attention.capabilities.SizedDrafter``)."""
+        config = self.configured.with_tree(tree)
+        self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
 
     def sample_with(self, warp, generator: torch.Generator | None) -> None:
         """Draw candidates from ``softmax(warp(drafter logits))`` with ``generator`` (the serving

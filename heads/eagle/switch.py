@@ -308,6 +308,13 @@ class SwitchingEagleDrafter:
         self.reset(1)
 
     modes = MODES
+    fixed_modes: tuple[str, ...] = ()
+    """Modes whose trees :meth:`resize` leaves unchanged (none: both are sized)."""
+
+    def resize(self, tree: int | None) -> None:
+        """Both modes' trees at ``tree`` drafted nodes (None: configured); the shared cache is kept."""
+        self.sequential.resize(tree)
+        self.parallel.resize(tree)
 
     def use_mode(self, mode: str | None) -> None:
         """Draft the next steps in ``mode`` (``speculate="auto"`` chooses per step); None: this

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from tree_attention.capabilities import StatelessDrafter
+from tree_attention.capabilities import SizedDrafter, StatelessDrafter
 from tree_attention.decode import DraftBatch
 from tree_attention.tree import Tree, TreeBatch
 from tree_attention.verify import GreedyRule
@@ -116,6 +116,15 @@ class HybridDrafter:
     modes = ("merged", "lookup")
     """``merged``: the trained drafter's tree with lookup's proposals merged in; ``lookup``: lookup's
     proposals alone (the trained drafter skipped, its entries kept for the next merged step)."""
+
+    fixed_modes = ("lookup",)
+    """Modes whose trees :meth:`resize` leaves unchanged: lookup alone keeps its own budget."""
+
+    def resize(self, tree: int | None) -> None:
+        """The trained drafter's part of the merged trees at ``tree`` drafted nodes (None: configured),
+        where that drafter can change its size (``tree_attention.capabilities.SizedDrafter``)."""
+        if isinstance(self.base, SizedDrafter):
+            self.base.resize(tree)
 
     def use_mode(self, mode: str | None) -> None:
         """Draft the next steps in ``mode`` (``speculate="auto"`` chooses per step); None: the gate's

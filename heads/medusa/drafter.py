@@ -10,7 +10,7 @@ import torch
 from tree_attention.decode import DraftBatch
 from tree_attention.sampled import depleted, draw_without_replacement
 from tree_attention.tree import (
-    InvalidTreeError, TreeBatch, TreeTemplate, best_first_choices, default_tree, from_choices, prior_accuracy,
+    InvalidTreeError, TreeBatch, TreeTemplate, default_tree, from_choices,
 )
 
 from .modules import MedusaHeads
@@ -28,16 +28,6 @@ def resolve_tree(tree: Sequence[Sequence[int]] | int | None, num_heads: int,
             raise ValueError(f"tree size must be >= 0; got {tree}")
         return default_tree(tree, num_heads, accuracy)
     return from_choices(tree, max_depth=num_heads)
-
-
-def selection_ranks(template: TreeTemplate, num_heads: int,
-                    accuracy: Sequence[Sequence[float]] | None = None) -> list[int]:
-    """Each node's place in the best-first selection a default tree of ``template``'s size was
-    built from (:func:`~tree_attention.tree.default_tree`; -1 at the root): the default tree of
-    ``m`` nodes is the ``m`` first of them, so these trees are nested."""
-    table = list(accuracy if accuracy is not None else prior_accuracy(num_heads))[:num_heads]
-    order = {path: rank for rank, path in enumerate(best_first_choices(table, template.size - 1))}
-    return [-1] + [order[tuple(path)] for path in template.paths]
 
 
 class MedusaDrafter:
@@ -62,6 +52,8 @@ class MedusaDrafter:
         self.shared_logits = shared_logits
         self.sample = sample
         self.warp = self.generator = None
+        self.shapes: Callable[[int], TreeTemplate] | None = None
+        """Builds the default template of a number of drafted nodes (:meth:`resize`)."""
         self.set_template(template)
 
     def sample_with(self, warp, generator: torch.Generator | None) -> None:
@@ -83,8 +75,6 @@ class MedusaDrafter:
                                    f"of a head, but {scored} has {vocab} tokens")
         device = next(self.heads.parameters()).device
         self.template = template.to(device)
-        self.selection: list[int] | None = None  # set_selection: the tree is a default (nested) one
-        self._rows = 0
         self.top_k = template.max_rank + 1
         # flat index into the (K, top_k) candidate table for every non-root node
         nodes = self.template.depths[1:]
@@ -101,30 +91,26 @@ class MedusaDrafter:
         self._children = max(sibling, default=-1) + 1  # the most children of one node
         if self._children > vocab:
             raise InvalidTreeError(f"a tree node has {self._children} children, but {scored} has {vocab} tokens")
+        # per size (resize): the attributes derived here; None: the template set here
+        self._shapes: dict[int | None, dict] = {None: self._shape()}
 
-    def set_selection(self, ranks: list[int]) -> None:
-        """Declare the template a default tree whose nodes were selected in the order ``ranks``
-        (:func:`selection_ranks`): ``speculate="auto"`` then counts what each smaller default tree
-        would have committed on the same steps (``nested_counts``)."""
-        if len(ranks) != self.template.size:
-            raise ValueError(f"{len(ranks)} selection ranks for a tree of {self.template.size} nodes")
-        self.selection = list(ranks)
+    def _shape(self) -> dict:
+        return {name: getattr(self, name) for name in (
+            "template", "top_k", "_candidate_index", "_families", "_family", "_sibling", "_children")}
 
-    @property
-    def nests(self) -> bool:
-        """Whether the trees are nested across sizes (a default tree; see :meth:`set_selection`)."""
-        return self.selection is not None
-
-    def nested_counts(self, sizes) -> list[list[int]]:
-        """Per row of the last :meth:`propose`: how many drafted nodes a default tree of each size in
-        ``sizes`` holds (the first in :attr:`nested_ranks` order)."""
-        drafted = self.template.size - 1
-        return [[min(int(size), drafted) for size in sizes]] * self._rows
-
-    @property
-    def nested_ranks(self) -> list[list[int]]:
-        """Per row of the last :meth:`propose`: each node's place in the best-first selection."""
-        return [self.selection] * self._rows
+    def resize(self, tree: int | None) -> None:
+        """Fill the default tree of ``tree`` drafted nodes from the next step on (None: the template
+        this drafter was built with); ``shapes`` (set by the kind) builds it from the heads'
+        measured accuracies (``tree_attention.capabilities.SizedDrafter``)."""
+        shape = self._shapes.get(tree)
+        if shape is None:
+            if self.shapes is None:
+                raise ValueError("this MedusaDrafter was built without `shapes`: it cannot resize")
+            shapes = self._shapes
+            self.set_template(self.shapes(tree))
+            shape = shapes[tree] = self._shape()
+            self._shapes = shapes
+        self.__dict__.update(shape)
 
     def reset(self, batch_size: int) -> None:
         """Medusa heads keep no state between steps."""
@@ -136,7 +122,6 @@ class MedusaDrafter:
     def propose(self, batch: DraftBatch) -> TreeBatch:
         """One tree per row from the heads applied to each row's last feature (one batched pass)."""
         template = self.template
-        self._rows = batch.rows
         roots = batch.roots[:, None]  # (R, 1)
         if template.size == 1:
             return TreeBatch.from_template(template, roots)

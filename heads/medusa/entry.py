@@ -10,7 +10,7 @@ from ..kind import DrafterKind, refuse_options
 from . import cli
 from .checkpoint import FORMATS, restore_sidecar
 from .config import MedusaConfig
-from .drafter import MedusaDrafter, resolve_tree, selection_ranks
+from .drafter import MedusaDrafter, resolve_tree
 from .loss import MedusaLoss
 from .modules import MedusaHeads, ResidualBlock
 
@@ -40,8 +40,7 @@ def build_drafter(spec, tree) -> MedusaDrafter:
     template = resolve_tree(tree, spec.config.num_heads, spec.accuracy)
     drafter = MedusaDrafter(spec.heads, template, spec.shared_logits if spec.config.share_lm_head else None,
                             spec.config.sample)
-    if tree is None or (isinstance(tree, int) and not isinstance(tree, bool)):  # a default tree: nested by size
-        drafter.set_selection(selection_ranks(template, spec.config.num_heads, spec.accuracy))
+    drafter.shapes = lambda size: resolve_tree(size, spec.config.num_heads, spec.accuracy)
     return drafter
 
 

@@ -211,15 +211,18 @@ def test_batched_sampling_matches_the_target_in_every_row(model, spec, eagle_spe
 
 def auto_samples(spec, runs=RUNS, **settings) -> list[tuple[int, int, int]]:
     """Samples of ``speculate="auto"`` calls of 3 tokens whose planner, at every step, takes a plain
-    step or drafts with a depth cut, at random (from its own generator): whatever a planner decides
+    step or drafts at one of the drafter's sizes, at random (from its own generator): whatever a planner decides
     from the past, the output must follow the target's distribution."""
     from heads.adaptive import CallPlanner, Choice
 
     choices = torch.Generator().manual_seed(11)
 
     def random_plan(self, rows):
-        pick = int(torch.randint(4, (1,), generator=choices))
-        return Choice(False, reason="test") if pick == 0 else Choice(True, nodes=4, depth=pick, reason="test")
+        pick = int(torch.randint(len(self.options) + 1, (1,), generator=choices))
+        if pick == 0:
+            return Choice(False, reason="test")
+        mode, size = self.options[pick - 1]
+        return Choice(True, mode, size, nodes=4, reason="test")
 
     samples, kinds = [], set()
     original = CallPlanner._plan
@@ -236,7 +239,7 @@ def auto_samples(spec, runs=RUNS, **settings) -> list[tuple[int, int, int]]:
 
 
 def test_auto_steps_sample_the_target(model, spec):
-    """Plain steps and depth-cut drafted steps, mixed per step by the planner, follow the target's
+    """Plain steps and drafted steps of every size, mixed per step by the planner, follow the target's
     distribution (the drafter sees a plain step's tokens at its next call)."""
     settings = dict(temperature=0.7, top_k=8)
     spec.set_tree(16)

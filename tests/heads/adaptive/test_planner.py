@@ -54,7 +54,7 @@ def test_acceptance_counts_what_each_prefix_would_have_accepted():
     for accepted in [3, 3, 1, 3]:  # accepted path lengths (drafted nodes)
         model.proposed(trees)
         model.observe(trees, torch.arange(accepted + 1)[None], torch.tensor([accepted + 1]))
-    exists, _, optimistic, depth = model._estimates()
+    exists, _, depth, _ = model._estimates()
     assert list(depth[1:5]) == [1, 2, 3, 4] and list(exists[1:5]) == [1, 1, 1, 1]
     rates = (model.on_path * model.scale + model.prior_on) / (model.present * model.scale + model.prior_seen)
     assert rates[1] > rates[2] > rates[4]  # node 1 always accepted, node 4 never
@@ -73,10 +73,10 @@ def test_fading_reopens_a_question_after_plain_steps():
     for _ in range(8):  # node 1 rejected 8 times
         model.proposed(trees)
         model.observe(trees, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
-    low = model._estimates()[2][1]
+    low = model.prefix_gains(3, 1)[0][1]  # the bound on what node 1 alone would accept
     for _ in range(200):  # plain steps: no evidence, old evidence fades
         model.fade()
-    assert model._estimates()[2][1] > low + 0.2
+    assert model.prefix_gains(3, 1)[0][1] > low + 0.2
 
 
 def test_a_drafter_that_proposed_nothing_is_asked_again_after_plain_steps():
@@ -165,5 +165,8 @@ def test_a_modal_drafter_gets_its_mode_per_step_and_back_after_the_call():
     for _ in range(4):
         assert torch.equal(spec.generate(prompt, max_new_tokens=30, speculate="auto"), expected)
     speculation = spec.last_stats.speculation
-    assert set(speculation["acceptance"]) == {"merged", "lookup"}  # one acceptance model per mode
+    sizes = spec.adaptive.sizes
+    # one acceptance model per option: lookup alone (its own budget), the merged trees at each size
+    assert set(speculation["acceptance"]) == {"lookup", *(f"merged/{size}" for size in sizes)}
     assert spec.drafter._forced is None  # a speculate=None call drafts as the drafter itself chooses
+    assert spec.drafter.base.template.size == spec.drafter_for(None).base.template.size  # and at its own size
