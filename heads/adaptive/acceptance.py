@@ -75,6 +75,8 @@ class AcceptanceModel:
         self.steps = 0
         self._cache: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._faded = 0  # fades since the estimates were computed
+        self._gains_key: tuple[int, int] | None = None  # prefix_gains' last arguments, and its result
+        self._gains: tuple[np.ndarray, np.ndarray] | None = None
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
         # calibration of node scores: per bin, nodes verified and accepted (stored, see scale); prior
         # weight PRIOR_STEPS at the bin's own score (the drafter is trusted until shown otherwise)
@@ -192,6 +194,8 @@ class AcceptanceModel:
         count plus :data:`CONFIDENCE` standard errors, the count's variance taken as its mean), and
         the expected padded width of ``rows`` such trees. The bound is on each prefix's total, not
         per node: per-node bounds would add up and favour whichever option has more nodes."""
+        if self._cache is not None and self._gains_key == (width, rows):
+            return self._gains
         exists, rate, _, weight = self._estimates()
         count = min(width, exists.size)
         gain, padded = np.zeros(width), np.ones(width)
@@ -200,6 +204,7 @@ class AcceptanceModel:
             padded[:count] += np.cumsum(exists[:count] if rows == 1 else 1.0 - (1.0 - exists[:count]) ** rows)
             gain[count:], padded[count:] = gain[count - 1], padded[count - 1]
             gain[1:] += CONFIDENCE * np.sqrt(np.maximum(gain[1:], 0.01) / (weight + 1))
+        self._gains_key, self._gains = (width, rows), (gain, padded)  # kept while the estimates stand
         return gain, padded
 
     def score_gains(self, scores: np.ndarray, sizes: np.ndarray, cuts: np.ndarray) -> np.ndarray:

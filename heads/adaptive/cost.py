@@ -2,7 +2,8 @@
 
 Verify cost depends on the rows a step decodes and the nodes it verifies per row, not on which
 drafter proposed them, so every verify forward the loop runs (plain steps included) teaches the
-same table. Rows are kept in power-of-two buckets; within a bucket each width is a running mean,
+same table. Rows are kept in power-of-two buckets; within a bucket each width is the median of its
+latest timings,
 and a width never verified is priced by interpolating its measured neighbours linearly in the width
 (for a cost that grows with the width, cheaper than any interpolation in a concave function of it,
 such as ``log2(width)``, so an unmeasured width in between is tried rather than written off), and past
@@ -18,23 +19,38 @@ Drafting cost is kept per rows bucket for a drafter's steady steps; a request's 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from collections import deque
 
 import numpy as np
 
 COST_HORIZON = 32
-"""Observations a running cost averages over (an exponential mean of weight ``1 / min(n, COST_HORIZON)``):
-long enough to smooth one step's timing noise, short enough to follow the cache growing and the
-machine's load changing."""
+"""Latest observations a cost is the median of: enough that one step's timing noise (a shared
+machine only ever adds time, in bursts) does not move it, few enough to follow the cache growing and
+the machine's load changing."""
 
-@dataclass
-class RunningMean:
-    value: float = 0.0
-    count: int = 0
+
+class RecentMedian:
+    """The median of the latest :data:`COST_HORIZON` samples (robust to bursts of timing noise, where
+    a mean is not: one slow step must not write off a tree size)."""
+
+    __slots__ = ("samples", "count", "_value")
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=COST_HORIZON)
+        self.count = 0
+        self._value: float | None = None
 
     def add(self, sample: float) -> None:
+        self.samples.append(sample)
         self.count += 1
-        self.value += (sample - self.value) / min(self.count, COST_HORIZON)
+        self._value = None
+
+    @property
+    def value(self) -> float:
+        if self._value is None:
+            self._value = statistics.median(self.samples) if self.samples else 0.0
+        return self._value
 
 
 def rows_bucket(rows: int) -> int:
@@ -46,9 +62,9 @@ class CostCurve:
     """Verify and drafting seconds learned from the steps served (one per spec, all calls)."""
 
     def __init__(self) -> None:
-        self.verify: dict[int, dict[int, RunningMean]] = {}
-        self.drafting: dict[str | None, dict[int, RunningMean]] = {}  # per drafting mode, per rows bucket
-        self.first_drafting: dict[str | None, dict[int, RunningMean]] = {}
+        self.verify: dict[int, dict[int, RecentMedian]] = {}
+        self.drafting: dict[str | None, dict[int, RecentMedian]] = {}  # per drafting mode, per rows bucket
+        self.first_drafting: dict[str | None, dict[int, RecentMedian]] = {}
         self._curves: dict[int, list] = {}  # per bucket: widths, seconds, width -> index, envelope
 
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
@@ -56,7 +72,7 @@ class CostCurve:
         table = self.verify.setdefault(bucket, {})
         mean = table.get(width)
         if mean is None:
-            mean = table[width] = RunningMean()
+            mean = table[width] = RecentMedian()
             self._curves.pop(bucket, None)
         mean.add(seconds)
         if bucket in self._curves:  # keep the interpolation table in step (widths unchanged)
@@ -69,7 +85,7 @@ class CostCurve:
     def observe_draft(self, rows: int, seconds: float, first: bool, mode: str | None = None) -> None:
         """A drafting step's seconds (``first``: a request's first ``propose``, kept apart)."""
         table = (self.first_drafting if first else self.drafting).setdefault(mode, {})
-        table.setdefault(rows_bucket(rows), RunningMean()).add(seconds)
+        table.setdefault(rows_bucket(rows), RecentMedian()).add(seconds)
 
     def _table(self, rows: int, tables: dict) -> object | None:
         """The table of ``rows``' bucket, else the nearest measured bucket's (None: nothing measured)."""
@@ -105,7 +121,7 @@ class CostCurve:
         return np.interp(widths, curve[0], curve[3])
 
     def _price(self, bucket: int, width: int) -> None:
-        """Set ``width``'s entry of ``bucket``'s curve: its mean, its excess over the plain step's cost
+        """Set ``width``'s entry of ``bucket``'s curve: its median, its excess over the plain step's cost
         shrunk as if one more sample had cost what a plain step costs (a width timed on few steps,
         perhaps noisy ones, is tried again before it is written off)."""
         table, curve = self.verify[bucket], self._curves[bucket]

@@ -308,13 +308,13 @@ class SwitchingEagleDrafter:
         self.reset(1)
 
     modes = MODES
-    fixed_modes: tuple[str, ...] = ()
-    """Modes whose trees :meth:`resize` leaves unchanged (none: both are sized)."""
+    fixed_modes = ("parallel",)
+    """Modes whose trees :meth:`resize` leaves unchanged: a parallel step drafts its whole static tree
+    in one forward, whatever its size."""
 
     def resize(self, tree: int | None) -> None:
-        """Both modes' trees at ``tree`` drafted nodes (None: configured); the shared cache is kept."""
+        """Sequential trees at ``tree`` drafted nodes (None: configured); the shared cache is kept."""
         self.sequential.resize(tree)
-        self.parallel.resize(tree)
 
     def use_mode(self, mode: str | None) -> None:
         """Draft the next steps in ``mode`` (``speculate="auto"`` chooses per step); None: this

@@ -82,7 +82,7 @@ class LookupDrafter:
     """Proposes lookup trees for every row (``tree_attention.decode.Drafter``)."""
 
     def __init__(self, config: LookupConfig, memory: LookupMemory | None = None) -> None:
-        self.config = self.configured = config
+        self.config = config
         self.memory = memory
         self.rows: list[SuffixIndex] = []
         self.expected: list[float] = []  # per row: running mean of drafts accepted per step that proposed
@@ -90,11 +90,6 @@ class LookupDrafter:
         self.scales: list[float] = []  # per row: the budget scale of its last proposal (1.0 when not adaptive)
         self.found: list[int] = []  # per row: nodes its last proposal held
         self.depths: list[int] = []  # per row: the depth limit of its last proposal (``extend``)
-
-    def resize(self, tree: int | None) -> None:
-        """Propose at most ``tree`` nodes a row from the next step on (None: the configured budget);
-        the rows' indexes are kept (``tree_attention.capabilities.SizedDrafter``)."""
-        self.config = self.configured.with_tree(tree)
 
     def _new_row(self) -> SuffixIndex:
         return SuffixIndex(self.config.max_ngram, 1, self.config.max_occurrences)
