@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DIVERGENCES: tuple[str, ...] = ("fkl", "rkl", "jsd", "tvd", "ce")
+DIVERGENCES: tuple[str, ...] = ("fkl", "rkl", "jsd", "tvd", "ce", "nla", "lk_hybrid")
 """Names accepted by `divergence` (:mod:`training.losses`): forward KL, reverse KL, JSD(beta), total
-variation, and soft cross entropy to the teacher distribution."""
+variation (``1 - alpha``, the rejection probability of speculative sampling, ``alpha = sum min(p, q)``),
+soft cross entropy to the teacher distribution, and the acceptance objectives of the LK losses
+(vllm-project/speculators' names): negative log-acceptance ``-log(alpha)`` and the adaptive blend
+``lam * KL + (1 - lam) * TV`` with ``lam = exp(-3 mean(alpha))`` per drafting depth."""
 
 
 @dataclass
@@ -29,12 +32,14 @@ class TrainConfig:
     mixed_precision: str = "no"
     """"no" (fp32) or "bf16" (autocast)."""
     divergence: str = "fkl"
-    """Divergence between head and target distributions: fkl, rkl, jsd, tvd or ce."""
+    """Divergence between head and target distributions, one of `DIVERGENCES` (``--loss``)."""
     temperature: float = 1.0
     """Temperature of both distributions in the divergence (follow the serving temperature)."""
     jsd_beta: float = 0.5
     head_decay: float = 0.8
-    """Loss weight of head k (Medusa) or of unrolled drafting step k + 1 (EAGLE) is head_decay ** k."""
+    """Position weighting (``--position-decay``), in (0, 1]: the loss of drafting depth k + 1 (Medusa
+    head k, EAGLE's unrolled step or parallel depth k + 1) is weighted head_decay ** k. A token at
+    depth k + 1 counts only when depths 1..k were accepted, so deeper losses matter less."""
     hard_label_weight: float = 0.0
     """Medusa: weight of plain cross-entropy to the target's tokens, added to the divergence."""
     feature_weight: float = 1.0
@@ -96,6 +101,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}; got {self.divergence!r}")
+        value = self.head_decay
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"head_decay must be a number in (0, 1]; got {value!r}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0; got {self.temperature!r}")
         if self.mixed_precision not in ("no", "bf16"):

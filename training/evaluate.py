@@ -16,6 +16,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from tree_attention.decode import DecodeStats
+
 Batch = tuple[torch.Tensor, "torch.Tensor | None"]
 """``input_ids [B, T]`` and its ``attention_mask [B, T]`` (None: no padding), left-padded."""
 Method = Callable[[torch.Tensor, "torch.Tensor | None", int], tuple[torch.Tensor, object]]
@@ -80,6 +82,10 @@ class SpeedReport:
     speedups: list[float] = field(default_factory=list)
     tau: float = 0.0
     acceptance_by_position: list[float] = field(default_factory=list)
+    prefix_survival: list[float] = field(default_factory=list)
+    """``P(accepted >= k)`` per depth ``k = 1..``, over all verify steps (= ``acceptance_by_position``)."""
+    conditional_acceptance: list[float | None] = field(default_factory=list)
+    """``P(accept at k | accepted k - 1)`` per depth (None where no step accepted ``k - 1``)."""
     identical: bool = True
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -162,6 +168,8 @@ def measure(spec, prompts: Sequence[torch.Tensor], max_new_tokens: int, plain: b
     report.tree_size = max((s.tree_size for s in stats), default=0)
     report.tau = report.new_tokens / forwards if forwards else 0.0
     report.acceptance_by_position = acceptance_by_position(stats)
+    report.prefix_survival = list(report.acceptance_by_position)
+    report.conditional_acceptance = DecodeStats.conditional_rates(report.prefix_survival)
     report.tokens_per_s_spec = statistics.median(run.steps / run.seconds for run in spec_runs) if spec_runs else 0.0
     if plain and spec_runs:
         plain_runs = runs["plain"]

@@ -120,10 +120,71 @@ def total_variation(
 ) -> torch.Tensor:
     """Total variation distance 0.5 * sum_v |p - q| per position.
 
+    Equals ``1 - sum_v min(p, q)``: the probability that speculative sampling rejects a token
+    drafted from ``q`` (see `acceptance_overlap`), the quantity acceptance training minimises.
+    Its gradient shrinks with the overlap (see `negative_log_acceptance`, `lk_hybrid`).
     Args: logits ``[..., V]``. Returns ``[...]`` in [0, 1]. Symmetric.
     """
     log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
     return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(dim=-1)
+
+
+def acceptance_overlap(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``alpha = sum_v min(p_v, q_v)`` per position: the probability that speculative sampling
+    accepts a token drafted from ``q`` against the target's ``p`` (Leviathan et al. 2023).
+
+    ``1 - alpha`` equals `total_variation`. Args: logits ``[..., V]``. Returns ``[...]`` in [0, 1].
+    """
+    log_q, log_p = _log_probs(student_logits, teacher_logits, temperature)
+    return torch.minimum(log_p.exp(), log_q.exp()).sum(dim=-1)
+
+
+def negative_log_acceptance(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``-log(alpha)`` per position, ``alpha`` the `acceptance_overlap`.
+
+    The same optimum as total variation (``alpha = 1``), with the gradient of ``1 - alpha`` scaled
+    by ``1 / alpha``, so that a drafter far from the target (small overlap) still gets a strong
+    signal (Samarin et al. 2026, "LK Losses"). ``alpha`` is floored at ``finfo.tiny``, so disjoint
+    supports cost about 87.3 nats instead of ``inf``. Args: logits ``[..., V]``. Returns ``[...]``, >= 0.
+    """
+    alpha = acceptance_overlap(student_logits, teacher_logits, temperature)
+    return -alpha.clamp(min=torch.finfo(alpha.dtype).tiny).log()
+
+
+LK_ETA = 3.0
+"""`lk_hybrid`'s decay rate ``eta``: the blend weight of KL is ``exp(-eta * mean alpha)``, so KL
+leads while the drafter's overlap with the target is small (about 0.74 of the loss at alpha 0.1)
+and total variation once it is large (KL about 0.05 at alpha 1). The value of the LK losses paper
+and of vllm-project/speculators' ``lk_hybrid``."""
+
+
+def lk_hybrid(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+    eta: float = LK_ETA,
+) -> torch.Tensor:
+    """Adaptive blend ``lam * KL(p || q) + (1 - lam) * TV(p, q)`` per position.
+
+    ``lam = exp(-eta * alpha_bar)``, one weight for the call: ``alpha_bar`` is the masked mean of
+    `acceptance_overlap` over the positions (``mask`` ``[...]`` or None for all), detached, so it
+    steers the mix without being optimised itself. Call it once per drafting depth: a depth the
+    drafter predicts well trains mostly on total variation (the rejection probability), a poor one
+    mostly on forward KL, whose gradient does not vanish at small overlap. ``eta = 0`` is pure
+    forward KL. Args: logits ``[..., V]``. Returns ``[...]``, >= 0 (masked positions included,
+    for the caller to mask).
+    """
+    if isinstance(eta, bool) or not math.isfinite(float(eta)) or eta < 0:
+        raise ValueError(f"eta must be a finite number >= 0, got {eta!r}")
+    kl = forward_kl(student_logits, teacher_logits, temperature)
+    alpha = acceptance_overlap(student_logits, teacher_logits, temperature)
+    weight = torch.exp(-eta * masked_mean(alpha.detach(), mask))
+    return weight * kl + (1.0 - weight) * (1.0 - alpha)
 
 
 def soft_cross_entropy(
@@ -190,7 +251,9 @@ def divergence(
 ) -> torch.Tensor:
     """Masked mean of the divergence named ``kind`` (one of `DIVERGENCES`) over positions.
 
-    Args: logits ``[..., V]``; mask ``[...]`` or None; ``beta`` is used by "jsd" only.
+    Args: logits ``[..., V]``; mask ``[...]`` or None; ``beta`` is used by "jsd" only. "lk_hybrid"
+    blends with one weight per call, from the mean overlap over the masked positions: call this
+    once per drafting depth (head, unrolled step), as the kinds' loss hooks do.
     Returns a float32 scalar.
     """
     if kind == "fkl":
@@ -203,6 +266,10 @@ def divergence(
         losses = total_variation(student_logits, teacher_logits, temperature)
     elif kind == "ce":
         losses = soft_cross_entropy(student_logits, teacher_logits, temperature)
+    elif kind == "nla":
+        losses = negative_log_acceptance(student_logits, teacher_logits, temperature)
+    elif kind == "lk_hybrid":
+        losses = lk_hybrid(student_logits, teacher_logits, temperature, mask)
     else:
         raise ValueError(f"kind must be one of {DIVERGENCES}, got {kind!r}")
     return masked_mean(losses, mask)

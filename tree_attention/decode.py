@@ -178,6 +178,28 @@ class DecodeStats:
 
     tau = mean_accepted
 
+    @property
+    def prefix_survival(self) -> list[float]:
+        """``P(accepted >= k)`` for ``k = 1..max_depth``: the share of verify steps (per row) that
+        accepted at least ``k`` drafted tokens (the same list as ``acceptance_by_position``)."""
+        return self.acceptance_by_position
+
+    @property
+    def conditional_acceptance(self) -> list[float | None]:
+        """``P(accept at k | accepted k - 1)`` for ``k = 1..max_depth`` (see :meth:`conditional_rates`)."""
+        return self.conditional_rates(self.acceptance_by_position)
+
+    @staticmethod
+    def conditional_rates(survival: Sequence[float]) -> list[float | None]:
+        """Prefix survival ``s_k = P(accepted >= k)`` -> ``s_k / s_(k-1)`` per ``k`` (``s_0 = 1``): of the
+        steps that reached depth ``k``, the share that accepted its token too (a step whose tree was
+        shallower than ``k`` counts as a rejection there). None where no step accepted ``k - 1``."""
+        rates, previous = [], 1.0
+        for rate in survival:
+            rates.append(rate / previous if previous > 0 else None)
+            previous = rate
+        return rates
+
     def finish(self, max_depth: int) -> None:
         steps = len(self.accepted_lengths)
         self.acceptance_by_position = [
@@ -190,7 +212,8 @@ class DecodeStats:
             "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
             "row_forwards": self.row_forwards, "batch_size": self.batch_size,
             "tau": self.mean_accepted, "tree_size": self.tree_size, "verified_nodes": self.verified_nodes,
-            "acceptance_by_position": self.acceptance_by_position,
+            "acceptance_by_position": self.acceptance_by_position, "prefix_survival": self.prefix_survival,
+            "conditional_acceptance": self.conditional_acceptance,
             "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds, "speculation": self.speculation, "phases": dict(self.phases),
         }

@@ -34,9 +34,12 @@ def options(args: argparse.Namespace) -> dict:
 
 def train_options(args: argparse.Namespace) -> dict:
     """The ``TrainConfig`` fields the draft kind's flags set; ValueError for ``--kind draft``
-    without ``--draft``, or ``--lora`` with another kind."""
+    without ``--draft`` or with ``--position-decay``, or ``--lora`` with another kind."""
     if args.kind == "draft" and args.draft is None:
         raise ValueError("--kind draft needs --draft DIR: the draft model to distil")
+    if args.kind == "draft" and getattr(args, "position_decay", None) is not None:
+        raise ValueError("--position-decay weighs drafting depths (Medusa heads, EAGLE steps); --kind draft trains one "
+                         "next-token distribution per position")
     if args.lora and args.kind != "draft":
         raise ValueError(f"--lora trains a LoRA on a draft model (--kind draft), not --kind {args.kind} (Medusa-2's "
                          "backbone LoRA: --kind medusa --joint)")

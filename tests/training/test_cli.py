@@ -69,7 +69,8 @@ def test_train_then_bench(model_dir, tmp_path):
                  "--max-new-tokens", "20", "--prompts", "3", "--json", str(bench_json)])
     report = json.loads(bench_json.read_text())
     assert code == 0 and report["identical"] is True
-    for key in ("tokens_per_s_plain", "tokens_per_s_spec", "speedup", "tau", "acceptance_by_position"):
+    for key in ("tokens_per_s_plain", "tokens_per_s_spec", "speedup", "tau", "acceptance_by_position",
+                "prefix_survival", "conditional_acceptance"):
         assert key in report
     assert report["tau"] > 1.0
 

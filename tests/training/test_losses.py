@@ -19,6 +19,8 @@ LOSS_FUNCTIONS = {
     "jsd": losses.jsd,
     "tvd": losses.total_variation,
     "ce": losses.soft_cross_entropy,
+    "nla": losses.negative_log_acceptance,
+    "lk_hybrid": losses.lk_hybrid,
 }
 
 
@@ -38,7 +40,7 @@ def softmax(values: list[float]) -> list[float]:
 
 
 def test_divergences_tuple() -> None:
-    assert losses.DIVERGENCES == ("fkl", "rkl", "jsd", "tvd", "ce")
+    assert losses.DIVERGENCES == ("fkl", "rkl", "jsd", "tvd", "ce", "nla", "lk_hybrid")
 
 
 def test_forward_kl_hand_computed() -> None:
@@ -107,7 +109,7 @@ def test_hard_cross_entropy_hand_computed_and_ignore_index() -> None:
         losses.hard_cross_entropy(logits, torch.tensor([1, 2, 0]))
 
 
-@pytest.mark.parametrize("kind", ["fkl", "rkl", "jsd", "tvd"])
+@pytest.mark.parametrize("kind", ["fkl", "rkl", "jsd", "tvd", "nla", "lk_hybrid"])
 def test_zero_for_identical_distributions(kind: str) -> None:
     logits = torch.randn(4, 5, 11, generator=torch.Generator().manual_seed(0))
     value = LOSS_FUNCTIONS[kind](logits, logits.clone())
@@ -298,6 +300,10 @@ def test_every_divergence_at_the_serving_temperature_hand_computed(temperature: 
         "fkl": kl(p, q), "rkl": kl(q, p), "jsd": beta * kl(p, m) + (1 - beta) * kl(q, m),
         "tvd": 0.5 * sum(abs(x - y) for x, y in zip(p, q)), "ce": -sum(x * math.log(y) for x, y in zip(p, q)),
     }
+    alpha = sum(min(x, y) for x, y in zip(p, q))
+    expected["nla"] = -math.log(alpha)
+    blend = math.exp(-3.0 * alpha)  # one position unmasked: its own overlap sets the blend
+    expected["lk_hybrid"] = blend * kl(p, q) + (1 - blend) * (1 - alpha)
     # a second position, masked out, must not count
     students = torch.tensor([student, [9.0, 0.0, 0.0, 0.0]])
     teachers = torch.tensor([teacher, [0.0, 0.0, 0.0, 9.0]])
@@ -305,3 +311,64 @@ def test_every_divergence_at_the_serving_temperature_hand_computed(temperature: 
     for kind, value in expected.items():
         got = losses.divergence(kind, students, teachers, temperature=temperature, beta=beta, mask=mask)
         assert got.item() == pytest.approx(value, abs=1e-6), kind
+
+
+# Acceptance objectives. Hand-computed: P = [0.5, 0.25, 0.25] (teacher), Q = [0.25, 0.5, 0.25]
+# (student): min = [0.25, 0.25, 0.25], alpha = 0.75, TV = 0.25 = 1 - alpha.
+P2 = [0.9, 0.05, 0.05]  # a second position: with Q2 the overlap is 0.4 + 0.05 + 0.05 = 0.5
+Q2 = [0.4, 0.4, 0.2]
+
+
+def test_acceptance_overlap_and_total_variation_hand_computed() -> None:
+    assert losses.acceptance_overlap(logits_of(Q), logits_of(P)).item() == pytest.approx(0.75)
+    assert losses.acceptance_overlap(logits_of(Q2), logits_of(P2)).item() == pytest.approx(0.5)
+    assert losses.total_variation(logits_of(Q), logits_of(P)).item() == pytest.approx(1 - 0.75)
+    assert losses.total_variation(logits_of(Q2), logits_of(P2)).item() == pytest.approx(1 - 0.5)
+    # disjoint supports: nothing is ever accepted
+    assert losses.acceptance_overlap(logits_of([0.0, 1.0]), logits_of([1.0, 0.0])).item() == 0.0
+
+
+def test_negative_log_acceptance_hand_computed_and_gradient() -> None:
+    assert losses.negative_log_acceptance(logits_of(Q), logits_of(P)).item() == pytest.approx(-math.log(0.75))
+    assert losses.negative_log_acceptance(logits_of(Q2), logits_of(P2)).item() == pytest.approx(math.log(2))
+    # -log(alpha)'s gradient is TV's (= -grad alpha) scaled by 1 / alpha
+    student = logits_of(Q2).requires_grad_()
+    (nla_gradient,) = torch.autograd.grad(losses.negative_log_acceptance(student, logits_of(P2)), student)
+    (tv_gradient,) = torch.autograd.grad(losses.total_variation(student, logits_of(P2)), student)
+    torch.testing.assert_close(nla_gradient, tv_gradient / 0.5)
+    disjoint = losses.negative_log_acceptance(logits_of([0.0, 1.0]), logits_of([1.0, 0.0])).item()
+    assert math.isfinite(disjoint) and disjoint > 80
+
+
+def test_lk_hybrid_one_blend_per_call_from_the_masked_mean_overlap() -> None:
+    students = torch.stack([logits_of(Q), logits_of(Q2)])
+    teachers = torch.stack([logits_of(P), logits_of(P2)])
+    kls, overlaps = [kl(P, Q), kl(P2, Q2)], [0.75, 0.5]
+    blend = math.exp(-3.0 * (0.75 + 0.5) / 2)  # the mean overlap of both positions
+    expected = [blend * k + (1 - blend) * (1 - a) for k, a in zip(kls, overlaps)]
+    per_position = losses.lk_hybrid(students, teachers)
+    assert per_position.tolist() == pytest.approx(expected, abs=1e-6)
+    assert losses.divergence("lk_hybrid", students, teachers).item() == pytest.approx(sum(expected) / 2, abs=1e-6)
+    # masking the second position: the blend comes from the first alone, and only it counts
+    mask = torch.tensor([True, False])
+    blend = math.exp(-3.0 * 0.75)
+    masked = losses.divergence("lk_hybrid", students, teachers, mask=mask).item()
+    assert masked == pytest.approx(blend * kls[0] + (1 - blend) * 0.25, abs=1e-6)
+    # eta 0: forward KL; a large eta: total variation
+    assert losses.lk_hybrid(students, teachers, eta=0.0).tolist() == pytest.approx(kls, abs=1e-6)
+    assert losses.lk_hybrid(students, teachers, eta=200.0).tolist() == pytest.approx([0.25, 0.5], abs=1e-6)
+    for eta in (-1.0, math.nan, True):
+        with pytest.raises(ValueError, match="eta"):
+            losses.lk_hybrid(students, teachers, eta=eta)
+
+
+def test_lk_hybrid_blend_is_detached() -> None:
+    """The gradient is blend x grad KL + (1 - blend) x grad TV with the blend held constant."""
+    generator = torch.Generator().manual_seed(3)
+    student = torch.randn(4, 6, generator=generator, requires_grad=True)
+    teacher = torch.randn(4, 6, generator=generator)
+    blend = math.exp(-3.0 * losses.acceptance_overlap(student, teacher).mean().item())
+    (hybrid,) = torch.autograd.grad(losses.divergence("lk_hybrid", student, teacher), student)
+    (forward,) = torch.autograd.grad(losses.divergence("fkl", student, teacher), student)
+    (variation,) = torch.autograd.grad(losses.divergence("tvd", student, teacher), student)
+    torch.testing.assert_close(hybrid, blend * forward + (1 - blend) * variation)

@@ -8,12 +8,19 @@ from .common import (
 )
 
 
+def format_rates(rates) -> str:
+    """Per-depth rates as ``"0.91 0.72 -"`` (``-``: undefined, e.g. a conditional rate past the
+    deepest accepted depth); ``"-"`` for none."""
+    return " ".join("-" if rate is None else f"{rate:.2f}" for rate in rates) or "-"
+
+
 def add_parser(commands) -> None:
     parser = commands.add_parser(
         "bench", help="speculative vs plain generation on your prompts",
         description="Generate greedily with and without the adapter on the same prompts in one process; print "
                     "tokens/s each way, speedup, tau (tokens per target forward, bonus included) and acceptance by "
-                    "position, and check the outputs are identical.",
+                    "position both ways (prefix survival P(accepted >= k) and conditional P(accept at k | accepted "
+                    "k-1)), and check the outputs are identical.",
     )
     parser.add_argument("--model", required=True, help="local Hugging Face model directory (or hub id)")
     parser.add_argument("--adapter", default=None,
@@ -83,7 +90,8 @@ def run(args) -> int:
         ("tokens/s plain", f"{report.tokens_per_s_plain:.1f}"),
         ("tokens/s speculative", f"{report.tokens_per_s_spec:.1f}"),
         ("speedup (median)", f"{report.speedup:.2f}x"), ("tau", f"{report.tau:.2f}"),
-        ("acceptance by position", " ".join(f"{a:.2f}" for a in report.acceptance_by_position)),
+        ("prefix survival P(>=k)", format_rates(report.prefix_survival)),
+        ("conditional P(k | k-1)", format_rates(report.conditional_acceptance)),
         ("identical to generate", "not checked (sampling)" if sampled else str(report.identical)),
         ("tree nodes", str(report.tree_size)),
     ]

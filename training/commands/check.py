@@ -59,9 +59,12 @@ def add_parser(commands) -> None:
 def _check_rows(recorded: dict | None, report, target_line: str, drop: float | None, threshold: float) -> list:
     def figure(entry, key, spec="{:.2f}"):
         return spec.format(entry[key]) if entry and key in entry else "-"
+    from tree_attention.decode import DecodeStats
+
+    from .bench import format_rates
+
     now = report.to_dict()
-    rates = " ".join(f"{rate:.2f}" for rate in report.acceptance_by_position)
-    recorded_rates = " ".join(f"{rate:.2f}" for rate in (recorded or {}).get("acceptance_by_position", [])) or "-"
+    survival = (recorded or {}).get("acceptance_by_position", [])  # adapters before prefix_survival: the same list
     return [
         ("", "recorded", "now"),
         ("tau", figure(recorded, "tau"), figure(now, "tau")),
@@ -69,7 +72,9 @@ def _check_rows(recorded: dict | None, report, target_line: str, drop: float | N
          figure(now, "tokens_per_s_spec", "{:.1f}")),
         ("tokens/s plain", figure(recorded, "tokens_per_s_plain", "{:.1f}"),
          figure(now, "tokens_per_s_plain", "{:.1f}")),
-        ("acceptance by position", recorded_rates, rates or "-"),
+        ("prefix survival P(>=k)", format_rates(survival), format_rates(report.prefix_survival)),
+        ("conditional P(k | k-1)", format_rates(DecodeStats.conditional_rates(survival)),
+         format_rates(report.conditional_acceptance)),
         ("identical to generate", "", str(report.identical)),
         ("target fingerprint", "", target_line),
         ("tau change", "", "-" if drop is None else f"{-drop:+.1%} (allowed: -{threshold:.0%})"),

@@ -96,12 +96,15 @@ def add_parser(commands) -> None:
                             f"{name} {default_learning_rate(name):g}" for name in kinds.command_lines()) + ")")
     parser.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps before cosine decay")
     parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="fp32 or bf16 autocast")
-    parser.add_argument("--divergence", choices=DIVERGENCES, default="fkl",
-                        help="divergence between head and target distributions (default forward KL)")
+    parser.add_argument("--loss", "--divergence", dest="divergence", choices=DIVERGENCES, default="fkl",
+                        help="objective at each drafting depth (docs/training.md): fkl (forward KL, default), rkl, "
+                             "jsd, tvd (1 - alpha, alpha = sum min(p, q)), ce, nla (-log alpha), lk_hybrid (KL/TV)")
+    parser.add_argument("--position-decay", type=float, default=None, metavar="DECAY",
+                        help="loss weight DECAY ** k of drafting depth k + 1 (Medusa, EAGLE), in (0, 1] (default 0.8)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="temperature of both distributions in the divergence; match the serving temperature")
     parser.add_argument("--jsd-beta", type=float, default=0.5,
-                        help="--divergence jsd: weight of the target's distribution, in (0, 1) (default 0.5)")
+                        help="--loss jsd: weight of the target's distribution, in (0, 1) (default 0.5)")
     added: dict[str, argparse.Action] = {}
     for cli in kinds.command_lines().values():
         cli.add_arguments(_KindArguments(parser, added))
@@ -188,6 +191,7 @@ def train_config(args):
         warmup_steps=args.warmup_steps, mixed_precision=args.mixed_precision,
         divergence=args.divergence, temperature=args.temperature, jsd_beta=args.jsd_beta, seed=args.seed,
         checkpoint_every=args.checkpoint_every, **kind_fields,
+        **({} if args.position_decay is None else {"head_decay": args.position_decay}),
     )
 
 
@@ -272,6 +276,7 @@ def _measured_acceptance(args, spec, tokenizer, config, texts: list[str], split:
         report = measure(spec, eval_prompts, args.eval_max_new_tokens, plain=False, temperature=temperature,
                          seed=args.seed)
         entry = {"tau": report.tau, "acceptance_by_position": report.acceptance_by_position,
+                 "prefix_survival": report.prefix_survival, "conditional_acceptance": report.conditional_acceptance,
                  "prompts": report.prompts, "max_new_tokens": args.eval_max_new_tokens,
                  "tokens_per_s_spec": report.tokens_per_s_spec, "split": split}
         entries.append({**entry, "temperature": temperature} if temperature else entry)
@@ -368,6 +373,7 @@ def check_arguments(args, processes: int):
     require(not (args.eval_fraction is not None and args.eval_data),
             "--eval-fraction holds out --data prompts; with --eval-data tau is measured on that file: give one of them")
     check_number(args.temperature, "--temperature", 0.0, inclusive=False)
+    check_number(args.position_decay, "--position-decay", 0.0, inclusive=False, maximum=1.0)
     require(0 < args.jsd_beta < 1, f"--jsd-beta must lie in (0, 1) (the target's weight in JSD); got {args.jsd_beta}")
     check_number(args.data_temperature, "--data-temperature", 0.0)
     check_number(args.on_policy_ratio, "--on-policy-ratio", 0.0, maximum=1.0)
