@@ -72,8 +72,9 @@ def run_cell(model, tokenizer, methods: list, mix: str, temperature: float, batc
     if temperature == 0:
         check_identical(runs)
     baseline = runs["generate"]
-    return {"mix": mix, "temperature": temperature, "batch": batch, "batches": len(batches),
-            "methods": {name: report.summarise(method_runs, baseline) for name, method_runs in runs.items()}}
+    summaries = {name: report.summarise(method_runs, baseline) for name, method_runs in runs.items()}
+    return {"mix": mix, "temperature": temperature, "batch": batch, "batches": len(batches), "methods": summaries,
+            **report.leaders(summaries, {method.name for method in methods if method.selfdraft})}
 
 
 def check_identical(runs: dict) -> None:
@@ -86,7 +87,7 @@ def check_identical(runs: dict) -> None:
                 raise BenchmarkError(f"{name}: greedy output differs from generate on batch {index}")
 
 
-def run(experiment: experiments.Experiment, out: Path, command: str, threads: int = 1) -> dict:
+def run(experiment: experiments.Experiment, out: Path, command: str, threads: int = 1, quick: bool = False) -> dict:
     import torch
 
     from training.commands.common import load_model
@@ -105,8 +106,7 @@ def run(experiment: experiments.Experiment, out: Path, command: str, threads: in
                     print(f"\n{target} / {mix}, T={temperature:g}, batch {batch}, {cell['batches']} batches, "
                           f"{experiment.max_new_tokens} new tokens:\n{report.table(cell)}", flush=True)
     payload = {"run": report.run_record(experiment.name, command, time.perf_counter() - started),
-               "settings": {**experiment.settings(), "quick": command.split().count("--quick") > 0,
-                            "threads": threads},
+               "settings": {**experiment.settings(), "quick": quick, "threads": threads},
                "definitions": report.DEFINITIONS, "cells": cells}
     path = report.write_json(f"{experiment.name}.json", payload, out)
     figure = report.plot(cells, out / f"{experiment.name}.png")
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     try:
         experiment = configure(args)
         command = "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None else argv)
-        run(experiment, args.out, command, args.threads)
+        run(experiment, args.out, command, args.threads, args.quick)
     except BenchmarkError as error:
         print(f"benchmarks.run: {error}", file=sys.stderr)
         return 2

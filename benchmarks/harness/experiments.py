@@ -126,7 +126,8 @@ def check(experiment: Experiment) -> None:
         value = getattr(experiment, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise BenchmarkError(f"{where}: {key} must be a whole number >= 1; got {value!r}")
-    if not experiment.batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in experiment.batches):
+    batches = experiment.batches
+    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
         raise BenchmarkError(f"{where}: batches must be whole numbers >= 1; got {experiment.batches!r}")
     if not experiment.temperatures or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0
                                           for t in experiment.temperatures):

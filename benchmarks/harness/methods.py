@@ -109,14 +109,17 @@ def build_method(method: Method, model, temperature: float, pad_token_id: int | 
             return model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=pad_token_id,
                                   **settings), None
         return run
-    if method.base == "lookup":
-        spec = heads.attach_heads(model, kind="lookup", budget=method.size, history_tokens=0)
-    else:
-        spec = heads.load_heads(model, method.directory)
-        if method.hybrid:
-            spec.set_lookup(True, history_tokens=0)
-    if method.tree is not None:
-        spec.set_tree(method.tree)
+    try:
+        if method.base == "lookup":
+            spec = heads.attach_heads(model, kind="lookup", budget=method.size, history_tokens=0)
+        else:
+            spec = heads.load_heads(model, method.directory)  # TargetMismatchError: another target's adapter
+            if method.hybrid:
+                spec.set_lookup(True, history_tokens=0)
+        if method.tree is not None:
+            spec.set_tree(method.tree)
+    except (heads.AdapterError, ValueError) as error:
+        raise BenchmarkError(f"method {method.name!r}: {error}") from error
     return spec_method(spec, temperature, "auto" if method.auto else None, pad_token_id)
 
 

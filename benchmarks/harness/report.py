@@ -62,6 +62,19 @@ def summarise(runs: list, baseline: list) -> dict:
     return summary
 
 
+def leaders(summaries: dict, selfdraft: set[str]) -> dict:
+    """The fastest selfdraft method and the fastest peer (transformers' prompt lookup or assisted
+    generation) of a cell by median speedup, and the ratio of the two (when both ran)."""
+    best = {}
+    for key, names in (("best_selfdraft", selfdraft), ("best_peer", set(summaries) - selfdraft - {"generate"})):
+        if names:
+            name = max(names, key=lambda n: summaries[n]["speedup"])
+            best[key] = {"name": name, "speedup": summaries[name]["speedup"]}
+    if len(best) == 2:
+        best["best_over_best_peer"] = best["best_selfdraft"]["speedup"] / best["best_peer"]["speedup"]
+    return best
+
+
 def git_commit() -> str:
     """HEAD's short hash, ``+changes`` when tracked files differ from it ("unknown" outside git)."""
     try:
@@ -159,6 +172,9 @@ def table(cell: dict) -> str:
         tau = f"{entry['tau']:.2f}" if "tau" in entry else "-"
         rates = " ".join(f"{rate:.2f}" for rate in entry.get("acceptance_by_position", [])[:6])
         rows.append(f"{label(name)[-57:]:<58}{entry['speedup']:>8.2f}x{f'{low:.2f}-{high:.2f}':>15}{tau:>7}  {rates}")
+    if "best_over_best_peer" in cell:
+        ours, peer = label(cell["best_selfdraft"]["name"]), label(cell["best_peer"]["name"])
+        rows.append(f"best selfdraft / best peer: {cell['best_over_best_peer']:.2f} ({ours} against {peer})")
     return "\n".join(rows)
 
 

@@ -45,7 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--target-dir", default=os.path.join(HERE, "demo-llama"),
                     help="the target: its tokenizer is reused, its argmax is compared on held-out text")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "demo-draft"))
-    ap.add_argument("--checkpoint-dir", default="/tmp/demo-draft-checkpoint")
+    ap.add_argument("--checkpoint-dir", default=os.path.join(HERE, "..", "results", "cache", "demo-draft-checkpoint"),
+                    help="resumable state (default: benchmarks/results/cache/demo-draft-checkpoint, not tracked)")
     ap.add_argument("--checkpoint-every", type=int, default=50)
     ap.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     ap.add_argument("--seed", type=int, default=4321)

@@ -145,14 +145,26 @@ def test_a_greedy_mismatch_names_the_method_and_the_batch():
 
 def test_a_run_writes_its_result_and_the_index(tmp_path, capsys):
     (tmp_path / "draft_code_T0.json").write_text(json.dumps({"machine": {"cpus": 2, "torch": "x", "threads": 1}}))
-    argv = ["peers", "--target", "stories260K", "--method", "lookup_4", "--temperature", "0", "--prompts", "1",
-            "--max-new-tokens", "4", "--out", str(tmp_path)]
+    argv = ["peers", "--target", "stories260K", "--method", "lookup_4", "prompt_lookup_n3", "--temperature", "0",
+            "--prompts", "1", "--max-new-tokens", "4", "--out", str(tmp_path)]
     assert harness.main(argv) == 0
     result = json.loads((tmp_path / "peers.json").read_text())
     assert result["run"]["command"] == "python -m benchmarks.run " + " ".join(argv)
     (cell,) = result["cells"]
     assert (cell["target"], cell["mix"], cell["batches"]) == ("stories260K", "stories", 1)
-    assert set(cell["methods"]) == {"generate", "lookup_4"} and "tau" in cell["methods"]["lookup_4"]
+    assert set(cell["methods"]) == {"generate", "lookup_4", "prompt_lookup_n3"}
+    assert "tau" in cell["methods"]["lookup_4"] and "tau" not in cell["methods"]["prompt_lookup_n3"]
+    assert (cell["best_selfdraft"]["name"], cell["best_peer"]["name"]) == ("lookup_4", "prompt_lookup_n3")
+    assert cell["best_over_best_peer"] == pytest.approx(cell["methods"]["lookup_4"]["speedup"]
+                                                        / cell["methods"]["prompt_lookup_n3"]["speedup"])
     index = (tmp_path / "README.md").read_text().splitlines()
     assert any(line.startswith("| `peers.json` | peers | `python -m benchmarks.run peers") for line in index)
     assert any(line.startswith("| `draft_code_T0.json` | - | benchmarks/bench_draft.py") for line in index)
+
+
+def test_another_targets_adapter_is_named(tmp_path, capsys):
+    argv = ["peers", "--target", "stories260K", "--method", "benchmarks/adapters/demo-llama-medusa", "--prompts", "1",
+            "--max-new-tokens", "2", "--temperature", "0", "--out", str(tmp_path)]
+    assert harness.main(argv) == 2
+    assert "method 'benchmarks/adapters/demo-llama-medusa':" in capsys.readouterr().err
+    assert not (tmp_path / "peers.json").exists()

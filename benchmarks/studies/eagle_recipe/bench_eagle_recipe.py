@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 import heads
 from benchmarks.studies.common import PROMPTS, RESULTS, mixed_training_file, table, write_json
-from benchmarks.studies.eagle_recipe.variants import BEFORE, VARIANTS, apply_variant, scaled_learning_rates, use_prenorm_input
+from benchmarks.studies.eagle_recipe.variants import (BEFORE, VARIANTS, apply_variant, scaled_learning_rates,
+                                                      use_prenorm_input)
 from heads.backbone import target_fingerprint
 from training.commands.common import load_model, read_prompts
 from training.distill_data import generate_distillation_data

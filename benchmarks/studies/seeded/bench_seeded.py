@@ -7,7 +7,8 @@ under sampling), the same rule with top-k candidates (``sample="never"``: the ca
 draft), and seeded calls. Tau is new tokens over target forwards (rows), summed over every call.
 Prompts: the check split (odd lines) of a prompt mix. Writes ``seeded_<target>.json`` beside this script.
 
-    taskset -c 0 python -m benchmarks.studies.seeded.bench_seeded --target stories260K --mix stories --prompts 10 --seeds 5 \\
+    taskset -c 0 python -m benchmarks.studies.seeded.bench_seeded --target stories260K --mix stories \\
+        --prompts 10 --seeds 5 \\
         --drafter medusa=benchmarks/adapters/stories260K-medusa \\
         --drafter eagle-T0.7=benchmarks/adapters/stories260K-eagle-T0.7 --drafter lookup=lookup
 """
@@ -66,7 +67,8 @@ def main(argv=None) -> None:
     target = ROOT / "benchmarks" / "targets" / args.target
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(target)
-    encoded = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in mix_prompts(args.mix, "check", args.prompts)]
+    texts = mix_prompts(args.mix, "check", args.prompts)
+    encoded = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in texts]
     drafters = dict(entry.split("=", 1) for entry in args.drafter)
     rows = []
     for name, source in drafters.items():
