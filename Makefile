@@ -31,10 +31,10 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python benchmarks/demo.py
 
-# the quick benchmark suite (docs/benchmarks.md): the peers table and the loop's overhead, a few minutes
+# the quick benchmark suite (docs/benchmarks.md): the peers table and the tree sweep (with the loop's own cost), a few minutes
 bench: $(STAMP)
 	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m benchmarks.run peers --quick --threads $(THREADS)
-	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m benchmarks.run overhead --quick --threads $(THREADS)
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m benchmarks.run trees --quick --threads $(THREADS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
