@@ -176,7 +176,8 @@ def lk_hybrid(
     steers the mix without being optimised itself. Call it once per drafting depth: a depth the
     drafter predicts well trains mostly on total variation (the rejection probability), a poor one
     mostly on forward KL, whose gradient does not vanish at small overlap. ``eta = 0`` is pure
-    forward KL. Args: logits ``[..., V]``. Returns ``[...]``, >= 0 (masked positions included,
+    forward KL. The blend comes from the positions of this call (one micro-batch of one process;
+    no reduction across processes). Args: logits ``[..., V]``. Returns ``[...]``, >= 0 (masked positions included,
     for the caller to mask).
     """
     if isinstance(eta, bool) or not math.isfinite(float(eta)) or eta < 0:

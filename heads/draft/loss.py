@@ -8,7 +8,7 @@ one draft forward the student's; the loss is the configured divergence between t
 distributions at the configured temperature (the serving temperature), averaged over the real
 positions::
 
-    loss = mean_t D(p_target(. | x_<=t) || q_draft(. | x_<=t))     D in {fkl, rkl, jsd(beta), tvd, ce}
+    loss = mean_t D(p_target(. | x_<=t) || q_draft(. | x_<=t))     D: one of training.config.DIVERGENCES
 
 The sequences are the target's own continuations (off-policy) and, with ``on_policy_ratio > 0``,
 continuations the draft samples itself at the serving temperature (:meth:`DraftLoss.on_policy_model`
