@@ -31,6 +31,11 @@ class SizedDrafter(Protocol):
     (its own cache, its per-row text): ``speculate="auto"`` chooses the size per step, so that a
     step that verifies a small tree does not pay for drafting a large one."""
 
+    nested: bool
+    """Whether, under a deterministic acceptance rule, the tree drafted at a smaller size is the
+    first nodes (node order) of the tree drafted at a larger size on the same text: then every
+    drafted step also shows what each smaller size would have accepted."""
+
     def resize(self, tree: int | None) -> None:
         """Draft the next steps' trees with ``tree`` drafted nodes (as the kind's ``set_tree`` reads
         an int; None: the configured tree)."""

@@ -87,18 +87,19 @@ def _check_dynamic_shape(depth: int, top_k: int, total_tokens: int) -> None:
     check_dynamic_size(depth, top_k, total_tokens, "dynamic tree")
 
 
-def best_nodes(scores: torch.Tensor, depths: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices (increasing) of the best ``count`` nodes by score; ties go to the shallower, then
-    the earlier node.
+def best_nodes(scores: torch.Tensor, depths: torch.Tensor, count: int, ranked: bool = False) -> torch.Tensor:
+    """Indices of the best ``count`` nodes by score, increasing (``ranked``: best first); ties go
+    to the shallower, then the earlier node.
 
     ``scores`` and ``depths`` are ``[C]``. When every child scores at most its parent and parents
     come before children, the result is closed under ancestors: a parent ranks ahead of each of
-    its children.
+    its children (so best-first order lists parents first too, and the best ``n < count`` are
+    its first ``n``).
     """
     order = torch.arange(scores.numel(), device=scores.device)
     order = order[torch.sort(depths[order], stable=True).indices]
     order = order[torch.sort(-scores[order], stable=True).indices]
-    return torch.sort(order[:count]).values
+    return order[:count] if ranked else torch.sort(order[:count]).values
 
 
 def _checked_children(children: tuple[torch.Tensor, torch.Tensor], rows: int, top_k: int):
@@ -121,7 +122,8 @@ def _bool_rows(chains: list[list[int]], width: int, device) -> torch.Tensor:
 
 def _tree_from_candidates(root: int, tokens: list[int], parents: list[int], depths: list[int],
                           keep: list[int], device) -> Tree:
-    """The tree of the kept candidates (increasing indices, closed under ancestors) below ``root``."""
+    """The tree of the kept candidates (closed under ancestors, each after its parent) below ``root``,
+    in the order of ``keep``."""
     new_index = {candidate: node for node, candidate in enumerate(keep, start=1)}
     tree_parents = [-1] + [new_index.get(parents[candidate], 0) for candidate in keep]
     chains: list[list[int]] = [[0]]
@@ -150,7 +152,8 @@ def dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor], ex
 
     Nodes whose score cannot beat the current ``total_tokens``-th best are not expanded: their
     children would score no higher and rank after it, so the result equals that of expanding them.
-    Returns the tree in topological order (nodes by level, parents before children). The
+    Returns the tree best node first (parents before children), so the tree grown with a smaller
+    ``total_tokens`` (and ``depth`` at most that) is its first nodes: sizes are nested. The
     bookkeeping runs on Python lists (a few dozen candidates): one host transfer per level.
     """
     growth = grow_dynamic_tree(root, root_children, depth, top_k, total_tokens)
@@ -207,7 +210,7 @@ def grow_dynamic_tree(root: int, root_children: tuple[torch.Tensor, torch.Tensor
             depths += [level + 1] * top_k
         newest = sorted(range(first, len(scores)), key=lambda candidate: -scores[candidate])[:top_k]  # stable
         frontier = sorted(newest)
-    keep = best_nodes(torch.tensor(scores, dtype=torch.float64), torch.tensor(depths), total_tokens).tolist()
+    keep = best_nodes(torch.tensor(scores, dtype=torch.float64), torch.tensor(depths), total_tokens, ranked=True).tolist()
     return _tree_from_candidates(root, tokens, parents, depths, keep, device)
 
 

@@ -250,12 +250,14 @@ class TreeBatch:
 
 
 def from_choices(choices: Iterable[Sequence[int]], top_k: int | None = None,
-                 max_depth: int | None = None) -> TreeTemplate:
+                 max_depth: int | None = None, ordered: bool = False) -> TreeTemplate:
     """Static tree from a Medusa-style choice list.
 
     Each choice is a path of candidate ranks, one per depth: ``(0, 1)`` means "the top-1 candidate
     at depth 1, then the second candidate at depth 2 below it". Every prefix of a path must be in
-    the list too. The root is implicit. Nodes are ordered by depth, then by the path.
+    the list too. The root is implicit. Nodes are ordered by depth, then by the path; ``ordered``:
+    in the list's own order, which must list every path after its parent (a best-first list, whose
+    first ``n`` paths are then the tree's first ``n`` drafted nodes).
 
     Raises:
         InvalidTreeError: empty or duplicate paths, negative ranks, a rank ``>= top_k``, a path deeper
@@ -282,7 +284,10 @@ def from_choices(choices: Iterable[Sequence[int]], top_k: int | None = None,
     for path in paths:
         if len(path) > 1 and path[:-1] not in known:
             raise InvalidTreeError(f"path {path} has no parent: {path[:-1]} is missing from choices")
-    paths.sort(key=lambda p: (len(p), p))
+    if not ordered:
+        paths.sort(key=lambda p: (len(p), p))
+    elif any(len(path) > 1 and paths.index(path[:-1]) > index for index, path in enumerate(paths)):
+        raise InvalidTreeError("ordered choices must list every path after its parent")
     index_of = {path: index + 1 for index, path in enumerate(paths)}
     parents = [-1] + [index_of.get(path[:-1], 0) for path in paths]
     ranks = [0] + [path[-1] for path in paths]
@@ -368,12 +373,13 @@ def default_tree(size: int, num_depths: int,
     """Default static tree with ``size`` drafted nodes (root excluded) over ``num_depths`` depths.
 
     Built best-first from ``accuracy`` (per depth, per rank; measured tables must cover every
-    depth), else from :func:`prior_accuracy` (any number of depths).
+    depth), else from :func:`prior_accuracy` (any number of depths). Nodes are in the order they were
+    chosen, so the default tree of ``n`` nodes is the first ``n`` nodes of any larger one (nested).
     """
     table = list(accuracy if accuracy is not None else prior_accuracy(num_depths))[:num_depths]
     if len(table) < num_depths:
         raise InvalidTreeError(f"accuracy table covers {len(table)} depths, {num_depths} needed")
-    return from_choices(best_first_choices(table, size))
+    return from_choices(best_first_choices(table, size), ordered=True)
 
 
 def truncate_batch(trees: TreeBatch, limits: list[int]) -> TreeBatch:

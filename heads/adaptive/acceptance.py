@@ -171,9 +171,10 @@ class AcceptanceModel:
             self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths[real] == depth).sum()))
             self.prior_seen[index] = PRIOR_STEPS
 
-    def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per node index: the chance it exists in a row's tree, its acceptance given it was
-        verified, its mean depth; and the rows' worth of evidence they rest on. A node's existence
+        verified, its mean depth, and the rows' worth of evidence its acceptance rests on (faded
+        verifications plus the prior's weight). A node's existence
         starts from the prior that the drafter proposes it (weight :data:`PRIOR_STEPS`), so a drafter
         that proposed nothing for a while (lookup before the text repeats) is asked again once that
         evidence has faded."""
@@ -185,7 +186,7 @@ class AcceptanceModel:
             depth = self.depth_sum / np.maximum(self.exists, 1e-300)
             if rate.size:
                 rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
-            self._cache, self._faded = (exists, rate, depth, rows), 0
+            self._cache, self._faded = (exists, rate, depth, seen), 0
         return self._cache
 
     def prefix_gains(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -196,14 +197,17 @@ class AcceptanceModel:
         per node: per-node bounds would add up and favour whichever option has more nodes."""
         if self._cache is not None and self._gains_key == (width, rows):
             return self._gains
-        exists, rate, _, weight = self._estimates()
+        exists, rate, _, seen = self._estimates()
         count = min(width, exists.size)
         gain, padded = np.zeros(width), np.ones(width)
         if count > 1:
             gain[:count] = np.cumsum(exists[:count] * rate[:count])
             padded[:count] += np.cumsum(exists[:count] if rows == 1 else 1.0 - (1.0 - exists[:count]) ** rows)
             gain[count:], padded[count:] = gain[count - 1], padded[count - 1]
-            gain[1:] += CONFIDENCE * np.sqrt(np.maximum(gain[1:], 0.01) / (weight + 1))
+            # the bound of a prefix rests on its least-verified node's evidence
+            evidence = np.minimum.accumulate(seen[1:count])
+            gain[1:count] += CONFIDENCE * np.sqrt(np.maximum(gain[1:count], 0.01) / (evidence + 1))
+            gain[count:] = gain[count - 1]
         self._gains_key, self._gains = (width, rows), (gain, padded)  # kept while the estimates stand
         return gain, padded
 
@@ -221,10 +225,10 @@ class AcceptanceModel:
         return prefix[np.minimum(cuts, scores.shape[1]) - 1]
 
     def summary(self) -> dict:
-        exists, rate, _, weight = self._estimates()
+        exists, rate, _, seen = self._estimates()
         shown = min(exists.size, 16)
         gain, _ = self.prefix_gains(self.width, 1)
-        return {"steps": self.steps, "width": self.width, "evidence_rows": round(float(weight), 1),
+        return {"steps": self.steps, "width": self.width, "evidence_rows": round(float(seen[1]) if seen.size > 1 else 0.0, 1),
                 "expected_accepted": round(float(gain[-1]), 3),
                 "node_acceptance": [round(float(value), 3) for value in rate[1:shown]],
                 "node_presence": [round(float(value), 3) for value in exists[1:shown]]}

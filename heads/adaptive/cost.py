@@ -3,17 +3,17 @@
 Verify cost depends on the rows a step decodes and the nodes it verifies per row, not on which
 drafter proposed them, so every verify forward the loop runs (plain steps included) teaches the
 same table. Rows are kept in power-of-two buckets; within a bucket each width is the median of its
-latest timings,
-and a width never verified is priced by interpolating its measured neighbours linearly in the width
-(for a cost that grows with the width, cheaper than any interpolation in a concave function of it,
-such as ``log2(width)``, so an unmeasured width in between is tried rather than written off), and past
-the widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
-A width's excess cost over a plain step counts as if it had one more sample at the plain cost, so a
-width written off on one noisy step is tried again, and the estimate converges as samples come; and
-no width is priced above a wider one (the lower envelope): timing noise on a shared machine only ever
-adds time, and verifying more nodes never costs less.
-Drafting cost is kept per rows bucket for a drafter's steady steps; a request's first ``propose``
-(the drafter catching up on the prompt) is kept apart and never charged to a step's choice.
+latest timings. A width never verified is priced by interpolating its measured neighbours linearly
+in the width (for a cost that grows with the width, cheaper than any interpolation in a concave
+function of it, so an unmeasured width in between is tried rather than written off), and past the
+widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
+A width's excess over a plain step counts as if it had one more sample at the plain cost, its own
+samples' weight halving every ``HALF_LIFE`` steps: a width written off on a few noisy steps, or
+long ago, is tried again. No width is priced above a wider one (the lower envelope): timing noise
+on a shared machine only ever adds time, and verifying more nodes never costs less.
+Drafting cost is kept per drafting option and rows bucket for a drafter's steady steps, shrunk
+toward nothing the same way; a request's first ``propose`` (the drafter catching up on the prompt)
+is kept apart and never charged to a step's choice.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from collections import deque
 
 import numpy as np
 
+from .acceptance import HALF_LIFE
+
 COST_HORIZON = 32
 """Latest observations a cost is the median of: enough that one step's timing noise (a shared
 machine only ever adds time, in bursts) does not move it, few enough to follow the cache growing and
@@ -32,18 +34,20 @@ the machine's load changing."""
 
 class RecentMedian:
     """The median of the latest :data:`COST_HORIZON` samples (robust to bursts of timing noise, where
-    a mean is not: one slow step must not write off a tree size)."""
+    a mean is not: one slow step must not write off a tree size), and when the last was taken."""
 
-    __slots__ = ("samples", "count", "_value")
+    __slots__ = ("samples", "count", "stamp", "_value")
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=COST_HORIZON)
         self.count = 0
+        self.stamp = 0  # the cost curve's clock (steps) at the latest sample
         self._value: float | None = None
 
-    def add(self, sample: float) -> None:
+    def add(self, sample: float, stamp: int = 0) -> None:
         self.samples.append(sample)
         self.count += 1
+        self.stamp = stamp
         self._value = None
 
     @property
@@ -51,6 +55,11 @@ class RecentMedian:
         if self._value is None:
             self._value = statistics.median(self.samples) if self.samples else 0.0
         return self._value
+
+    def weight(self, now: int) -> float:
+        """Samples' worth of evidence left at step ``now``: their count (at most the horizon),
+        halved every :data:`~heads.adaptive.acceptance.HALF_LIFE` steps since the latest."""
+        return min(self.count, COST_HORIZON) * 0.5 ** ((now - self.stamp) / HALF_LIFE)
 
 
 def rows_bucket(rows: int) -> int:
@@ -63,38 +72,23 @@ class CostCurve:
 
     def __init__(self) -> None:
         self.verify: dict[int, dict[int, RecentMedian]] = {}
-        self.drafting: dict[str | None, dict[int, RecentMedian]] = {}  # per drafting mode, per rows bucket
-        self.first_drafting: dict[str | None, dict[int, RecentMedian]] = {}
-        self._curves: dict[int, list] = {}  # per bucket: widths, seconds, width -> index, envelope
+        self.drafting: dict[object, dict[int, RecentMedian]] = {}  # per drafting option, per rows bucket
+        self.first_drafting: dict[object, dict[int, RecentMedian]] = {}
+        self.clock = 0  # verify forwards observed (steps)
 
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
-        bucket = rows_bucket(rows)
-        table = self.verify.setdefault(bucket, {})
-        mean = table.get(width)
-        if mean is None:
-            mean = table[width] = RecentMedian()
-            self._curves.pop(bucket, None)
-        mean.add(seconds)
-        if bucket in self._curves:  # keep the interpolation table in step (widths unchanged)
-            if width == 1:  # every width is priced against the plain step
-                for other in self.verify[bucket]:
-                    self._price(bucket, other)
-            else:
-                self._price(bucket, width)
+        self.clock += 1
+        table = self.verify.setdefault(rows_bucket(rows), {})
+        table.setdefault(width, RecentMedian()).add(seconds, self.clock)
 
-    def observe_draft(self, rows: int, seconds: float, first: bool, mode: str | None = None) -> None:
+    def observe_draft(self, rows: int, seconds: float, first: bool, mode: object = None) -> None:
         """A drafting step's seconds (``first``: a request's first ``propose``, kept apart)."""
         table = (self.first_drafting if first else self.drafting).setdefault(mode, {})
-        table.setdefault(rows_bucket(rows), RecentMedian()).add(seconds)
+        table.setdefault(rows_bucket(rows), RecentMedian()).add(seconds, self.clock)
 
-    def _table(self, rows: int, tables: dict) -> object | None:
-        """The table of ``rows``' bucket, else the nearest measured bucket's (None: nothing measured)."""
-        bucket = rows_bucket(rows)
-        if bucket in tables:
-            return tables[bucket]
-        if not tables:
-            return None
-        return tables[min(tables, key=lambda other: (abs(math.log2(other / bucket)), other))]
+    @staticmethod
+    def _nearest(bucket: int, tables: dict) -> int:
+        return min(tables, key=lambda other: (abs(math.log2(other / bucket)), other))
 
     def knows_plain(self, rows: int) -> bool:
         """Whether a plain step (width 1) has been timed in ``rows``' bucket."""
@@ -102,48 +96,40 @@ class CostCurve:
 
     def verify_curve(self, rows: int, widths: np.ndarray) -> np.ndarray | None:
         """Predicted seconds of a verify forward over ``rows`` rows of each of ``widths`` nodes per
-        row (None: no verify forward timed yet)."""
+        row (None: no verify forward timed yet). Each measured width's excess over the plain step
+        counts as if one more sample had cost what a plain step costs, its own samples fading with
+        their age: a width timed on few steps, or long ago, perhaps on noisy steps, is tried again
+        before it is written off."""
+        if not self.verify:
+            return None
         bucket = rows_bucket(rows)
-        if bucket not in self.verify:
-            if not self.verify:
-                return None
-            bucket = min(self.verify, key=lambda other: (abs(math.log2(other / rows_bucket(rows))), other))
-        curve = self._curves.get(bucket)
-        if curve is None:
-            table = self.verify[bucket]
-            measured = sorted(table)
-            curve = self._curves[bucket] = [np.array(measured, dtype=float), np.zeros(len(measured)),
-                                            {width: index for index, width in enumerate(measured)}, None]
-            for width in measured:
-                self._price(bucket, width)
-        if curve[3] is None:  # the lower envelope: no width priced above a wider one
-            curve[3] = np.minimum.accumulate(curve[1][::-1])[::-1]
-        return np.interp(widths, curve[0], curve[3])
-
-    def _price(self, bucket: int, width: int) -> None:
-        """Set ``width``'s entry of ``bucket``'s curve: its median, its excess over the plain step's cost
-        shrunk as if one more sample had cost what a plain step costs (a width timed on few steps,
-        perhaps noisy ones, is tried again before it is written off)."""
-        table, curve = self.verify[bucket], self._curves[bucket]
-        mean = table[width]
+        table = self.verify[bucket if bucket in self.verify else self._nearest(bucket, self.verify)]
+        measured = sorted(table)
+        seconds = np.array([table[width].value for width in measured])
         plain = table.get(1)
-        value = mean.value
-        if plain is not None and width != 1:
-            count = min(mean.count, COST_HORIZON)
-            value = plain.value + (mean.value - plain.value) * count / (count + 1)
-        curve[1][curve[2][width]] = value
-        curve[3] = None
+        if plain is not None:
+            weights = np.array([table[width].weight(self.clock) for width in measured])
+            seconds = plain.value + (seconds - plain.value) * weights / (weights + 1)
+            seconds[0] = plain.value
+        seconds = np.minimum.accumulate(seconds[::-1])[::-1]  # the lower envelope: none above a wider one
+        return np.interp(widths, np.array(measured, dtype=float), seconds)
 
     def verify_seconds(self, rows: int, width: int) -> float | None:
         """:meth:`verify_curve` for one width."""
         curve = self.verify_curve(rows, np.array([width]))
         return None if curve is None else float(curve[0])
 
-    def draft_seconds(self, rows: int, mode: str | None = None) -> float:
-        """Predicted seconds of one steady drafting step in ``mode`` over ``rows`` rows (0 before
-        any is timed: optimistic, so the mode gets tried)."""
-        table = self._table(rows, self.drafting.get(mode, {}))
-        return 0.0 if table is None else table.value
+    def draft_seconds(self, rows: int, mode: object = None) -> float:
+        """Predicted seconds of one steady drafting step of ``mode`` (a drafting option) over ``rows``
+        rows: the median shrunk toward 0 as if one more sample had cost nothing (0 before any is
+        timed: optimistic, so the option gets tried, and again once its timings have aged)."""
+        tables = self.drafting.get(mode)
+        if not tables:
+            return 0.0
+        bucket = rows_bucket(rows)
+        timed = tables[bucket if bucket in tables else self._nearest(bucket, tables)]
+        weight = timed.weight(self.clock)
+        return timed.value * weight / (weight + 1)
 
     def summary(self) -> dict:
         """Measured costs in milliseconds, for ``last_stats.speculation``."""

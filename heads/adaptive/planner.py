@@ -145,8 +145,15 @@ class CallPlanner:
         sizes = (None,) if self.sized is None else adaptive.sizes
         self.options: list[Option] = [(mode, size) for mode in modes
                                       for size in ((None,) if mode in fixed else sizes)]
-        self.models = [adaptive.model(key, option) for option in self.options]
+        # nested sizes share one model per mode: a step drafted at any size shows what its first
+        # nodes, every smaller size's tree, accepted
+        nested = self.sized is not None and deterministic and self.sized.nested
+        self._model_options = [(mode, None if nested else size) for mode, size in self.options]
+        self.models = [adaptive.model(key, option) for option in self._model_options]
+        # per option: the nodes of its trees in its model's node order (None: all the model has seen)
+        self._nodes = [1 + size if nested and size is not None else None for _, size in self.options]
         self.acceptance = self.models[-1]
+        self._distinct = list({id(model): model for model in self.models}.values())
         self.summary = CallSummary()
         self.choice: Choice | None = None
         self._applied: Option | None = None  # the option the drafter is set to
@@ -156,13 +163,14 @@ class CallPlanner:
         if not self.costs.knows_plain(rows):
             return Choice(False, nodes=0, reason="time a plain step")  # (nodes=0: planned again next step)
         for (mode, size), model in zip(self.options, self.models):
-            if model.steps == 0:  # measure every option once: a prior says little of this text and machine
+            if model.steps == 0:  # see every model's trees once: a prior says little of this text
                 return Choice(True, mode, size, nodes=model.width, reason="measure an option never drafted")
         plain = self.costs.verify_seconds(rows, 1)
         gains, widths = np.zeros(len(self.options)), np.zeros(len(self.options))
-        for index, model in enumerate(self.models):
+        for index, (model, nodes) in enumerate(zip(self.models, self._nodes)):
             gain, padded = model.prefix_gains(model.width, rows)
-            gains[index], widths[index] = gain[-1], padded[-1]
+            last = model.width - 1 if nodes is None else min(nodes, model.width) - 1
+            gains[index], widths[index] = gain[last], padded[last]
         drafting = np.array([self.costs.draft_seconds(rows, option) for option in self.options])
         seconds = drafting + self.costs.verify_curve(rows, widths)
         rates = (1.0 + gains) / np.maximum(seconds, 1e-9)
@@ -190,7 +198,7 @@ class CallPlanner:
         choice = self.choice = self._plan(rows)
         self._rows, self._age = rows, 1
         if choice.draft:
-            self.acceptance = self.adaptive.model(self.key, choice.option)
+            self.acceptance = self.models[self.options.index(choice.option)]
             if choice.option != self._applied:
                 self._applied = choice.option
                 if self.modal is not None:
@@ -228,7 +236,7 @@ class CallPlanner:
         option = self.choice.option if self.choice is not None else (None, None)
         if record.kind != "plain":
             self.costs.observe_draft(record.rows, record.draft_seconds, record.first_draft, option)
-        for model in self.models:
+        for model in self._distinct:
             model.fade()
         summary = self.summary
         summary.steps[record.kind] += 1

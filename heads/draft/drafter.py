@@ -52,6 +52,9 @@ class DraftModelDrafter:
         self.warp = self.generator = None
         self.reset(1)
 
+    nested = True
+    """Chains and greedy dynamic trees list their nodes best first: a smaller size keeps the first nodes."""
+
     def resize(self, tree: int | None) -> None:
         """Draft the next steps' trees at ``tree`` drafted nodes, depth lowered to fit
         (:meth:`DraftConfig.with_tree`; None: the configured tree); the draft's cache is kept

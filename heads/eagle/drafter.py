@@ -128,6 +128,10 @@ class EagleDrafter:
         self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
         self.reset(1)
 
+    nested = True
+    """Greedy dynamic trees list their nodes best first: a smaller ``total_tokens`` keeps the first
+    nodes (``tree_attention.dynamic.grow_dynamic_tree``)."""
+
     def resize(self, tree: int | None) -> None:
         """Grow the next steps' trees to ``tree`` drafted nodes, depth lowered to fit
         (:meth:`EagleConfig.with_tree`; None: the configured tree); the cache is kept

@@ -312,6 +312,9 @@ class SwitchingEagleDrafter:
     """Modes whose trees :meth:`resize` leaves unchanged: a parallel step drafts its whole static tree
     in one forward, whatever its size."""
 
+    nested = True
+    """Sequential trees are nested by size (:attr:`EagleDrafter.nested`)."""
+
     def resize(self, tree: int | None) -> None:
         """Sequential trees at ``tree`` drafted nodes (None: configured); the shared cache is kept."""
         self.sequential.resize(tree)

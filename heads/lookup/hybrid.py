@@ -120,6 +120,9 @@ class HybridDrafter:
     fixed_modes = ("lookup",)
     """Modes whose trees :meth:`resize` leaves unchanged: lookup alone keeps its own budget."""
 
+    nested = False
+    """The merged tree lists the trained drafter's nodes before lookup's: a smaller size is not its first nodes."""
+
     def resize(self, tree: int | None) -> None:
         """The trained drafter's part of the merged trees at ``tree`` drafted nodes (None: configured),
         where that drafter can change its size (``tree_attention.capabilities.SizedDrafter``)."""

@@ -98,6 +98,10 @@ class MedusaDrafter:
         return {name: getattr(self, name) for name in (
             "template", "top_k", "_candidate_index", "_families", "_family", "_sibling", "_children")}
 
+    nested = True
+    """Default trees are built best-first, each node after the ones chosen before it: the tree of a
+    smaller size is the first nodes of a larger one (``tree_attention.tree.default_tree``)."""
+
     def resize(self, tree: int | None) -> None:
         """Fill the default tree of ``tree`` drafted nodes from the next step on (None: the template
         this drafter was built with); ``shapes`` (set by the kind) builds it from the heads'

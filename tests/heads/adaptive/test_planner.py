@@ -34,13 +34,18 @@ def test_cost_curve_interpolates_optimistically_and_keeps_buckets_apart():
     assert costs.verify_seconds(1, 32) == pytest.approx(narrow + (wide - narrow) / 3)  # linear in the width
     assert costs.verify_seconds(1, 256) == pytest.approx(wide)  # past the widest: its cost
     costs.observe_verify(1, 8, 9.0)  # a noisy narrower width is priced no higher than a wider one
-    assert costs.verify_seconds(1, 8) == pytest.approx(narrow)
+    assert costs.verify_seconds(1, 8) == pytest.approx(costs.verify_seconds(1, 16))
+    before = costs.verify_seconds(1, 64)
+    for _ in range(64):  # timings age: after a half-life of plain steps a width counts half its samples
+        costs.observe_verify(1, 1, 1.0)
+    aged = costs.verify_seconds(1, 64)
+    assert aged == pytest.approx(1.0 + 4.0 * 2 / 3, rel=0.02) and aged < before
     costs.observe_verify(5, 1, 10.0)  # rows 4..7 share a bucket, apart from batch 1
     assert costs.verify_seconds(4, 1) == pytest.approx(10.0) and costs.verify_seconds(1, 1) == pytest.approx(1.0)
     assert costs.verify_seconds(16, 1) == pytest.approx(10.0)  # an unseen bucket borrows the nearest
     costs.observe_draft(1, 5.0, first=True)  # a request's first propose is kept apart
-    costs.observe_draft(1, 0.5, first=False)
-    assert costs.draft_seconds(1) == pytest.approx(0.5)
+    costs.observe_draft(1, 0.5, first=False)  # one sample: counted half, beside one free one
+    assert costs.draft_seconds(1) == pytest.approx(0.25)
 
 
 def _chain_batch(width: int) -> TreeBatch:
