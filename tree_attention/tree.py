@@ -318,8 +318,6 @@ def best_first_choices(accuracy: Sequence[Sequence[float]], size: int) -> list[P
     tree (every prefix present). This is the tree construction of the Medusa paper; it maximises
     the expected number of accepted tokens for a node budget under the independence assumption.
     """
-    import heapq
-
     if size < 0:
         raise InvalidTreeError(f"tree size must be >= 0; got {size}")
     check_tree_size(size, "tree")

@@ -1,4 +1,4 @@
-"""Calibrated acceptance: how many tokens a cut of a step's tree is expected to commit.
+"""Calibrated acceptance: how many tokens a prefix of a step's tree is expected to commit.
 
 A row commits its accepted path plus one token, and the accepted path holds at most one node per
 depth, so the expected accepted length of any tree is the sum over its nodes of the probability
@@ -7,16 +7,14 @@ before children, and drafters list better candidates first), how often the node 
 proposed tree, how often it was verified and how often it was on the accepted path, with its mean
 depth. A prefix of node order is itself a tree, and under a deterministic rule (greedy) a node of
 the prefix is accepted exactly when it is accepted in the whole tree, so every drafted step counts
-what each smaller prefix would have committed on the same text. Sampling rules are cut by depth
-instead (a cut that does not depend on the sampled candidates), whose expected length sums the
-nodes at or above the depth.
+what each smaller prefix (each smaller nested size) would have committed on the same text.
 
-Evidence fades with a half-life counted in steps, plain steps included: after a stretch of plain
-steps the estimates are uncertain again and their upper confidence bound (what choices use) rises,
-so no tree size is locked out by a few early steps. The prior is the acceptance by depth the adapter
-recorded at save time, spread evenly over the nodes of each depth the first time they are seen.
+Evidence fades with a half-life counted in steps, plain steps included, and choices use an upper
+confidence bound on a prefix's total (each node's rate seen over its own evidence): after a
+stretch of plain steps the question is open again, so no tree size is locked out by a few early
+steps. The prior is the acceptance by depth the adapter recorded at save time, spread evenly over
+the nodes of each depth the first time they are seen.
 """
-
 from __future__ import annotations
 
 from typing import Sequence
@@ -39,17 +37,8 @@ UNINFORMED = 0.5
 """Prior chance that a drafted token is accepted, given its parent was, when the adapter recorded no
 acceptance (lookup, untrained drafters): the accepted path reaches depth ``d`` with ``UNINFORMED ** d``."""
 
-SCORE_BINS = 16
-"""Bins of a drafter's own node scores (half powers of two from 1 down to ``2 ** -7.5``) that
-acceptance is calibrated in, for drafters whose trees carry scores (lookup)."""
-
 _RESCALE = 1e-150  # the running weight is folded back into the counts below this (float64 range)
 _REFRESH = max(1, HALF_LIFE // 8)  # fades between refreshes of the estimates (weights move < 9%)
-
-
-def score_bins(scores: np.ndarray) -> np.ndarray:
-    """The calibration bin of each node score (``-2 log2(score)``, clamped to the bins)."""
-    return np.clip(np.floor(-2.0 * np.log2(np.maximum(scores, 1e-30))), 0, SCORE_BINS - 1).astype(np.int64)
 
 
 class AcceptanceModel:
@@ -78,11 +67,6 @@ class AcceptanceModel:
         self._gains_key: tuple[int, int] | None = None  # prefix_gains' last arguments, and its result
         self._gains: tuple[np.ndarray, np.ndarray] | None = None
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
-        # calibration of node scores: per bin, nodes verified and accepted (stored, see scale); prior
-        # weight PRIOR_STEPS at the bin's own score (the drafter is trusted until shown otherwise)
-        centers = 2.0 ** (-(np.arange(SCORE_BINS) + 0.5) / 2)
-        self.score_trials, self.score_hits = np.zeros(SCORE_BINS), np.zeros(SCORE_BINS)
-        self._score_prior = (PRIOR_STEPS * centers, np.full(SCORE_BINS, PRIOR_STEPS))
         self._grow(self.width)
 
     def _grow(self, width: int) -> None:
@@ -99,8 +83,6 @@ class AcceptanceModel:
             for array in (self.exists, self.present, self.on_path, self.depth_sum):
                 array *= self.scale
             self.rows *= self.scale
-            self.score_trials *= self.scale
-            self.score_hits *= self.scale
             self.scale = 1.0
             self._cache = None
         self._faded += 1
@@ -147,15 +129,6 @@ class AcceptanceModel:
         else:
             accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
             self.on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
-        if trees.scores is not None:
-            hit = np.zeros((trees.rows, width), dtype=bool)
-            kept = np.arange(paths.shape[1])[None, :] < lengths[:, None]
-            hit[np.nonzero(kept)[0], paths[kept]] = True
-            real = np.arange(width)[None, :] < trees.sizes.numpy()[:, None]
-            real[:, 0] = False
-            bins = score_bins(trees.scores.numpy())[real]
-            self.score_trials += weight * np.bincount(bins, minlength=SCORE_BINS)
-            self.score_hits += weight * np.bincount(bins, weights=hit[real], minlength=SCORE_BINS)
         self._cache = None
 
     def _spread_prior(self, depths: np.ndarray, exists: np.ndarray | None) -> None:
@@ -192,9 +165,9 @@ class AcceptanceModel:
     def prefix_gains(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """For ``n = 1 .. width`` (index ``n - 1``; n = 1: the root alone): the drafted tokens a row
         accepts from the first ``n`` nodes of its tree, as an upper confidence bound (the expected
-        count plus :data:`CONFIDENCE` standard errors, the count's variance taken as its mean), and
-        the expected padded width of ``rows`` such trees. The bound is on each prefix's total, not
-        per node: per-node bounds would add up and favour whichever option has more nodes."""
+        count plus :data:`CONFIDENCE` standard errors of it), and the expected padded width of
+        ``rows`` such trees. The bound is on each prefix's total, not per node: per-node bounds
+        would add up and favour whichever option has more nodes."""
         if self._cache is not None and self._gains_key == (width, rows):
             return self._gains
         exists, rate, _, seen = self._estimates()
@@ -204,25 +177,14 @@ class AcceptanceModel:
             gain[:count] = np.cumsum(exists[:count] * rate[:count])
             padded[:count] += np.cumsum(exists[:count] if rows == 1 else 1.0 - (1.0 - exists[:count]) ** rows)
             gain[count:], padded[count:] = gain[count - 1], padded[count - 1]
-            # the bound of a prefix rests on its least-verified node's evidence
-            evidence = np.minimum.accumulate(seen[1:count])
-            gain[1:count] += CONFIDENCE * np.sqrt(np.maximum(gain[1:count], 0.01) / (evidence + 1))
+            # the standard error of a prefix's total: each node's rate seen over its own evidence,
+            # weighted by how often the node exists (a node rarely proposed moves the total little)
+            spread = exists[:count] ** 2 * np.maximum(rate[:count] * (1 - rate[:count]), 0.01) / (seen[:count] + 1)
+            gain[:count] += CONFIDENCE * np.sqrt(np.cumsum(spread))
+            gain[0] = 0.0
             gain[count:] = gain[count - 1]
         self._gains_key, self._gains = (width, rows), (gain, padded)  # kept while the estimates stand
         return gain, padded
-
-    def score_gains(self, scores: np.ndarray, sizes: np.ndarray, cuts: np.ndarray) -> np.ndarray:
-        """``[C]``: expected drafted tokens accepted over rows whose trees carry the drafter's node
-        ``scores`` ``[R, N]`` (sizes ``[R]``), each cut to its first ``n`` nodes for each ``n`` of
-        ``cuts``: the sum over kept nodes of the calibrated chance that the node is accepted (a
-        mean: the trees were drafted already, nothing is explored by cutting them)."""
-        prior_hits, prior_trials = self._score_prior
-        rate = (self.score_hits * self.scale + prior_hits) / (self.score_trials * self.scale + prior_trials)
-        calibrated = rate[score_bins(scores)]  # (R, N)
-        calibrated[:, 0] = 0.0
-        calibrated[np.arange(scores.shape[1])[None, :] >= sizes[:, None]] = 0.0
-        prefix = np.cumsum(calibrated.sum(axis=0))
-        return prefix[np.minimum(cuts, scores.shape[1]) - 1]
 
     def summary(self) -> dict:
         exists, rate, _, seen = self._estimates()

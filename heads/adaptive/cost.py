@@ -26,6 +26,9 @@ import numpy as np
 
 from .acceptance import HALF_LIFE
 
+_REFRESH = max(1, HALF_LIFE // 16)  # steps a priced curve serves before it is priced again (weights move < 5%)
+PRIOR_TIMINGS = _REFRESH  # a width's first timings, each of which prices the curve again at once
+
 COST_HORIZON = 32
 """Latest observations a cost is the median of: enough that one step's timing noise (a shared
 machine only ever adds time, in bursts) does not move it, few enough to follow the cache growing and
@@ -75,11 +78,15 @@ class CostCurve:
         self.drafting: dict[object, dict[int, RecentMedian]] = {}  # per drafting option, per rows bucket
         self.first_drafting: dict[object, dict[int, RecentMedian]] = {}
         self.clock = 0  # verify forwards observed (steps)
+        self._curves: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # per bucket: (clock, widths, seconds)
 
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
         self.clock += 1
-        table = self.verify.setdefault(rows_bucket(rows), {})
-        table.setdefault(width, RecentMedian()).add(seconds, self.clock)
+        bucket = rows_bucket(rows)
+        timed = self.verify.setdefault(bucket, {}).setdefault(width, RecentMedian())
+        timed.add(seconds, self.clock)
+        if timed.count <= PRIOR_TIMINGS:  # a width's first timings move its price most: priced again now
+            self._curves.pop(bucket, None)
 
     def observe_draft(self, rows: int, seconds: float, first: bool, mode: object = None) -> None:
         """A drafting step's seconds (``first``: a request's first ``propose``, kept apart)."""
@@ -103,16 +110,19 @@ class CostCurve:
         if not self.verify:
             return None
         bucket = rows_bucket(rows)
-        table = self.verify[bucket if bucket in self.verify else self._nearest(bucket, self.verify)]
-        measured = sorted(table)
-        seconds = np.array([table[width].value for width in measured])
-        plain = table.get(1)
-        if plain is not None:
-            weights = np.array([table[width].weight(self.clock) for width in measured])
-            seconds = plain.value + (seconds - plain.value) * weights / (weights + 1)
-            seconds[0] = plain.value
-        seconds = np.minimum.accumulate(seconds[::-1])[::-1]  # the lower envelope: none above a wider one
-        return np.interp(widths, np.array(measured, dtype=float), seconds)
+        bucket = bucket if bucket in self.verify else self._nearest(bucket, self.verify)
+        table, curve = self.verify[bucket], self._curves.get(bucket)
+        if curve is None or curve[0] + _REFRESH <= self.clock or curve[1].size != len(table):
+            measured = sorted(table)
+            seconds = np.array([table[width].value for width in measured])
+            plain = table.get(1)
+            if plain is not None:
+                weights = np.array([table[width].weight(self.clock) for width in measured])
+                seconds = plain.value + (seconds - plain.value) * weights / (weights + 1)
+                seconds[0] = plain.value
+            seconds = np.minimum.accumulate(seconds[::-1])[::-1]  # the lower envelope: none above a wider one
+            curve = self._curves[bucket] = (self.clock, np.array(measured, dtype=float), seconds)
+        return np.interp(widths, curve[1], curve[2])
 
     def verify_seconds(self, rows: int, width: int) -> float | None:
         """:meth:`verify_curve` for one width."""

@@ -3,20 +3,22 @@ mode where a drafter has several, with the most expected tokens per second, from
 (:mod:`.cost`) and calibrated acceptance (:mod:`.acceptance`).
 
 Before a step the planner compares, for the rows still decoding, a plain step (one token a row at
-the cost of a width-1 verify) with each option a drafter offers: a size of its trees (a
-:class:`~tree_attention.capabilities.SizedDrafter`; each size one of the kind's fixed sizes, drafted
-at that size's own cost) in each mode (a :class:`~tree_attention.planning.ModalDrafter`'s), priced at
-the option's steady drafting seconds plus the verify seconds of its expected width, against the
-tokens the option is expected to commit. The size is chosen before drafting, so it never depends on
-what is drafted: a sampled output follows the target's distribution whatever is chosen, and a
-greedy output is the same. Under a deterministic rule, trees whose nodes carry the drafter's own
-scores (lookup) are also cut after drafting to the node-order prefix worth verifying.
+the cost of a width-1 verify) with each option the drafter offers: a size of its trees (a
+:class:`~tree_attention.capabilities.SizedDrafter`: the kind's fixed sizes, each drafted at its
+own cost) in each mode (a :class:`~tree_attention.planning.ModalDrafter`'s). An option is priced at
+its steady drafting seconds plus the verify seconds of its expected width, against the tokens it is
+expected to commit. Where sizes are nested (a smaller size's tree is the first nodes of a larger
+one's) and the rule is deterministic, one acceptance model per mode serves every size, and each
+drafted step shows what every smaller size would have accepted; otherwise each size has its own.
+The size is chosen before drafting, so it never depends on what is drafted: a sampled output follows
+the target's distribution whatever is chosen, and a greedy output is the same. The drafted trees
+are verified whole (cutting them after drafting, on lookup's own match scores, was measured to cost
+more per step than it saved: ``docs/auto.md``).
 
 The first time a rows bucket is served the planner takes one plain step to time a width-1 forward,
-the reference every option is judged against; then each option drafts one plan's steps (its first
-under this rule on this spec), so that every choice rests on its own measured cost and acceptance.
+the reference every option is judged against; then each acceptance model drafts one plan's steps
+(its first under this rule on this spec), so that every choice rests on measured acceptance.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ import torch
 
 from tree_attention.capabilities import SizedDrafter
 from tree_attention.planning import ModalDrafter, StepRecord
-from tree_attention.tree import TreeBatch, prefix_batch
+from tree_attention.tree import TreeBatch
 
 from .acceptance import AcceptanceModel
 from .cost import CostCurve
@@ -36,9 +38,6 @@ REPLAN_EVERY = 4
 """Steps a plan serves before it is made again (sooner when the rows change): the estimates it rests
 on fade over :data:`~heads.adaptive.acceptance.HALF_LIFE` steps, and a plan costs tens of
 microseconds, a share of a small model's step."""
-
-CUTS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
-"""Node-prefix widths (root included) compared when a scored tree is cut after drafting."""
 
 Option = tuple  # (drafting mode or None, size or None): one way to draft a step
 
@@ -211,23 +210,7 @@ class CallPlanner:
 
     def trim(self, trees: TreeBatch) -> TreeBatch:
         self.acceptance.proposed(trees)
-        if not self.deterministic or trees.scores is None or self.choice is None or not self.choice.draft:
-            return trees  # sizes were chosen before drafting: the whole trees are the plan
-        if trees.width <= 2:
-            return trees  # a lone drafted node: the plan already judged it worth a step
-        cut = self._best_prefix(trees)  # scored trees differ step to step: each is cut on its own scores
-        return trees if trees.width <= cut else prefix_batch(trees, cut)
-
-    def _best_prefix(self, trees: TreeBatch) -> int:
-        """The node-order prefix of ``trees`` (its node count) with the most expected tokens per
-        second, drafting spent: the sum of the calibrated chances of its nodes' scores."""
-        rows, width = trees.rows, trees.width
-        sizes = np.full(rows, width) if trees.uniform else trees.sizes.cpu().numpy()
-        cuts = np.array([1, *(cut for cut in CUTS if cut < width), width])
-        seconds = self.costs.verify_curve(rows, cuts)
-        gains = self.acceptance.score_gains(trees.scores.numpy(), sizes, cuts)
-        rates = (rows + gains) / np.maximum(seconds, 1e-9)
-        return int(cuts[int(np.argmax(rates))])
+        return trees  # the size was chosen before drafting: the whole trees are the plan
 
     def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
                 lengths: torch.Tensor) -> None:
