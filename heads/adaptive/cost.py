@@ -83,7 +83,10 @@ class CostCurve:
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
         self.clock += 1
         bucket = rows_bucket(rows)
-        timed = self.verify.setdefault(bucket, {}).setdefault(width, RecentMedian())
+        table = self.verify.setdefault(bucket, {})
+        timed = table.get(width)
+        if timed is None:
+            timed = table[width] = RecentMedian()
         timed.add(seconds, self.clock)
         if timed.count <= PRIOR_TIMINGS:  # a width's first timings move its price most: priced again now
             self._curves.pop(bucket, None)
@@ -91,7 +94,11 @@ class CostCurve:
     def observe_draft(self, rows: int, seconds: float, first: bool, mode: object = None) -> None:
         """A drafting step's seconds (``first``: a request's first ``propose``, kept apart)."""
         table = (self.first_drafting if first else self.drafting).setdefault(mode, {})
-        table.setdefault(rows_bucket(rows), RecentMedian()).add(seconds, self.clock)
+        bucket = rows_bucket(rows)
+        timed = table.get(bucket)
+        if timed is None:
+            timed = table[bucket] = RecentMedian()
+        timed.add(seconds, self.clock)
 
     @staticmethod
     def _nearest(bucket: int, tables: dict) -> int:

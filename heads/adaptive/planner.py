@@ -34,10 +34,10 @@ from tree_attention.tree import TreeBatch
 from .acceptance import AcceptanceModel
 from .cost import CostCurve
 
-REPLAN_EVERY = 4
+REPLAN_EVERY = 8
 """Steps a plan serves before it is made again (sooner when the rows change): the estimates it rests
-on fade over :data:`~heads.adaptive.acceptance.HALF_LIFE` steps, and a plan costs tens of
-microseconds, a share of a small model's step."""
+on move over :data:`~heads.adaptive.acceptance.HALF_LIFE` steps, and a plan costs a share of a
+small model's step."""
 
 Option = tuple  # (drafting mode or None, size or None): one way to draft a step
 

@@ -108,16 +108,20 @@ class SlowStarter:
     and its first ``bad_steps`` proposals are wrong; then it proposes the true continuation, a
     chain of ``depth``: the drafter that once locked ``auto`` into plain decoding for good."""
 
-    def __init__(self, continuation: list[int], depth: int, first_seconds: float, bad_steps: int) -> None:
+    def __init__(self, continuation: list[int], depth: int, first_seconds: float, bad_steps: int,
+                 prompt_length: int) -> None:
         self.continuation, self.depth = continuation, depth
         self.first_seconds, self.bad_steps = first_seconds, bad_steps
+        self.prompt_length = prompt_length
         self.template = from_choices([(0,) * level for level in range(1, depth + 1)])
 
     def reset(self):
-        self.position, self.calls = -1, 0
+        self.seen, self.calls = 0, 0
 
     def propose(self, features, tokens, root):
-        self.position += 1 if self.position < 0 else tokens.shape[1]
+        # tokens: the entries committed since the last propose (the prompt, and plain steps' roots)
+        self.seen += tokens.shape[1]
+        self.position = self.seen - self.prompt_length  # the root's index in the continuation
         if self.calls == 0:
             time.sleep(self.first_seconds)
         wrong = self.calls < self.bad_steps
@@ -151,7 +155,8 @@ def test_a_slow_and_poor_start_of_every_request_does_not_lock_auto_into_plain():
         prompt = random_prompt(8, seed=call)
         expected = model.generate(prompt, max_new_tokens=60, do_sample=False)
         continuation = expected[0, prompt.shape[1]:].tolist()
-        drafter = PerRowDrafter([SlowStarter(continuation, depth=4, first_seconds=0.0, bad_steps=3)])
+        drafter = PerRowDrafter([SlowStarter(continuation, depth=4, first_seconds=0.0, bad_steps=3,
+                                             prompt_length=prompt.shape[1])])
         planner = timed_as_modelled(adaptive.planner("greedy", True, drafter))
         with torch.no_grad():
             output, stats = SpeculativeDecoder(spec.target, drafter, prompt, 60, planner=planner).run()
