@@ -112,7 +112,6 @@ def test_closed_topological_and_best_scores(depth, top_k, total_tokens):
     tree = dynamic_tree(ROOT, drafter.root_children(), drafter, depth, top_k, total_tokens)
     parents = tree.parents.tolist()
     assert parents[0] == -1 and all(0 <= parent < node for node, parent in enumerate(parents) if node)
-    assert tree.depths.tolist() == sorted(tree.depths.tolist())  # level by level
     paths = _tree_paths(tree)
     for node in range(1, tree.size):
         assert paths[parents[node]] == paths[node][:-1]  # closed under ancestors
@@ -125,6 +124,20 @@ def test_closed_topological_and_best_scores(depth, top_k, total_tokens):
         assert min(kept) >= max(left_out) - 1e-6
     for path in paths[1:]:
         assert math.isclose(_path_score(path), generated[path], rel_tol=1e-5, abs_tol=1e-5)
+    assert all(a >= b - 1e-6 for a, b in zip(kept, kept[1:]))  # best first
+
+
+@pytest.mark.parametrize("depth, top_k, total_tokens", SHAPES)
+def test_a_smaller_tree_is_the_first_nodes_of_a_larger_one(depth, top_k, total_tokens):
+    """Sizes are nested in node order (what ``speculate="auto"`` counts on): the tree grown with
+    ``n`` drafted nodes (depth at most ``n``) is the first ``n`` nodes of the larger one."""
+    large = dynamic_tree(ROOT, CraftedDrafter(top_k).root_children(), CraftedDrafter(top_k), depth, top_k,
+                         total_tokens)
+    for size in range(1, total_tokens):
+        drafter = CraftedDrafter(top_k)
+        small = dynamic_tree(ROOT, drafter.root_children(), drafter, min(depth, size), top_k, size)
+        assert _tree_paths(small) == _tree_paths(large)[:small.size]
+        assert small.size == min(size, large.size - 1) + 1
 
 
 def test_pruning_skips_hopeless_levels_but_keeps_the_result():

@@ -66,6 +66,20 @@ def test_default_trees_have_the_requested_size(size):
     assert template.max_depth <= 4
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=4), min_size=4, max_size=4),
+       st.integers(1, 40))
+def test_default_trees_are_nested_in_node_order(accuracy, size):
+    """The default tree of ``n`` nodes is the first ``n`` nodes of a larger one (``speculate="auto"``
+    counts what every smaller size would have accepted from one drafted step)."""
+    accuracy = [sorted(level, reverse=True) for level in accuracy]
+    large = default_tree(size, 4, accuracy)
+    for smaller in range(0, large.size - 1):
+        assert list(default_tree(smaller, 4, accuracy).paths) == list(large.paths)[:smaller]
+    parents = large.parents.tolist()
+    assert all(0 <= parent < node for node, parent in enumerate(parents) if node)  # parents first
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=5), min_size=1, max_size=5),
        st.integers(0, 60))
