@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .methods import Method, parse_method
-from .prompts import SPLITS, TARGETS, BenchmarkError
+from .prompts import SPLITS, TARGETS, BenchmarkError, mix_prompts
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 SETTINGS = ("temperatures", "batches", "prompts", "max_new_tokens", "repeats", "split")
@@ -139,6 +139,8 @@ def check(experiment: Experiment) -> None:
     if not experiment.targets:
         raise BenchmarkError(f"{where}: no target left to run")
     for target, entry in experiment.targets.items():
+        for mix in entry["mixes"]:
+            mix_prompts(mix, experiment.split, experiment.prompts)  # enough prompts in the split, else named
         peers = [m.name for m in entry["methods"] if m.base in ("prompt_lookup", "assisted")]
         if peers and max(experiment.batches) > 1:
             raise BenchmarkError(f"{where}: {', '.join(peers)} run at batch size 1 only (transformers' assisted "

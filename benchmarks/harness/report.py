@@ -205,8 +205,9 @@ def plot(cells: list[dict], path: Path) -> Path | None:
                         [label(name) for name in methods], rotation=60, ha="right", fontsize=7)
         axis.set_title(f"{target} / {mix}", fontsize=9)
         axis.set_ylabel("speedup over generate (median)")
-        axis.legend(fontsize=7)
-    figure.tight_layout()
+    handles, names = axes[0][0].get_legend_handles_labels()  # every panel has the same temperatures and batches
+    figure.legend(handles, names, loc="upper center", ncol=min(len(names), 6), fontsize=7)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.06 * -(-len(names) // 6)))  # room for the legend's rows
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path

@@ -4,6 +4,7 @@ refused by name before any model loads, and one real run on the smallest shipped
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import pytest
@@ -87,6 +88,7 @@ def no_model_loading(monkeypatch):
     (["peers", "--temperature", "-1"], "temperatures must be numbers >= 0"),
     (["batch", "--batch", "8", "--prompts", "4"], "4 prompts make no batch of 8"),
     (["peers", "--threads", "0"], "--threads must be at least 1"),
+    (["peers", "--target", "stories260K", "--prompts", "51"], "mix 'stories' has 50 prompts in its check split; 51"),
 ])
 def test_bad_input_is_refused_by_name_before_any_model_loads(argv, message, capsys, no_model_loading, tmp_path):
     assert harness.main(argv + ["--out", str(tmp_path)]) == 2
@@ -157,6 +159,7 @@ def test_a_run_writes_its_result_and_the_index(tmp_path, capsys):
     assert (cell["best_selfdraft"]["name"], cell["best_peer"]["name"]) == ("lookup_4", "prompt_lookup_n3")
     assert cell["best_over_best_peer"] == pytest.approx(cell["methods"]["lookup_4"]["speedup"]
                                                         / cell["methods"]["prompt_lookup_n3"]["speedup"])
+    assert (tmp_path / "peers.png").stat().st_size > 0
     index = (tmp_path / "README.md").read_text().splitlines()
     assert any(line.startswith("| `peers.json` | peers | `python -m benchmarks.run peers") for line in index)
     assert any(line.startswith("| `draft_code_T0.json` | - | benchmarks/bench_draft.py") for line in index)
@@ -168,3 +171,11 @@ def test_another_targets_adapter_is_named(tmp_path, capsys):
     assert harness.main(argv) == 2
     assert "method 'benchmarks/adapters/demo-llama-medusa':" in capsys.readouterr().err
     assert not (tmp_path / "peers.json").exists()
+
+
+def test_the_plot_is_skipped_with_a_line_without_matplotlib(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    cell = {"target": "t", "mix": "m", "temperature": 0.0, "batch": 1, "methods": {"generate": {"speedup": 1.0}}}
+    assert report.plot([cell], tmp_path / "x.png") is None
+    assert "plot skipped: matplotlib is not installed" in capsys.readouterr().out
+    assert not (tmp_path / "x.png").exists()
