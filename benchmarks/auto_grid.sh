@@ -5,7 +5,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 SPLIT=${SPLIT:-check}  # tuning: even prompt lines, check: odd ones (bench_auto.py)
-OUT=${OUT:-benchmarks/results/auto}
+OUT=${OUT:-benchmarks/results/cache/auto-grid}  # one JSON per cell (ignored by git); merged at the end
 run() {  # name, then bench_auto arguments
   local name=$1; shift
   [ -f "$OUT/$name.json" ] && return 0
@@ -41,3 +41,4 @@ for phase in $phases; do
     b16) cells 0 16 32 32 ;;
   esac
 done
+"$PY" benchmarks/bench_auto.py --merge "$OUT"  # -> benchmarks/results/auto.json

@@ -10,7 +10,8 @@ so that a repeated prompt cannot copy itself);
 greedy outputs are checked identical to ``generate``. Reported per method: the median over batches
 of the speedup over ``generate`` and tau; for ``auto``, its ratio to the best fixed size (the size with
 the best median), and the median over its first three calls (cold start) against that size's on the
-same batches. Writes ``benchmarks/results/auto_<name>.json``.
+same batches. Writes the cell's JSON to ``--results``; ``bench_auto.py --merge DIR`` collects a
+grid's cells into ``benchmarks/results/auto.json`` (``auto_grid.sh`` does both).
 
     python benchmarks/bench_auto.py --target stories260K --mix stories --drafter eagle=benchmarks/adapters/stories260K-eagle-T0.7 \\
         --temperature 0.7 --batch 1 --prompts 12
@@ -23,6 +24,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,7 +74,31 @@ def fixed_sizes(spec) -> list[int]:
     return sorted({1, *kinds.get(spec.kind).policy_sizes(spec)})
 
 
+def merge(cells: Path, out: Path) -> int:
+    """Collect the grid's cell results in ``cells`` into one file, ``out`` (the experiment's result)."""
+    files = sorted(cells.glob("*.json"))
+    if not files:
+        raise SystemExit(f"--merge: no cell results (*.json) in {cells}")
+    entries = [json.loads(path.read_text()) for path in files]
+    for entry, path in zip(entries, files):
+        entry["cell"] = path.stem
+        speculation = entry.get("auto_speculation") or {}
+        entry["auto_speculation"] = {key: speculation.get(key) for key in ("steps", "options", "reasons", "last_choice")}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    temporary = out.with_name(f".{out.name}.tmp")
+    temporary.write_text(json.dumps({"experiment": "auto", "commit": commit, "cells": entries}, indent=1) + "\n")
+    os.replace(temporary, out)
+    print(f"{len(entries)} cells -> {out}")
+    return 0
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--merge"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: bench_auto.py --merge CELLS_DIR (writes benchmarks/results/auto.json)")
+        return merge(Path(argv[1]), ROOT / "benchmarks/results/auto.json")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", choices=sorted(TARGETS), required=True)
     parser.add_argument("--mix", choices=sorted(MIXES), required=True)
@@ -85,8 +111,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of each method per batch; the fastest counts (load on a shared machine only adds time)")
     parser.add_argument("--name", default=None)
-    parser.add_argument("--results", default=str(ROOT / "benchmarks/results/auto"),
-                        help="directory the result JSON is written to")
+    parser.add_argument("--results", default=str(ROOT / "benchmarks/results/cache/auto-grid"),
+                        help="directory the cell's result JSON is written to (--merge collects them)")
     args = parser.parse_args(argv)
     for name in ("batch", "prompts", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:

@@ -344,7 +344,7 @@ def config_hash(config) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-_strided_sample = strided_sample  # the name benchmarks/bench_adapter.py times
+_strided_sample = strided_sample  # the name benchmarks/studies/adapter_costs times
 
 
 def weights_fingerprint(model: nn.Module, samples_per_tensor: int = 1024) -> str:

@@ -13,11 +13,9 @@ from ..kind import SAMPLE_MODES
 
 # Defaults of the dynamic tree: a chain (top_k 1) up to 8 deep that stops where its calibrated chance of
 # being accepted in full falls below one half (min_acceptance; the calibration is learned while serving).
-# Measured against the earlier default (a fixed chain of 4, the wall-clock optimum of bench_speedup.py's
-# grid on the demo target) in one bench_peers run (2-core CPU, 1 thread, greedy, 6 prompts x 96 tokens):
-# 1.92x vs 1.34x on demo code, 1.27x vs 1.12x on demo prose, 1.21x vs 1.11x on stories260K. Wider trees
-# (top_k 2-10) accept more but each drafting level costs a sizeable share of a target forward on a CPU;
-# where verification is nearly free (a GPU at batch 1), start from EAGLE-2's depth 7, top_k 10, 60 tokens.
+# Wider trees (top_k 2-10) accept more, but each drafting level costs a sizeable share of a target
+# forward on a CPU; where verification is nearly free (a GPU at batch 1), start from EAGLE-2's depth 7,
+# top_k 10, 60 tokens. The runs that chose these are in CHANGELOG.md (2026-12-03).
 # A node count alone (``with_tree(n)``) changes only the budget; widen the tree with ``top_k``.
 DEFAULT_DEPTH = 8
 DEFAULT_TOP_K = 1
@@ -81,10 +79,9 @@ class EagleConfig:
     (``attach_heads`` and ``selfdraft train``'s default): the drafter's own depth-1 prediction at the
     root (the feature it predicts for the root's position, as the output head reads it), which has
     attended over the drafter's cache and seen the root token; ``feature``: the root's drafter input
-    feature (the backbone's top feature, or the fused ones), as Medusa's heads read it. On
-    stories260K (300 steps, CLI defaults otherwise) held-out top-1 at depths 2 / 3 was 0.451 / 0.328
-    reading the prediction against 0.385 / 0.299 reading the feature. None: ``feature`` (adapters
-    written before this field)."""
+    feature (the backbone's top feature, or the fused ones), as Medusa's heads read it. The
+    prediction carries the root token's information, so later depths accept more (CHANGELOG.md,
+    2026-12-04). None: ``feature`` (adapters written before this field)."""
     drafting: str | None = None
     """How a drafter trained with ``parallel = K > 1`` drafts: ``parallel`` (one forward per step,
     the static tree above), ``sequential`` (EAGLE's dynamic tree of ``depth``/``top_k``/
@@ -119,10 +116,9 @@ class EagleConfig:
     tokens join the tree as leaves beside the chain's node, at no extra drafter forward. A level
     gets them when the chance that the chain reaches it and its node is rejected (the calibration's
     estimate, see ``min_acceptance``) exceeds :data:`heads.eagle.drafter.SIBLING_GAIN`, within the
-    ``total_tokens`` budget left by the chain (shallower levels first). Measured on
-    demo-llama prose (one side-by-side run, greedy): tau 2.69 -> 3.15 and 1.46x -> 1.60x for the
-    sequential drafter, where the chain's second token was rejected in half the steps that reached
-    it. 0: plain chains."""
+    ``total_tokens`` budget left by the chain (shallower levels first): they pay where a chain's
+    node is often rejected, as a chain's second token is on prose (CHANGELOG.md, 2026-12-04).
+    0: plain chains."""
     sample: str = "auto"
     """Candidates under lossless sampling (``do_sample=True``): ``auto`` (and ``always``, the same
     here) draws each expanded node's ``top_k`` children without replacement from the drafter's

@@ -59,8 +59,7 @@ class SuffixIndex:
     one entry, and most long n-grams occur once). An occurrence indexed at the end of its stream
     has no continuation yet (it is the stream's own current position) and gains one when the stream
     is extended. ``extend`` costs ``O(max_ngram)`` dict operations per token; memory is
-    ``O(max_ngram)`` entries per token (about 360 bytes per token measured for max_ngram 8 on
-    Python source bytes).
+    ``O(max_ngram)`` entries per token.
 
     ``max_tokens`` (optional) bounds the total: after ``add_stream``/``extend`` the oldest streams
     (in creation order) are dropped until the total fits, never the stream just written, which is
@@ -390,8 +389,8 @@ def pad_proposals(roots: Sequence[int], proposals: Sequence[Proposal],
 
     Per node, Python list work only (an ancestor set is a Python int bit mask: one OR per node);
     the lists become tensors through ``array`` buffers (much cheaper than ``torch.tensor`` on nested
-    lists), the masks through ``numpy.unpackbits``. Measured against ancestors by depth-level tensor
-    gathers (``benchmarks/bench_lookup_index.py``), about 3x faster for 8 rows of 16 nodes.
+    lists), the masks through ``numpy.unpackbits`` (cheaper than depth-level tensor gathers at
+    lookup's tree sizes: ``benchmarks/studies/lookup_index``).
     """
     if len(roots) != len(proposals):
         raise ValueError(f"{len(roots)} roots but {len(proposals)} proposals")
