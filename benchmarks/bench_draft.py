@@ -25,7 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import heads
-from benchmarks.common import PROMPTS, write_json
+from benchmarks.harness.prompts import PROMPTS
+from benchmarks.harness.report import write_json
 
 TARGETS = Path(__file__).resolve().parent / "targets"
 

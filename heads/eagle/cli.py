@@ -18,11 +18,11 @@ because the config module imports torch and the flags must not."""
 LEARNING_RATE = 1e-2
 """``selfdraft train --kind eagle``'s default ``--lr``. The drafter's projection and decoder layer start
 random (Medusa's heads start as the identity and a copy of the output head), so they need a larger
-step than heads to learn in a few hundred steps (chosen with ``benchmarks/bench_eagle_recipe.py``;
+step than heads to learn in a few hundred steps (chosen with ``benchmarks/studies/eagle_recipe``;
 figures in CHANGELOG.md)."""
 TOKEN_WEIGHT = 1.0
 """``--token-weight``'s default (EAGLE-1 uses 0.1): with a small token loss the feature regression
-dominates and top-1 agreement, what acceptance counts, lags (``benchmarks/bench_eagle_recipe.py``;
+dominates and top-1 agreement, what acceptance counts, lags (``benchmarks/studies/eagle_recipe``;
 figures in CHANGELOG.md)."""
 PARALLEL = 4
 """``selfdraft train --kind eagle --for hf``'s default ``--parallel`` (engines load sequential drafters:

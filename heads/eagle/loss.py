@@ -19,10 +19,9 @@ Before the first step (:meth:`EagleLoss.prepare`) the projection over ``[e_{t+1}
 by ridge regression of ``f_{t+1}`` on the first :data:`FIT_SEQUENCES` training sequences
 (:func:`fit_linear`), so that training starts from the best linear next-feature predictor rather
 than a random map; the decoder layer stays as built. Medusa's heads start as good predictors (the
-identity and a copy of the output head); a random EAGLE drafter does not, and on stories260K
-(300 steps) this start raised held-out top-1 accuracy at drafting steps 2-3 from about 0.62 / 0.56
-to 0.68 / 0.63 (0.52 -> 0.65 at step 1 with a learning rate of 1e-3); see
-``benchmarks/bench_eagle_recipe.py``.
+identity and a copy of the output head); a random EAGLE drafter does not, and this start raises
+held-out top-1 accuracy at every drafting step (``benchmarks/studies/eagle_recipe``; figures in
+CHANGELOG.md).
 
 Parallel drafting (``EagleConfig.parallel = K > 1``, :mod:`heads.eagle.parallel`), ``heads`` mode
 (the default): the drafter trains exactly as a sequential one, and parallel head ``j`` reads the

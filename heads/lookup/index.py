@@ -20,8 +20,8 @@ benchmark prints how the first node's score compares with its hit rate per match
 With ``backoff = b > 0``, when the longest match alone yields fewer than ``budget`` nodes, the
 whole tree is re-selected with scores interpolated with the next shorter match length
 (Jelinek-Mercer smoothing): ``(1 - b) * score_L + b * score_{L-1}``; this adds branches seen only
-after the shorter suffix. ``benchmarks/bench_lookup_index.py`` measures it: about +4% matched
-length at budget 16, nothing at budgets <= 4 (their trees are full), so it is off by default.
+after the shorter suffix. It adds little matched length where the longest match already fills the
+budget (``benchmarks/studies/lookup_index``), so it is off by default.
 Scores are computed exactly as ``sum_k c_k * (share_k * confidence_k) / N_k`` over classes
 ``k`` = (level, source) in class order (share 1 without backoff), which tests reproduce bit for bit.
 
