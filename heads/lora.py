@@ -26,10 +26,9 @@ import copy
 import json
 import logging
 import sys
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -380,13 +379,6 @@ def unwrap(model: nn.Module, base_pin: dict, merge: bool = False) -> tuple[nn.Mo
     if merge:
         underlying = backbone_lora.merge()
     return underlying, backbone_lora
-
-
-@contextmanager
-def original_backbone(backbone_lora: BackboneLora | None) -> Iterator[None]:
-    """Run the backbone as its base model inside the block (no adapters: nothing to do)."""
-    with (backbone_lora.disabled() if backbone_lora is not None else nullcontext()):
-        yield
 
 
 def drift_terms(adapted: torch.Tensor, original: torch.Tensor, input_ids: torch.Tensor,

@@ -183,10 +183,6 @@ def cache_keyword(module: torch.nn.Module) -> str:
     return _cache_argument_for(type(module))
 
 
-def cache_length(cache: Cache) -> int:
-    return int(cache.get_seq_length())
-
-
 def _layers(cache: Cache):
     layers = getattr(cache, "layers", None)
     if layers is None:

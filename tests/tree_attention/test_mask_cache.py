@@ -75,7 +75,7 @@ def test_kept_cache_equals_sequential_cache(name):
     assert not torch.equal(path, torch.arange(path.numel()))
     cache_ops.keep_path(cache, 13, path)
     kept = path.numel()
-    assert cache_ops.cache_length(cache) == 13 + kept
+    assert int(cache.get_seq_length()) == 13 + kept
 
     sequence = torch.cat([prompt[0], tree.tokens[path]])[None]
     reference_cache = _prefill(target, sequence)
@@ -99,7 +99,7 @@ def test_cache_does_not_grow_across_steps():
     cache = _prefill(target, random_prompt(4, seed=1))
     for step in range(5):
         tree = _random_tree(seed=step)
-        prefix = cache_ops.cache_length(cache)
+        prefix = int(cache.get_seq_length())
         mask = tree_attention_mask(prefix, tree.ancestors, tree.depths, target.layout, target.dtype)
         target.forward(tree.tokens[None], tree_position_ids(prefix, tree.depths), mask, cache, "all")
         cache_ops.keep_path(cache, prefix, torch.tensor([0, 2]))
