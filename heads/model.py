@@ -360,8 +360,9 @@ class SpeculativeModel:
         if self._policy is None:
             sizes = {1, *kinds.get(self.kind).policy_sizes(self)}  # drafted nodes a step may be resized to
             extra = 0 if self.lookup is None else self.lookup.budget
-            self._policy = Adaptive(recorded_acceptance(self.metadata.get("acceptance", {})),
-                                    1 + max(sizes) + extra, sizes, extra)
+            recorded = self.metadata.get("acceptance", {})
+            self._policy = Adaptive(recorded_acceptance(recorded), 1 + max(sizes) + extra, sizes, extra,
+                                    sampled_prior=recorded_acceptance(recorded, sampled=True))
         return self._policy
 
     policy = adaptive  # the name of earlier releases

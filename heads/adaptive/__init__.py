@@ -12,10 +12,13 @@ from .planner import Adaptive, CallPlanner, CallSummary, Choice
 __all__ = ["AcceptanceModel", "Adaptive", "CallPlanner", "CallSummary", "Choice", "CostCurve", "recorded_acceptance"]
 
 
-def recorded_acceptance(acceptance: Mapping) -> list[float]:
+def recorded_acceptance(acceptance: Mapping, sampled: bool = False) -> list[float]:
     """The mean acceptance by depth over the traffic mixes an adapter recorded at save time
-    (``adapter_config.json``'s ``acceptance``: ``{mix: {"acceptance_by_position": [...]}}``)."""
-    rows = [entry.get("acceptance_by_position", []) for entry in acceptance.values() if isinstance(entry, Mapping)]
+    (``adapter_config.json``'s ``acceptance``: ``{mix: {"acceptance_by_position": [...],
+    "temperature": T}}``), over the entries recorded greedy (no temperature, or 0) or, ``sampled``,
+    at a temperature: acceptance under one says little of the other."""
+    rows = [entry.get("acceptance_by_position", []) for entry in acceptance.values()
+            if isinstance(entry, Mapping) and (float(entry.get("temperature") or 0) > 0) == sampled]
     rows = [row for row in rows if row]
     if not rows:
         return []

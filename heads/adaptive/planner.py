@@ -105,14 +105,17 @@ class Adaptive:
     acceptance."""
 
     def __init__(self, prior_by_depth: Sequence[float] | None = None, width: int = 1,
-                 sizes: Sequence[int] = (), extra: int = 0) -> None:
-        """``prior_by_depth``: the acceptance by depth recorded at save time; ``width``: the widest
+                 sizes: Sequence[int] = (), extra: int = 0, sampled_prior: Sequence[float] | None = None) -> None:
+        """``prior_by_depth``: the acceptance by depth recorded at save time under greedy decoding
+        (``sampled_prior``: at a temperature, the prior of sampling rules); ``width``: the widest
         tree the drafter is configured to propose (root included); ``sizes``: the drafted-node counts
         a :class:`~tree_attention.capabilities.SizedDrafter` may be resized to; ``extra``: nodes a
         row's tree may hold beyond its size (a hybrid's lookup budget)."""
         self.costs = CostCurve()
         self.models: dict[tuple, AcceptanceModel] = {}
         self.prior_by_depth = list(prior_by_depth or ())
+        self.sampled_prior = list(sampled_prior or ())  # the prior of sampling rules (recorded sampled)
+        self._sampled: set[str] = set()  # rule keys of sampling rules (planner: not deterministic)
         self.width, self.sizes, self.extra = width, tuple(sorted(set(sizes))), extra
 
     def model(self, key: str, option: Option = (None, None)) -> AcceptanceModel:
@@ -121,13 +124,16 @@ class Adaptive:
         if model is None:
             size = option[1]
             width = self.width if size is None else min(self.width, 1 + size + self.extra)
-            model = self.models[(key, *option)] = AcceptanceModel(self.prior_by_depth, width)
+            prior = self.sampled_prior if key in self._sampled else self.prior_by_depth
+            model = self.models[(key, *option)] = AcceptanceModel(prior, width)
         return model
 
     def planner(self, key: str, deterministic: bool, drafter=None) -> "CallPlanner":
         """The planner of one call under the rule ``key`` (``deterministic``: any node-order cut is
         lossless) for ``drafter`` (a :class:`~tree_attention.planning.ModalDrafter` gets its mode,
         a :class:`~tree_attention.capabilities.SizedDrafter` its size, chosen per step)."""
+        if not deterministic:
+            self._sampled.add(key)
         return CallPlanner(self, key, deterministic, drafter)
 
 

@@ -101,6 +101,12 @@ def test_recorded_acceptance_is_the_mean_over_mixes():
     assert recorded_acceptance({"a": {"acceptance_by_position": [0.8, 0.4]},
                                 "b": {"acceptance_by_position": [0.6]}}) == pytest.approx([0.7, 0.4])
     assert recorded_acceptance({}) == []
+    mixed = {"greedy": {"acceptance_by_position": [0.9]}, "warm": {"acceptance_by_position": [0.4], "temperature": 0.7}}
+    assert recorded_acceptance(mixed) == pytest.approx([0.9])  # each rule its own prior
+    assert recorded_acceptance(mixed, sampled=True) == pytest.approx([0.4])
+    adaptive = Adaptive([0.9], 3, sampled_prior=[0.4])
+    adaptive.planner("sampled key", False)
+    assert adaptive.model("sampled key").prior_by_depth == [0.4] and adaptive.model("greedy").prior_by_depth == [0.9]
 
 
 class SlowStarter:
