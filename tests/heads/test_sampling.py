@@ -238,13 +238,17 @@ def auto_samples(spec, runs=RUNS, **settings) -> list[tuple[int, int, int]]:
     return samples
 
 
-def test_auto_steps_sample_the_target(model, spec):
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_auto_steps_sample_the_target(model, spec, eagle_spec, kind):
     """Plain steps and drafted steps of every size, mixed per step by the planner, follow the target's
-    distribution (the drafter sees a plain step's tokens at its next call)."""
+    distribution (the drafter sees a plain step's tokens at its next call; a resized drafter keeps
+    its state)."""
     settings = dict(temperature=0.7, top_k=8)
-    spec.set_tree(16)
+    chosen = spec if kind == "medusa" else eagle_spec
+    if kind == "medusa":
+        chosen.set_tree(16)
     torch.manual_seed(5)
-    pvalue = chi_square_pvalue(auto_samples(spec, **settings), exact_joint(model, **settings))
+    pvalue = chi_square_pvalue(auto_samples(chosen, **settings), exact_joint(model, **settings))
     assert pvalue > FALSE_ALARM, pvalue
 
 

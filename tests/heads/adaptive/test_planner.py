@@ -188,6 +188,61 @@ def test_auto_is_token_identical_on_batches(name, kind):
     assert speculation["auto"] and sum(speculation["steps"].values()) == len(spec.last_stats.steps)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "draft", "hybrid"])
+def test_every_size_and_mode_mixed_per_step_is_token_identical(name, kind, monkeypatch):
+    """A planner that takes a plain step or drafts with a random option (mode and size) every step:
+    each resize keeps the drafter's state, so the output is ``generate``'s whatever it picks."""
+    from heads.adaptive import CallPlanner, Choice
+
+    model = build_model(name, seed=11)
+    options = dict(draft_model=build_model(name, seed=12)) if kind == "draft" else {}
+    spec = heads.attach_heads(model, kind="medusa" if kind == "hybrid" else kind, **options)
+    if kind == "hybrid":
+        spec.set_lookup(True)
+    picks = torch.Generator().manual_seed(3)
+    drafted = set()
+
+    def random_plan(self, rows):
+        pick = int(torch.randint(len(self.options) + 1, (1,), generator=picks))
+        if pick == 0:
+            return Choice(False, reason="test")
+        drafted.add(self.options[pick - 1])
+        return Choice(True, *self.options[pick - 1], nodes=2, reason="test")
+
+    monkeypatch.setattr(CallPlanner, "_plan", random_plan)
+    monkeypatch.setattr("heads.adaptive.planner.REPLAN_EVERY", 1)
+    ids, mask = left_pad([random_prompt(length, seed=length) for length in (5, 8)])
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    for _ in range(3):
+        assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=20, speculate="auto"), expected)
+    assert len({size for _, size in drafted}) >= 3, drafted  # several sizes were drafted
+
+
+def test_a_resized_drafter_keeps_its_state(monkeypatch):
+    """The target as its own draft model accepts every drafted token, as long as the draft's cache
+    stays in step with the text: resized every step at random, it still does."""
+    from heads.adaptive import CallPlanner, Choice
+
+    model = build_model("llama", seed=11)
+    spec = heads.attach_heads(model, kind="draft", draft_model=model, depth=8, top_k=1, total_tokens=8,
+                              adaptive=False)
+    picks = torch.Generator().manual_seed(4)
+
+    def random_plan(self, rows):
+        pick = int(torch.randint(len(self.options) + 1, (1,), generator=picks))
+        return Choice(False, reason="test") if pick == 0 else Choice(True, *self.options[pick - 1], nodes=2, reason="test")
+
+    monkeypatch.setattr(CallPlanner, "_plan", random_plan)
+    monkeypatch.setattr("heads.adaptive.planner.REPLAN_EVERY", 1)
+    prompt = random_prompt(6, seed=2)
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+    assert torch.equal(spec.generate(prompt, max_new_tokens=40, speculate="auto"), expected)
+    drafted = [step for step in spec.last_stats.steps if step.kind == "drafted"]
+    assert len({step.width for step in drafted}) >= 3  # several sizes
+    assert all(step.tokens == step.width for step in drafted[:-1]), [(s.width, s.tokens) for s in drafted]
+
+
 def test_a_modal_drafter_gets_its_mode_per_step_and_back_after_the_call():
     model = build_model("llama", seed=7)
     spec = heads.attach_heads(model, kind="medusa")
