@@ -80,25 +80,12 @@ class ParallelEagleDrafter:
         self.target = target
         self.parallel = config.parallel
         self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
-        self.configured, self.accuracy = config, accuracy
-        self._templates: dict[int | None, TreeTemplate] = {}  # per size (resize), on the heads' device
-        self.resize(None)
-        self.reset(1)
-
-    def resize(self, tree: int | None) -> None:
-        """Use the static tree of ``tree`` drafted nodes at most (None: the configured one); the
-        cache is kept (``tree_attention.capabilities.SizedDrafter``)."""
-        template = self._templates.get(tree)
-        if template is None:
-            config = self.configured
-            if tree is not None:
-                config = config.with_tree(min(tree, config.total_tokens))
-            device = next(self.heads.parameters()).device
-            template = self._templates[tree] = parallel_template(config, self.accuracy).to(device)
-        self.template = template
-        self.top_k = template.max_rank + 1
+        device = next(heads.parameters()).device
+        self.template = parallel_template(config, accuracy).to(device)
+        self.top_k = self.template.max_rank + 1
         # flat index into the (depth, top_k) candidate table for every non-root node
-        self._candidate_index = (template.depths[1:] - 1) * self.top_k + template.ranks[1:]
+        self._candidate_index = (self.template.depths[1:] - 1) * self.top_k + self.template.ranks[1:]
+        self.reset(1)
 
     def reset(self, batch_size: int) -> None:
         """Forget earlier sequences: an empty cache for ``batch_size`` rows."""

@@ -66,8 +66,14 @@ class MedusaDrafter:
         return self.warp is not None
 
     def set_template(self, template: TreeTemplate) -> None:
-        """Use ``template``; InvalidTreeError when a node's rank needs more candidates than the
-        vocabulary has (rank ``r`` is the ``r + 1``-th most likely token)."""
+        """Use ``template`` (also what :meth:`resize` ``(None)`` returns to); InvalidTreeError when a
+        node's rank needs more candidates than the vocabulary has (rank ``r`` is the ``r + 1``-th
+        most likely token)."""
+        self._derive(template)
+        self._shapes: dict[int | None, dict] = {None: self._shape()}  # per size (resize): what _derive set
+
+    def _derive(self, template: TreeTemplate) -> None:
+        """Set ``template`` and the indices derived from it."""
         vocab = self.heads.draft_vocab_size
         scored = "the vocabulary" if self.heads.token_map is None else "the draft vocabulary"
         if template.size > 1 and template.max_rank >= vocab:
@@ -91,8 +97,6 @@ class MedusaDrafter:
         self._children = max(sibling, default=-1) + 1  # the most children of one node
         if self._children > vocab:
             raise InvalidTreeError(f"a tree node has {self._children} children, but {scored} has {vocab} tokens")
-        # per size (resize): the attributes derived here; None: the template set here
-        self._shapes: dict[int | None, dict] = {None: self._shape()}
 
     def _shape(self) -> dict:
         return {name: getattr(self, name) for name in (
@@ -104,16 +108,14 @@ class MedusaDrafter:
 
     def resize(self, tree: int | None) -> None:
         """Fill the default tree of ``tree`` drafted nodes from the next step on (None: the template
-        this drafter was built with); ``shapes`` (set by the kind) builds it from the heads'
+        last given to :meth:`set_template`); ``shapes`` (set by the kind) builds it from the heads'
         measured accuracies (``tree_attention.capabilities.SizedDrafter``)."""
         shape = self._shapes.get(tree)
         if shape is None:
             if self.shapes is None:
                 raise ValueError("this MedusaDrafter was built without `shapes`: it cannot resize")
-            shapes = self._shapes
-            self.set_template(self.shapes(tree))
-            shape = shapes[tree] = self._shape()
-            self._shapes = shapes
+            self._derive(self.shapes(tree))
+            shape = self._shapes[tree] = self._shape()
         self.__dict__.update(shape)
 
     def reset(self, batch_size: int) -> None:
