@@ -153,8 +153,7 @@ class CallPlanner:
         # nested sizes share one model per mode: a step drafted at any size shows what its first
         # nodes, every smaller size's tree, accepted
         nested = self.sized is not None and deterministic and self.sized.nested
-        self._model_options = [(mode, None if nested else size) for mode, size in self.options]
-        self.models = [adaptive.model(key, option) for option in self._model_options]
+        self.models = [adaptive.model(key, (mode, None if nested else size)) for mode, size in self.options]
         # per option: the nodes of its trees in its model's node order (None: all the model has seen)
         self._nodes = [1 + size if nested and size is not None else None for _, size in self.options]
         self.acceptance = self.models[-1]
