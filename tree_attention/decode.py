@@ -264,8 +264,8 @@ class SpeculativeDecoder:
         logits processors that read each position's sequence (repetition penalty, n-gram bans, ...),
         applied to the prefill's last logits and to every tree node's with that node's own sequence.
 
-        ``planner``: decides before each step whether to draft and which cut of the proposed trees
-        to verify (:class:`Planner`; None: always draft, verify whole trees). A step that does not
+        ``planner``: decides before each step whether to draft (:class:`Planner`; None: always
+        draft); drafted trees are verified whole. A step that does not
         draft verifies each row's root alone (a plain decoding step) and keeps what it committed for
         the drafter's next call; setting ``decoder.drafting = False`` ends drafting for the rest of
         the call (nothing more is kept for the drafter)."""
@@ -359,8 +359,6 @@ class SpeculativeDecoder:
         if draft:
             self.proposals += 1
             trees = self.drafter.propose(self.draft)
-            if self.planner is not None:
-                trees = self.planner.trim(trees)
         else:
             trees = TreeBatch.roots_only(self.draft.roots)
         self._lap("draft")

@@ -64,22 +64,20 @@ class StepRecord:
 
 
 class Planner(Protocol):
-    """Decides, step by step, how much of the drafter's trees the loop verifies (``speculate="auto"``).
+    """Decides, step by step, whether the loop drafts (``speculate="auto"``); a planner that sizes
+    the drafter's trees does so on the drafter itself, before it drafts, so the trees a step
+    verifies are whole and never depend on what was drafted.
 
-    The loop asks :meth:`draft` before each step; on a drafting step it verifies
-    :meth:`trim` of the proposed trees, which must be a cut that keeps the acceptance rule lossless
-    (a prefix in node order for deterministic rules, a depth cut for sampling rules); after the step
-    it reports a :class:`StepRecord` and the accepted paths to :meth:`observe`.
+    The loop asks :meth:`draft` before each step and reports a :class:`StepRecord` and the accepted
+    paths to :meth:`observe` after it.
     """
 
     def draft(self, rows: int) -> bool:
         """Whether to ask the drafter for trees this step (False: a plain decoding step)."""
 
-    def trim(self, trees: TreeBatch) -> TreeBatch:
-        """The part of the proposed ``trees`` to verify (``trees`` itself, a cut of it, or roots only)."""
-
     def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
                 lengths: torch.Tensor) -> None:
-        """One finished step: its record, the verified ``trees`` (None where the loop cut them to
-        the rows' token budgets after :meth:`trim`), each row's accepted node indices ``paths``
-        ``[R, L]`` (padded with the last kept node) and path lengths ``lengths`` ``[R]`` (root included)."""
+        """One finished step: its record, the verified ``trees`` (roots alone on a plain step;
+        None where the loop cut a drafted step's trees to the rows' token budgets), each row's
+        accepted node indices ``paths`` ``[R, L]`` (padded with the last kept node) and path
+        lengths ``lengths`` ``[R]`` (root included)."""

@@ -52,17 +52,16 @@ class AcceptanceModel:
         """``width``: the widest tree the drafter is configured to propose (root included), known
         before it proposes anything (a drafter's first trees may be empty: lookup)."""
         self.prior_by_depth = [float(rate) for rate in prior_by_depth]
-        self.exists = np.zeros(0)  # rows whose proposed tree held node i (stored, see scale)
-        self.present = np.zeros(0)  # rows that verified node i
+        self.exists = np.zeros(0)  # rows whose tree held (and verified) node i (stored, see scale)
         self.on_path = np.zeros(0)  # rows in which node i was accepted
-        self.depth_sum = np.zeros(0)
         self.prior_on = np.zeros(0)  # prior pseudo-counts (unfaded), spread per depth
         self.prior_seen = np.zeros(0)
         self.rows = 0.0  # rows of drafted steps (stored)
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
         self.steps = 0
-        self._cache: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._pending: list[tuple] = []  # (weight, trees, paths, lengths) of steps not yet counted
+        self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._faded = 0  # fades since the estimates were computed
         self._gains_key: tuple[int, int] | None = None  # prefix_gains' last arguments, and its result
         self._gains: tuple[np.ndarray, np.ndarray] | None = None
@@ -70,17 +69,18 @@ class AcceptanceModel:
         self._grow(self.width)
 
     def _grow(self, width: int) -> None:
-        grow = width - self.present.size
+        grow = width - self.exists.size
         if grow > 0:
-            self.exists, self.present, self.on_path, self.depth_sum, self.prior_on, self.prior_seen = (
+            self.exists, self.on_path, self.prior_on, self.prior_seen = (
                 np.concatenate([array, np.zeros(grow)]) for array in
-                (self.exists, self.present, self.on_path, self.depth_sum, self.prior_on, self.prior_seen))
+                (self.exists, self.on_path, self.prior_on, self.prior_seen))
 
     def fade(self) -> None:
         """One step passed (any step): earlier evidence counts a little less."""
         self.scale *= self._decay
         if self.scale < _RESCALE:
-            for array in (self.exists, self.present, self.on_path, self.depth_sum):
+            self._count()  # (pending steps carry weights of the current scale)
+            for array in (self.exists, self.on_path):
                 array *= self.scale
             self.rows *= self.scale
             self.scale = 1.0
@@ -89,77 +89,71 @@ class AcceptanceModel:
         if self._faded >= _REFRESH:  # the weights moved enough to move the confidence bounds
             self._cache = None
 
-    def proposed(self, trees) -> None:
-        """The trees a drafter proposed this step, before any cut (a ``TreeBatch``): which nodes a
-        row's tree holds and at what depth."""
-        rows, width = trees.rows, trees.width
-        self._grow(width)
-        weight = 1.0 / self.scale
-        if trees.uniform:  # every row holds every node, at the same depths (a template's)
-            depths = trees.depths[0].numpy()
-            self.exists[:width] += rows * weight
-            self.depth_sum[:width] += (rows * weight) * depths
-            first = depths, None
-        else:
-            depths = trees.depths.numpy()
-            exists = np.arange(width)[None, :] < trees.sizes.numpy()[:, None]  # (R, N)
-            self.exists[:width] += weight * exists.sum(axis=0)
-            self.depth_sum[:width] += weight * (exists * depths).sum(axis=0)
-            first = depths[0], exists[0]
-        if self.prior_seen[width - 1] == 0 or (first[1] is not None and not self.prior_seen[:width][first[1]].all()):
-            self._spread_prior(*first)
-        self.rows += rows * weight
-        self.width = max(self.width, width)
+    def observe(self, trees, paths: torch.Tensor, lengths: torch.Tensor) -> None:
+        """One drafted step: the trees verified whole (a ``TreeBatch``; roots alone where the drafter
+        proposed nothing) and what was accepted (``paths`` ``[R, L]`` node indices, ``lengths``
+        ``[R]`` with the root). Counted when the estimates are next read (a plan is made every few
+        steps; counting the steps together there costs less than one at a time in the loop)."""
+        self._pending.append((1.0 / self.scale, trees, paths, lengths))
+        self.width = max(self.width, trees.width)
         self.steps += 1
         self._cache = None
 
-    def observe(self, trees, paths: torch.Tensor, lengths: torch.Tensor) -> None:
-        """The trees verified this step (a cut of the proposed ones) and what was accepted
-        (``paths`` ``[R, L]`` node indices, ``lengths`` ``[R]`` with the root)."""
-        width, weight = trees.width, 1.0 / self.scale
-        self._grow(width)
-        if trees.uniform:
-            self.present[:width] += trees.rows * weight
-        else:
-            sizes = trees.sizes.numpy()
-            self.present[:width] += weight * np.bincount(sizes - 1, minlength=width)[::-1].cumsum()[::-1][:width]
-        paths, lengths = paths.numpy(), lengths.numpy()
-        if paths.shape[0] == 1:
-            self.on_path[paths[0, :lengths[0]]] += weight
-        else:
-            accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
-            self.on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
-        self._cache = None
+    def _count(self) -> None:
+        """Count the pending steps: which nodes each row's tree held (every one of them verified)
+        and which were on the accepted path."""
+        for weight, trees, paths, lengths in self._pending:
+            rows, width = trees.rows, trees.width
+            self._grow(width)
+            if trees.uniform:  # every row holds every node (a template's)
+                self.exists[:width] += rows * weight
+                held, row = width, 0
+            elif rows == 1:
+                held, row = int(trees.sizes[0]), 0
+                self.exists[:held] += weight
+            else:
+                sizes = trees.sizes.numpy()
+                self.exists[:width] += weight * np.bincount(sizes - 1, minlength=width)[::-1].cumsum()[::-1][:width]
+                row = int(sizes.argmax())
+                held = int(sizes[row])
+            if held > 1 and self.prior_seen[held - 1] == 0:  # (a root alone has no prior)
+                self._spread_prior(trees.depths[row, :held].numpy())
+            paths, lengths = paths.numpy(), lengths.numpy()
+            if rows == 1:
+                self.on_path[paths[0, :lengths[0]]] += weight
+            else:
+                accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
+                self.on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
+            self.rows += rows * weight
+        self._pending.clear()
 
-    def _spread_prior(self, depths: np.ndarray, exists: np.ndarray | None) -> None:
-        """Give nodes of one row's tree seen for the first time their share of the prior acceptance
-        of their depth."""
-        real = np.ones(depths.size, dtype=bool) if exists is None else exists
-        for index in np.flatnonzero(real & (self.prior_seen[:depths.size] == 0)).tolist():
+    def _spread_prior(self, depths: np.ndarray) -> None:
+        """Give the nodes of one row's tree (``depths``, one per node) seen for the first time their
+        share of the prior acceptance of their depth."""
+        for index in np.flatnonzero(self.prior_seen[:depths.size] == 0).tolist():
             depth = int(depths[index])
             if depth == 0:
                 continue
             reach = (self.prior_by_depth[depth - 1] if depth - 1 < len(self.prior_by_depth)
                      else 0.0 if self.prior_by_depth else UNINFORMED ** depth)
-            self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths[real] == depth).sum()))
+            self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths == depth).sum()))
             self.prior_seen[index] = PRIOR_STEPS
 
-    def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per node index: the chance it exists in a row's tree, its acceptance given it was
-        verified, its mean depth, and the rows' worth of evidence its acceptance rests on (faded
-        verifications plus the prior's weight). A node's existence
-        starts from the prior that the drafter proposes it (weight :data:`PRIOR_STEPS`), so a drafter
+        verified, and the rows' worth of evidence its acceptance rests on (faded verifications plus
+        the prior's weight). A node's existence starts from the prior that the drafter proposes it (weight :data:`PRIOR_STEPS`), so a drafter
         that proposed nothing for a while (lookup before the text repeats) is asked again once that
         evidence has faded."""
         if self._cache is None:
-            seen = self.present * self.scale + self.prior_seen
+            self._count()
+            seen = self.exists * self.scale + self.prior_seen
             rate = (self.on_path * self.scale + self.prior_on) / np.maximum(seen, 1e-9)
             rows = self.rows * self.scale + PRIOR_STEPS
             exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / rows, 1.0)
-            depth = self.depth_sum / np.maximum(self.exists, 1e-300)
             if rate.size:
                 rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
-            self._cache, self._faded = (exists, rate, depth, seen), 0
+            self._cache, self._faded = (exists, rate, seen), 0
         return self._cache
 
     def prefix_gains(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -170,7 +164,7 @@ class AcceptanceModel:
         would add up and favour whichever option has more nodes."""
         if self._cache is not None and self._gains_key == (width, rows):
             return self._gains
-        exists, rate, _, seen = self._estimates()
+        exists, rate, seen = self._estimates()
         count = min(width, exists.size)
         gain, padded = np.zeros(width), np.ones(width)
         if count > 1:
@@ -187,7 +181,7 @@ class AcceptanceModel:
         return gain, padded
 
     def summary(self) -> dict:
-        exists, rate, _, seen = self._estimates()
+        exists, rate, seen = self._estimates()
         shown = min(exists.size, 16)
         gain, _ = self.prefix_gains(self.width, 1)
         return {"steps": self.steps, "width": self.width, "evidence_rows": round(float(seen[1]) if seen.size > 1 else 0.0, 1),

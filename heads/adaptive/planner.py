@@ -116,6 +116,7 @@ class Adaptive:
         self.prior_by_depth = list(prior_by_depth or ())
         self.sampled_prior = list(sampled_prior or ())  # the prior of sampling rules (recorded sampled)
         self._sampled: set[str] = set()  # rule keys of sampling rules (planner: not deterministic)
+        self.plans: dict[str, tuple[Choice, int, int]] = {}  # per rule key: the last call's (plan, rows, age)
         self.width, self.sizes, self.extra = width, tuple(sorted(set(sizes))), extra
 
     def model(self, key: str, option: Option = (None, None)) -> AcceptanceModel:
@@ -159,9 +160,13 @@ class CallPlanner:
         self.acceptance = self.models[-1]
         self._distinct = list({id(model): model for model in self.models}.values())
         self.summary = CallSummary()
-        self.choice: Choice | None = None
-        self._applied: Option | None = None  # the option the drafter is set to
-        self._rows, self._age = 0, 0  # the rows the current plan was made for, and the steps it served
+        # the last call's plan serves on for the steps it has left (a call is one request; the
+        # estimates a plan rests on move over many requests' steps)
+        self.choice, self._rows, self._age = adaptive.plans.get(key, (None, 0, 0))
+        if self.choice is not None and self.choice.draft and self.choice.option not in self.options:
+            self.choice = None  # (the drafter offers other options now)
+        self.summary.last = self.choice
+        self._applied: Option | None = None  # the option the drafter is set to (None: as configured)
 
     def _plan(self, rows: int) -> Choice:
         if not self.costs.knows_plain(rows):
@@ -187,6 +192,8 @@ class CallPlanner:
 
     def release(self) -> None:
         """The call is over: the drafter drafts as configured again (``speculate=None`` calls)."""
+        if self.choice is not None:
+            self.adaptive.plans[self.key] = (self.choice, self._rows, self._age)
         if self.modal is not None:
             self.modal.use_mode(None)
         if self.sized is not None:
@@ -196,26 +203,21 @@ class CallPlanner:
 
     def draft(self, rows: int) -> bool:
         choice = self.choice
-        if choice is not None and choice.nodes and rows == self._rows and self._age < REPLAN_EVERY:
-            self._age += 1  # the plan still stands: the estimates it rests on move over tens of steps
-            return choice.draft
-        choice = self.choice = self._plan(rows)
-        self._rows, self._age = rows, 1
-        if choice.draft:
+        # a plan stands for a few steps (the estimates it rests on move over tens of steps)
+        if choice is None or not choice.nodes or rows != self._rows or self._age >= REPLAN_EVERY:
+            choice = self.choice = self._plan(rows)
+            self._rows, self._age = rows, 0
+            self.summary.reasons[choice.reason] = self.summary.reasons.get(choice.reason, 0) + 1
+            self.summary.last = choice
+        self._age += 1
+        if choice.draft and choice.option != self._applied:
+            self._applied = choice.option
             self.acceptance = self.models[self.options.index(choice.option)]
-            if choice.option != self._applied:
-                self._applied = choice.option
-                if self.modal is not None:
-                    self.modal.use_mode(choice.mode)
-                if self.sized is not None:
-                    self.sized.resize(choice.size)
-        self.summary.reasons[choice.reason] = self.summary.reasons.get(choice.reason, 0) + 1
-        self.summary.last = choice
+            if self.modal is not None:
+                self.modal.use_mode(choice.mode)
+            if self.sized is not None:
+                self.sized.resize(choice.size)
         return choice.draft
-
-    def trim(self, trees: TreeBatch) -> TreeBatch:
-        self.acceptance.proposed(trees)
-        return trees  # the size was chosen before drafting: the whole trees are the plan
 
     def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
                 lengths: torch.Tensor) -> None:
@@ -228,9 +230,9 @@ class CallPlanner:
             model.fade()
         summary = self.summary
         summary.steps[record.kind] += 1
+        if record.kind != "plain" and trees is not None:  # (an empty step: the drafter proposed nothing)
+            self.acceptance.observe(trees, paths, lengths)
         if record.kind == "drafted":
-            if trees is not None:
-                self.acceptance.observe(trees, paths, lengths)
             label = _label(option)
             summary.options[label] = summary.options.get(label, 0) + 1
             summary.cuts[record.width] = summary.cuts.get(record.width, 0) + 1

@@ -199,9 +199,6 @@ def test_plain_steps_between_drafted_ones_reach_the_drafter():
         def draft(self, rows):
             return len(decoder.stats.steps) % 3 == 2
 
-        def trim(self, trees):
-            return trees
-
         def observe(self, record, trees, paths, lengths):
             pass
 

@@ -58,26 +58,25 @@ def test_acceptance_counts_what_each_prefix_would_have_accepted():
     model = AcceptanceModel()
     trees = _chain_batch(5)  # root + 4 drafted nodes in a chain
     for accepted in [3, 3, 1, 3]:  # accepted path lengths (drafted nodes)
-        model.proposed(trees)
         model.observe(trees, torch.arange(accepted + 1)[None], torch.tensor([accepted + 1]))
-    exists, _, depth, _ = model._estimates()
-    assert list(depth[1:5]) == [1, 2, 3, 4] and list(exists[1:5]) == [1, 1, 1, 1]
-    rates = (model.on_path * model.scale + model.prior_on) / (model.present * model.scale + model.prior_seen)
-    assert rates[1] > rates[2] > rates[4]  # node 1 always accepted, node 4 never
+    exists, rate, seen = model._estimates()
+    assert list(exists[1:5]) == [1, 1, 1, 1] and list(seen[1:5]) == [8, 8, 8, 8]  # 4 rows + the prior's 4
+    # the chain's prior (uninformed): depth d reached with 0.5 ** d, weighted as 4 steps
+    assert rate[1] == pytest.approx((4 + 4 * 0.5) / 8) and rate[4] == pytest.approx((0 + 4 * 0.5 ** 4) / 8)
+    assert rate[1] > rate[2] > rate[4]  # node 1 always accepted, node 4 never
     gains, _ = model.prefix_gains(5, 1)
     assert np.all(np.diff(gains) >= 0) and gains[0] == 0.0
-    cut = prefix_batch(trees, 3)  # a cut hides nodes 3-4: their acceptance is not counted as failures
-    before = model.present[4]
-    model.proposed(trees)
-    model.observe(cut, torch.arange(3)[None], torch.tensor([3]))
-    assert model.present[4] == before
+    # rows that held fewer nodes (lookup's ragged trees) count only the nodes they held
+    ragged = TreeBatch.from_trees([prefix_batch(trees, 3).row(0), trees.row(0)])
+    model.observe(ragged, torch.tensor([[0, 1, 2, 2], [0, 1, 1, 1]]), torch.tensor([3, 2]))
+    exists, _, seen = model._estimates()
+    assert list(seen[1:5]) == [10, 10, 9, 9] and exists[4] == pytest.approx((4 + 1 + 4) / (6 + 4))
 
 
 def test_fading_reopens_a_question_after_plain_steps():
     model = AcceptanceModel()
     trees = _chain_batch(3)
     for _ in range(8):  # node 1 rejected 8 times
-        model.proposed(trees)
         model.observe(trees, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
     low = model.prefix_gains(3, 1)[0][1]  # the bound on what node 1 alone would accept
     for _ in range(200):  # plain steps: no evidence, old evidence fades
@@ -88,9 +87,10 @@ def test_fading_reopens_a_question_after_plain_steps():
 def test_a_drafter_that_proposed_nothing_is_asked_again_after_plain_steps():
     model = AcceptanceModel()
     empty = _chain_batch(1)
-    model.proposed(_chain_batch(4))
+    root = (torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+    model.observe(_chain_batch(4), *root)
     for _ in range(30):  # lookup before the text repeats: roots alone
-        model.proposed(empty)
+        model.observe(empty, *root)
     low = model.prefix_gains(4, 1)[0][-1]
     for _ in range(300):
         model.fade()
