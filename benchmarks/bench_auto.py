@@ -7,7 +7,9 @@ each fixed size from 1 drafted node to its configured size, and ``auto`` on one 
 it learned across the run, as a server would) runs on the same batches of prompts in rotating order, ``--repeats`` times, the fastest run
 counting (load on a shared machine only ever adds time; lookup runs without cross-request history
 so that a repeated prompt cannot copy itself);
-greedy outputs are checked identical to ``generate``. Reported per method: the median over batches
+greedy outputs are checked identical to ``generate``; sampled, every drafter's run of a batch uses one
+seed (``seed=``: the same text whatever the tree size or ``auto`` decides), so that its methods differ
+in time alone, not in what they happened to sample. Reported per method: the median over batches
 of the speedup over ``generate`` and tau; for ``auto``, its ratio to the best fixed size (the size with
 the best median), and the median over its first three calls (cold start) against that size's on the
 same batches. Writes the cell's JSON to ``--results``; ``bench_auto.py --merge DIR`` collects a
@@ -157,15 +159,18 @@ def main(argv=None) -> int:
                 spec = methods[name]
                 start = time.perf_counter()
                 if spec is None:
+                    torch.manual_seed(index)
                     outputs[name] = model.generate(**batch, **options)
-                else:
-                    outputs[name] = spec.generate(**batch, **options, speculate="auto" if name == "auto" else None)
+                else:  # (sampled: one seed per batch, so every drafter samples the same text)
+                    outputs[name] = spec.generate(**batch, **options, speculate="auto" if name == "auto" else None,
+                                                  **({"seed": index} if sample else {}))
                     if repeat == 0:
                         results[name]["tau"].append(spec.last_stats.tau)
                 seconds[name] = min(seconds.get(name, float("inf")), time.perf_counter() - start)
         for name in names:
-            if not sample and not torch.equal(outputs[name], outputs["generate"]):
-                raise SystemExit(f"{name}: output differs from generate on batch {index}")
+            reference = "generate" if not sample else names[1] if name != "generate" else name
+            if not torch.equal(outputs[name], outputs[reference]):
+                raise SystemExit(f"{name}: output differs from {reference} on batch {index}")
             results[name]["speedup"].append(seconds["generate"] / seconds[name])
         print(f"batch {index}: " + " ".join(f"{name} {seconds['generate'] / seconds[name]:.2f}" for name in names),
               flush=True)
