@@ -56,11 +56,11 @@ class AcceptanceModel:
         self.on_path = np.zeros(0)  # rows in which node i was accepted
         self.prior_on = np.zeros(0)  # prior pseudo-counts (unfaded), spread per depth
         self.prior_seen = np.zeros(0)
-        self.rows = 0.0  # rows of drafted steps (stored)
+        self.asked = np.zeros(0)  # rows of drafted steps whose tree could hold node i (stored)
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
         self.steps = 0
-        self._pending: list[tuple] = []  # (weight, trees, paths, lengths) of steps not yet counted
+        self._pending: list[tuple] = []  # (weight, trees, paths, lengths, capacity) of steps not yet counted
         self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._faded = 0  # fades since the estimates were computed
         self._gains_key: tuple[int, int] | None = None  # prefix_gains' last arguments, and its result
@@ -71,40 +71,44 @@ class AcceptanceModel:
     def _grow(self, width: int) -> None:
         grow = width - self.exists.size
         if grow > 0:
-            self.exists, self.on_path, self.prior_on, self.prior_seen = (
+            self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen = (
                 np.concatenate([array, np.zeros(grow)]) for array in
-                (self.exists, self.on_path, self.prior_on, self.prior_seen))
+                (self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen))
 
     def fade(self) -> None:
         """One step passed (any step): earlier evidence counts a little less."""
         self.scale *= self._decay
         if self.scale < _RESCALE:
             self._count()  # (pending steps carry weights of the current scale)
-            for array in (self.exists, self.on_path):
+            for array in (self.exists, self.on_path, self.asked):
                 array *= self.scale
-            self.rows *= self.scale
             self.scale = 1.0
             self._cache = None
         self._faded += 1
         if self._faded >= _REFRESH:  # the weights moved enough to move the confidence bounds
             self._cache = None
 
-    def observe(self, trees, paths: torch.Tensor, lengths: torch.Tensor) -> None:
+    def observe(self, trees, paths: torch.Tensor, lengths: torch.Tensor, capacity: int | None = None) -> None:
         """One drafted step: the trees verified whole (a ``TreeBatch``; roots alone where the drafter
         proposed nothing) and what was accepted (``paths`` ``[R, L]`` node indices, ``lengths``
-        ``[R]`` with the root). Counted when the estimates are next read (a plan is made every few
-        steps; counting the steps together there costs less than one at a time in the loop)."""
-        self._pending.append((1.0 / self.scale, trees, paths, lengths))
+        ``[R]`` with the root); ``capacity``: the most nodes (root included) the drafter was asked
+        for, so that a node beyond it counts neither as proposed nor as missing (a nested model's
+        smaller sizes; None: the model's width). Counted when the estimates are next read (a plan is
+        made every few steps; counting the steps together there costs less than one at a time in
+        the loop)."""
         self.width = max(self.width, trees.width)
+        self._pending.append((1.0 / self.scale, trees, paths, lengths, capacity))
         self.steps += 1
         self._cache = None
 
     def _count(self) -> None:
         """Count the pending steps: which nodes each row's tree held (every one of them verified)
         and which were on the accepted path."""
-        for weight, trees, paths, lengths in self._pending:
+        self._grow(self.width)
+        for weight, trees, paths, lengths, capacity in self._pending:
             rows, width = trees.rows, trees.width
             self._grow(width)
+            self.asked[:self.width if capacity is None else max(capacity, width)] += rows * weight
             if trees.uniform:  # every row holds every node (a template's)
                 self.exists[:width] += rows * weight
                 held, row = width, 0
@@ -124,7 +128,6 @@ class AcceptanceModel:
             else:
                 accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
                 self.on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
-            self.rows += rows * weight
         self._pending.clear()
 
     def _spread_prior(self, depths: np.ndarray) -> None:
@@ -149,8 +152,7 @@ class AcceptanceModel:
             self._count()
             seen = self.exists * self.scale + self.prior_seen
             rate = (self.on_path * self.scale + self.prior_on) / np.maximum(seen, 1e-9)
-            rows = self.rows * self.scale + PRIOR_STEPS
-            exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / rows, 1.0)
+            exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / (self.asked * self.scale + PRIOR_STEPS), 1.0)
             if rate.size:
                 rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
             self._cache, self._faded = (exists, rate, seen), 0

@@ -167,6 +167,7 @@ class CallPlanner:
             self.choice = None  # (the drafter offers other options now)
         self.summary.last = self.choice
         self._applied: Option | None = None  # the option the drafter is set to (None: as configured)
+        self._capacity: int | None = None  # nodes the drafter is asked for, in its model's node order
 
     def _plan(self, rows: int) -> Choice:
         if not self.costs.knows_plain(rows):
@@ -212,7 +213,8 @@ class CallPlanner:
         self._age += 1
         if choice.draft and choice.option != self._applied:
             self._applied = choice.option
-            self.acceptance = self.models[self.options.index(choice.option)]
+            index = self.options.index(choice.option)
+            self.acceptance, self._capacity = self.models[index], self._nodes[index]
             if self.modal is not None:
                 self.modal.use_mode(choice.mode)
             if self.sized is not None:
@@ -231,7 +233,7 @@ class CallPlanner:
         summary = self.summary
         summary.steps[record.kind] += 1
         if record.kind != "plain" and trees is not None:  # (an empty step: the drafter proposed nothing)
-            self.acceptance.observe(trees, paths, lengths)
+            self.acceptance.observe(trees, paths, lengths, self._capacity)
         if record.kind == "drafted":
             label = _label(option)
             summary.options[label] = summary.options.get(label, 0) + 1

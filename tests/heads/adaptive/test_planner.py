@@ -73,6 +73,18 @@ def test_acceptance_counts_what_each_prefix_would_have_accepted():
     assert list(seen[1:5]) == [10, 10, 9, 9] and exists[4] == pytest.approx((4 + 1 + 4) / (6 + 4))
 
 
+def test_a_smaller_size_does_not_count_as_missing_nodes_of_a_larger_one():
+    model = AcceptanceModel(width=5)  # one model serves nested sizes 1..4 (greedy)
+    root_and_one = (torch.arange(2)[None], torch.tensor([2]))
+    for _ in range(4):
+        model.observe(_chain_batch(5), *root_and_one)  # size 4: every node proposed
+    for _ in range(40):
+        model.observe(_chain_batch(2), *root_and_one, capacity=2)  # size 1: nodes 2-4 never asked for
+    exists, rate, seen = model._estimates()
+    assert exists[1] == 1 and exists[4] == 1  # not diluted to 8 / 48 by the size-1 steps
+    assert seen[1] == 48 and seen[4] == 8 and rate[1] > 0.9
+
+
 def test_fading_reopens_a_question_after_plain_steps():
     model = AcceptanceModel()
     trees = _chain_batch(3)
