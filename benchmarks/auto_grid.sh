@@ -28,7 +28,9 @@ cells() {  # temperature, batch, prompts for stories260K, prompts for demo-llama
       [ -d "benchmarks/adapters/demo-llama-$kind" ] && run "demo-llama_${mix}_${kind}_$tag" --target demo-llama --mix $mix --drafter $kind=benchmarks/adapters/demo-llama-$kind --temperature "$t" --batch "$b" --prompts "$nd" --max-new-tokens 96
     done
     run "demo-draft_${mix}_lookup_$tag" --target demo-draft --mix $mix --drafter lookup --temperature "$t" --batch "$b" --prompts "$nd" --max-new-tokens 96
-    [ -d benchmarks/adapters/demo-draft-medusa ] && run "demo-draft_${mix}_medusa_$tag" --target demo-draft --mix $mix --drafter medusa=benchmarks/adapters/demo-draft-medusa --temperature "$t" --batch "$b" --prompts "$nd" --max-new-tokens 96
+    for kind in medusa eagle; do
+      [ -d "benchmarks/adapters/demo-draft-$kind" ] && run "demo-draft_${mix}_${kind}_$tag" --target demo-draft --mix $mix --drafter $kind=benchmarks/adapters/demo-draft-$kind --temperature "$t" --batch "$b" --prompts "$nd" --max-new-tokens 96
+    done
   done
 }
 phases=${*:-b1 t07 b4 t10 b16}
