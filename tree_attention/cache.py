@@ -285,6 +285,8 @@ class RaggedCache:
 
     def _settle(self) -> None:
         """Append the pending slots to ``visible`` and ``positions`` (all visible: the cache stays dense)."""
+        if not self._pending:
+            return
         pending, self._pending = self._pending, []
         rows = self._visible.shape[0]
         count = sum(int(index.shape[1]) for _, index in pending)
@@ -295,14 +297,12 @@ class RaggedCache:
     @property
     def visible(self) -> torch.Tensor:
         """``[R, S]`` bool: which slots each row attends to."""
-        if self._pending:
-            self._settle()
+        self._settle()
         return self._visible
 
     @visible.setter
     def visible(self, value: torch.Tensor) -> None:
-        if self._pending:
-            self._settle()
+        self._settle()
         self._visible = value
         self._width = int(value.shape[1])
         self._dense: bool | None = None  # dense(), read from the tensor at most once per change
@@ -310,14 +310,12 @@ class RaggedCache:
     @property
     def positions(self) -> torch.Tensor:
         """``[R, S]`` long: each slot's position id."""
-        if self._pending:
-            self._settle()
+        self._settle()
         return self._positions
 
     @positions.setter
     def positions(self, value: torch.Tensor) -> None:
-        if self._pending:
-            self._settle()
+        self._settle()
         self._positions = value
 
     @property
