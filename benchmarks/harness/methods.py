@@ -3,13 +3,15 @@
 - ``generate``: the target's own ``model.generate`` (the baseline every speedup is over);
 - ``prompt_lookup_nN``: transformers' prompt lookup, ``prompt_lookup_num_tokens=N``;
 - ``assisted:DRAFT_DIR``: transformers' assisted generation, ``assistant_model=`` the model in DRAFT_DIR;
+- ``draft:DRAFT_DIR``: selfdraft's draft kind with its defaults, ``attach_heads(kind="draft", draft_model=`` the
+  model in DRAFT_DIR, loaded in the target's dtype``)``;
 - ``ADAPTER_DIR``: a selfdraft adapter (``heads.load_heads``);
 - ``ADAPTER_DIR+lookup``: that adapter as a hybrid with lookup (``spec.set_lookup(True, history_tokens=0)``);
 - ``lookup_N``: selfdraft's lookup kind with a budget of N nodes (``attach_heads(kind="lookup", budget=N,
   history_tokens=0)``);
 
 and for selfdraft methods ``,tree=T`` (``spec.set_tree``: T drafted nodes, or ``DEPTH:TOP_K:TOTAL`` for
-an EAGLE tree shape) and a final ``@auto`` (``generate(speculate="auto")``). Lookup runs without
+an EAGLE or draft-kind tree shape) and a final ``@auto`` (``generate(speculate="auto")``). Lookup runs without
 cross-request history, so that no prompt can copy an earlier run of itself. Directories are
 relative to the repository root (or absolute).
 """
@@ -22,8 +24,8 @@ from pathlib import Path
 
 from .prompts import ROOT, BenchmarkError
 
-FORMS = ("generate, prompt_lookup_nN, assisted:DRAFT_DIR, ADAPTER_DIR, ADAPTER_DIR+lookup, lookup_N; selfdraft "
-         "methods optionally with ,tree=N or ,tree=DEPTH:TOP_K:TOTAL and a final @auto")
+FORMS = ("generate, prompt_lookup_nN, assisted:DRAFT_DIR, draft:DRAFT_DIR, ADAPTER_DIR, ADAPTER_DIR+lookup, "
+         "lookup_N; selfdraft methods optionally with ,tree=N or ,tree=DEPTH:TOP_K:TOTAL and a final @auto")
 PEERS = ("generate", "prompt_lookup", "assisted")
 """Bases that are transformers' own ``generate``: no tree, no ``@auto``, batch size 1 for the assisted ones."""
 
@@ -31,9 +33,9 @@ PEERS = ("generate", "prompt_lookup", "assisted")
 @dataclass(frozen=True)
 class Method:
     name: str  # as written
-    base: str  # generate | prompt_lookup | assisted | adapter | lookup
+    base: str  # generate | prompt_lookup | assisted | draft | adapter | lookup
     size: int | None = None  # prompt_lookup: tokens; lookup: node budget
-    directory: Path | None = None  # assisted: the draft model; adapter: the adapter
+    directory: Path | None = None  # assisted, draft: the draft model; adapter: the adapter
     hybrid: bool = False  # adapter + lookup
     tree: int | dict | None = None  # spec.set_tree argument (None: the configured tree)
     auto: bool = False  # speculate="auto"
@@ -57,6 +59,14 @@ def _directory(text: str) -> Path:
     return path if path.is_absolute() else ROOT / path
 
 
+def _model_directory(text: str, name: str) -> Path:
+    """The draft model's directory ``text`` names; without a ``config.json`` a :class:`BenchmarkError`."""
+    directory = _directory(text)
+    if not text or not (directory / "config.json").is_file():
+        raise BenchmarkError(f"method {name!r}: no model (config.json) in {directory}")
+    return directory
+
+
 def parse_method(name: str) -> Method:
     """The :class:`Method` ``name`` writes; an unknown form, a missing directory or an option that
     does not apply is a :class:`BenchmarkError` naming it."""
@@ -73,9 +83,9 @@ def parse_method(name: str) -> Method:
     elif match := re.fullmatch(r"prompt_lookup_n(\d+)", rest):
         method = Method(name, "prompt_lookup", size=int(match.group(1)))
     elif rest.startswith("assisted:"):
-        method = Method(name, "assisted", directory=_directory(rest.split(":", 1)[1]))
-        if not (method.directory / "config.json").is_file():
-            raise BenchmarkError(f"method {name!r}: no model (config.json) in {method.directory}")
+        method = Method(name, "assisted", directory=_model_directory(rest[len("assisted:"):], name))
+    elif rest.startswith("draft:"):
+        method = Method(name, "draft", directory=_model_directory(rest[len("draft:"):], name), tree=tree, auto=auto)
     elif match := re.fullmatch(r"lookup_(\d+)", rest):
         method = Method(name, "lookup", size=int(match.group(1)), tree=tree, auto=auto)
     else:
@@ -112,6 +122,8 @@ def build_method(method: Method, model, temperature: float, pad_token_id: int | 
     try:
         if method.base == "lookup":
             spec = heads.attach_heads(model, kind="lookup", budget=method.size, history_tokens=0)
+        elif method.base == "draft":
+            spec = heads.attach_heads(model, kind="draft", draft_model=_load_draft(method.directory, model))
         else:
             spec = heads.load_heads(model, method.directory)  # TargetMismatchError: another target's adapter
             if method.hybrid:

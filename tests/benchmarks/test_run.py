@@ -19,6 +19,7 @@ from tests.conftest import build_model
 from training.evaluate import Run, paired_runs, plain_method, spec_method
 
 ADAPTER = "benchmarks/adapters/stories260K-medusa"
+DRAFT = "benchmarks/targets/demo-draft"
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -32,6 +33,10 @@ ADAPTER = "benchmarks/adapters/stories260K-medusa"
      dict(tree={"depth": 5, "top_k": 4, "total_tokens": 16}, auto=True)),
     ("lookup_12", dict(base="lookup", size=12, auto=False)),
     ("lookup_6@auto", dict(base="lookup", size=6, auto=True)),
+    (f"draft:{DRAFT}", dict(base="draft", directory=ROOT / DRAFT, tree=None, auto=False, selfdraft=True)),
+    (f"draft:{DRAFT},tree=4@auto", dict(base="draft", tree=4, auto=True)),
+    (f"draft:{DRAFT},tree=3:2:6", dict(tree={"depth": 3, "top_k": 2, "total_tokens": 6}, auto=False)),
+    (f"draft:{ROOT / DRAFT}", dict(base="draft", directory=ROOT / DRAFT)),
 ])
 def test_method_names_parse(name, expected):
     method = parse_method(name)
@@ -44,6 +49,13 @@ def test_method_names_parse(name, expected):
     ("medusa_fast", "unknown method 'medusa_fast'"),
     ("benchmarks/adapters/no-such-adapter+lookup", "no adapter (adapter_config.json) in"),
     ("assisted:benchmarks/targets/nowhere", "no model (config.json)"),
+    ("draft:benchmarks/targets/nowhere", "method 'draft:benchmarks/targets/nowhere': no model (config.json) in"),
+    ("draft:benchmarks/adapters/stories260K-medusa", "no model (config.json)"),  # an adapter is no model
+    ("draft:", "method 'draft:': no model (config.json)"),
+    ("draft:benchmarks/targets/nowhere@auto", "no model (config.json)"),
+    (f"draft:{DRAFT},tree=wide", "neither a node count nor DEPTH:TOP_K:TOTAL"),
+    (f"draft:{DRAFT},depth=3", "unknown option 'depth=3'"),
+    (f"assisted:{DRAFT}@auto", "apply to selfdraft methods only"),
     ("generate@auto", "apply to selfdraft methods only"),
     ("prompt_lookup_n3,tree=4", "apply to selfdraft methods only"),
     ("lookup_0", "the size must be at least 1"),
@@ -163,6 +175,25 @@ def test_a_run_writes_its_result_and_the_index(tmp_path, capsys):
     index = (tmp_path / "README.md").read_text().splitlines()
     assert any(line.startswith("| `peers.json` | peers | `python -m benchmarks.run peers") for line in index)
     assert any(line.startswith("| `draft_code_T0.json` | - | benchmarks/bench_draft.py") for line in index)
+
+
+def test_a_draft_method_runs_and_matches_generate(tmp_path):
+    # stories260K drafting for itself: every drafted token is the target's own argmax
+    argv = ["peers", "--target", "stories260K", "--method", "draft:benchmarks/targets/stories260K",
+            "draft:benchmarks/targets/stories260K,tree=2@auto", "--temperature", "0", "--prompts", "1",
+            "--max-new-tokens", "12", "--out", str(tmp_path)]
+    assert harness.main(argv) == 0  # greedy outputs identical to generate's, else a BenchmarkError
+    (cell,) = json.loads((tmp_path / "peers.json").read_text())["cells"]
+    drafted = cell["methods"]["draft:benchmarks/targets/stories260K"]
+    assert drafted["tau"] > 1.0 and cell["best_selfdraft"]["name"].startswith("draft:")
+
+
+def test_a_draft_model_on_another_vocabulary_is_named(tmp_path, capsys):
+    argv = ["peers", "--target", "stories260K", "--method", f"draft:{DRAFT}", "--prompts", "1",
+            "--max-new-tokens", "2", "--temperature", "0", "--out", str(tmp_path)]
+    assert harness.main(argv) == 2
+    assert f"method 'draft:{DRAFT}':" in capsys.readouterr().err
+    assert not (tmp_path / "peers.json").exists()
 
 
 def test_another_targets_adapter_is_named(tmp_path, capsys):
