@@ -60,6 +60,7 @@ class AcceptanceModel:
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
         self.steps = 0
+        self.rows_seen = 0  # rows of drafted steps observed (unfaded)
         self._pending: list[tuple] = []  # (weight, trees, paths, lengths, capacity) of steps not yet counted
         self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._faded = 0  # fades since the estimates were computed
@@ -97,6 +98,7 @@ class AcceptanceModel:
         made every few steps; counting the steps together there costs less than one at a time in
         the loop)."""
         self.width = max(self.width, trees.width)
+        self.rows_seen += trees.rows
         self._pending.append((1.0 / self.scale, trees, paths, lengths, capacity))
         self.steps += 1
         self._cache = None

@@ -9,8 +9,9 @@ function of it, so an unmeasured width in between is tried rather than written o
 widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
 A width's excess over a plain step counts as if it had one more sample at the plain cost, its own
 samples' weight halving every ``HALF_LIFE`` steps: a width written off on a few noisy steps, or
-long ago, is tried again. No width is priced above a wider one (the lower envelope): timing noise
-on a shared machine only ever adds time, and verifying more nodes never costs less.
+long ago, is tried again. No width is priced above a wider one, nor above the same width over
+more rows (the lower envelope): timing noise on a shared machine only ever adds time, and verifying
+more nodes, or more rows, never costs less.
 Drafting cost is kept per drafting option and rows bucket for a drafter's steady steps, shrunk
 toward nothing the same way; a request's first ``propose`` (the drafter catching up on the prompt)
 is kept apart and never charged to a step's choice.
@@ -108,6 +109,15 @@ class CostCurve:
         """Whether a plain step (width 1) has been timed in ``rows``' bucket."""
         return 1 in self.verify.get(rows_bucket(rows), {})
 
+    def known(self, rows: int, width: float, option: object = None) -> bool:
+        """Whether a step of ``option`` over ``rows`` rows of ``width`` nodes is priced from timings
+        in ``rows``' own bucket: a verify forward at least as wide and the option's drafting (not
+        extrapolated past the widest timed width, nor borrowed from another bucket)."""
+        bucket = rows_bucket(rows)
+        timed = self.verify.get(bucket, {})
+        return (any(other >= width for other in timed)
+                and (option is None or bucket in self.drafting.get(option, {})))
+
     def verify_curve(self, rows: int, widths: np.ndarray) -> np.ndarray | None:
         """Predicted seconds of a verify forward over ``rows`` rows of each of ``widths`` nodes per
         row (None: no verify forward timed yet). Each measured width's excess over the plain step
@@ -128,6 +138,13 @@ class CostCurve:
                 seconds = plain.value + (seconds - plain.value) * weights / (weights + 1)
                 seconds[0] = plain.value
             seconds = np.minimum.accumulate(seconds[::-1])[::-1]  # the lower envelope: none above a wider one
+            larger = [other for other in self.verify if other > bucket]
+            if larger:  # nor above the same width over more rows (a bucket's few timings may be noisy),
+                # where those rows timed a width at least as large (not extrapolated)
+                widest = max(self.verify[min(larger)])
+                cap = self.verify_curve(min(larger), np.array(measured, dtype=float))
+                seconds = np.where(np.array(measured) <= widest, np.minimum(seconds, cap), seconds)
+                seconds = np.minimum.accumulate(seconds[::-1])[::-1]
             curve = self._curves[bucket] = (self.clock, np.array(measured, dtype=float), seconds)
         return np.interp(widths, curve[1], curve[2])
 

@@ -15,9 +15,13 @@ the target's distribution whatever is chosen, and a greedy output is the same. T
 are verified whole (cutting them after drafting, on lookup's own match scores, was measured to cost
 more per step than it saved: ``docs/auto.md``).
 
-The first time a rows bucket is served the planner takes one plain step to time a width-1 forward,
-the reference every option is judged against; then each acceptance model drafts one plan's steps
-(its first under this rule on this spec), so that every choice rests on measured acceptance.
+The first time a rows bucket is served the planner takes a plain step to time a width-1 forward,
+the reference every option is judged against; then each acceptance model drafts until it has seen
+:data:`REPLAN_EVERY` rows (its first under this rule on this spec: a plan's steps at batch 1, one
+step of a batch of 8 or more), so that every choice rests on measured acceptance. A plan priced
+from a cost not yet timed in its rows' bucket serves one step: the next plan has that step's timing.
+The first step of a call and the first after rows finished are not timed: they also build or
+compact the cache's bookkeeping, whatever they verify.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from .cost import CostCurve
 REPLAN_EVERY = 8
 """Steps a plan serves before it is made again (sooner when the rows change): the estimates it rests
 on move over :data:`~heads.adaptive.acceptance.HALF_LIFE` steps, and a plan costs a share of a
-small model's step."""
+small model's step. Also the rows an option is first drafted on before its estimates are trusted."""
 
 Option = tuple  # (drafting mode or None, size or None): one way to draft a step
 
@@ -57,6 +61,9 @@ class Choice:
     seconds: float | None = None
     plain_seconds: float | None = None
     reason: str = ""
+    tentative: bool = False
+    """Priced from costs not yet timed in its rows' bucket (an optimistic guess): the plan serves
+    one step, then is made again from that step's timing."""
 
     @property
     def option(self) -> Option:
@@ -168,13 +175,16 @@ class CallPlanner:
         self.summary.last = self.choice
         self._applied: Option | None = None  # the option the drafter is set to (None: as configured)
         self._capacity: int | None = None  # nodes the drafter is asked for, in its model's node order
+        self._last_rows = 0  # the rows of this call's previous step (0: none yet)
 
     def _plan(self, rows: int) -> Choice:
         if not self.costs.knows_plain(rows):
             return Choice(False, nodes=0, reason="time a plain step")  # (nodes=0: planned again next step)
         for (mode, size), model in zip(self.options, self.models):
-            if model.steps == 0:  # see every model's trees once: a prior says little of this text
-                return Choice(True, mode, size, nodes=model.width, reason="measure an option never drafted")
+            if model.rows_seen < REPLAN_EVERY:  # see every model's trees on a plan's worth of rows: a
+                # prior says little of this text (one step at a time: a batch's step brings many rows)
+                return Choice(True, mode, size, nodes=model.width, reason="measure an option never drafted",
+                              tentative=True)
         plain = self.costs.verify_seconds(rows, 1)
         gains, widths = np.zeros(len(self.options)), np.zeros(len(self.options))
         for index, (model, nodes) in enumerate(zip(self.models, self._nodes)):
@@ -189,7 +199,7 @@ class CallPlanner:
             return Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
         mode, size = self.options[best]
         return Choice(True, mode, size, int(round(widths[best])), 1.0 + float(gains[best]), float(seconds[best]),
-                      plain, "drafting pays")
+                      plain, "drafting pays", not self.costs.known(rows, widths[best], self.options[best]))
 
     def release(self) -> None:
         """The call is over: the drafter drafts as configured again (``speculate=None`` calls)."""
@@ -205,7 +215,8 @@ class CallPlanner:
     def draft(self, rows: int) -> bool:
         choice = self.choice
         # a plan stands for a few steps (the estimates it rests on move over tens of steps)
-        if choice is None or not choice.nodes or rows != self._rows or self._age >= REPLAN_EVERY:
+        if (choice is None or not choice.nodes or rows != self._rows
+                or self._age >= (1 if choice.tentative else REPLAN_EVERY)):
             choice = self.choice = self._plan(rows)
             self._rows, self._age = rows, 0
             self.summary.reasons[choice.reason] = self.summary.reasons.get(choice.reason, 0) + 1
@@ -223,8 +234,11 @@ class CallPlanner:
 
     def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
                 lengths: torch.Tensor) -> None:
-        if not record.first_draft:  # (the call's first tree step also builds the cache's deferred bookkeeping)
+        if record.rows == self._last_rows and not record.first_draft:
+            # (a call's first step, its first tree step and the first step after rows finished also
+            # build or compact the cache's bookkeeping: that cost is paid whatever the step verifies)
             self.costs.observe_verify(record.rows, record.width, record.verify_seconds)
+        self._last_rows = record.rows
         option = self.choice.option if self.choice is not None else (None, None)
         if record.kind != "plain":
             self.costs.observe_draft(record.rows, record.draft_seconds, record.first_draft, option)

@@ -49,6 +49,18 @@ def test_cost_curve_interpolates_optimistically_and_keeps_buckets_apart():
     assert costs.draft_seconds(1) == pytest.approx(0.25)
 
 
+def test_fewer_rows_are_never_priced_above_more_rows():
+    costs = CostCurve()
+    for _ in range(8):
+        costs.observe_verify(16, 1, 16.0)
+        costs.observe_verify(16, 3, 27.0)
+    costs.observe_verify(8, 1, 26.0)  # one noisy plain step over 8 rows
+    costs.observe_verify(8, 9, 38.0)  # wider than any timed over 16 rows: not capped by them
+    assert costs.verify_seconds(8, 1) == pytest.approx(16.0)
+    assert costs.verify_seconds(16, 9) == pytest.approx(costs.verify_seconds(16, 3))  # (past the widest: its cost)
+    assert costs.verify_seconds(8, 9) > costs.verify_seconds(16, 9)
+
+
 def _chain_batch(width: int) -> TreeBatch:
     template = from_choices([(0,) * depth for depth in range(1, width)])
     return TreeBatch.from_template(template, torch.zeros(1, width, dtype=torch.long))
