@@ -78,9 +78,19 @@ class DraftBatch:
             self.roots.to(following.device)
         return following
 
-    def then(self, later: "DraftBatch") -> "DraftBatch":
-        """This batch's entries followed, row by row, by ``later``'s (same rows), with ``later``'s
-        roots: what a drafter that skipped a step must see at its next call."""
+    def then(self, *later: "DraftBatch") -> "DraftBatch":
+        """This batch's entries followed, row by row, by each of ``later``'s in turn (same rows),
+        with the last one's roots: what a drafter that skipped steps must see at its next call."""
+        if self.full() and all(batch.full() for batch in later):  # no padding (batch 1): one concatenation
+            return DraftBatch(torch.cat([self.features, *(batch.features.to(self.features.dtype) for batch in later)], 1),
+                              torch.cat([self.tokens, *(batch.tokens for batch in later)], 1),
+                              self.lengths + sum(batch.lengths for batch in later), later[-1].roots)
+        joined = self
+        for batch in later:
+            joined = joined._then(batch)
+        return joined
+
+    def _then(self, later: "DraftBatch") -> "DraftBatch":
         rows = self.features.shape[0]
         # rows that left the batch may have been the longest: the padded width can exceed lengths.max()
         width = max(self.features.shape[1], int(self.lengths.max()) + later.features.shape[1])
@@ -289,6 +299,7 @@ class SpeculativeDecoder:
         self.planner = planner
         self.drafting = True  # False: plain steps until the end of the call
         self.proposals = 0  # the drafter's propose calls so far (the first catches up on the prompt)
+        self._skipped: list[DraftBatch] = []  # what plain steps committed since the drafter's last call
 
     # -- state per row ------------------------------------------------------------------------
 
@@ -321,8 +332,8 @@ class SpeculativeDecoder:
             return
         self.cache.select_rows(index)
         self.lengths = self.lengths[index]
-        draft = self.draft
-        self.draft = DraftBatch(draft.features[index], draft.tokens[index], draft.lengths[index], draft.roots[index])
+        self.draft, *self._skipped = (DraftBatch(draft.features[index], draft.tokens[index], draft.lengths[index],
+                                                 draft.roots[index]) for draft in (self.draft, *self._skipped))
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -358,9 +369,11 @@ class SpeculativeDecoder:
         first_draft = draft and self.proposals == 0
         if draft:
             self.proposals += 1
+            if self._skipped:  # what the plain steps since its last call committed
+                self.draft, self._skipped = self.draft.then(*self._skipped), []
             trees = self.drafter.propose(self.draft)
         else:
-            trees = TreeBatch.roots_only(self.draft.roots)
+            trees = TreeBatch.roots_only((self._skipped[-1] if self._skipped else self.draft).roots)
         self._lap("draft")
         planned = trees
         trees = truncate_batch(trees, [self.max_new_tokens - 1 - len(self.outputs[row]) for row in self.rows])
@@ -393,7 +406,10 @@ class SpeculativeDecoder:
         path_features = features.gather(1, paths[..., None].expand(-1, -1, features.shape[-1]))
         committed = DraftBatch(path_features, path_tokens, lengths, accepted.next_tokens)
         # a step that did not draft leaves the drafter's pending entries in place and adds its own
-        self.draft = committed if draft or not self.drafting else self.draft.then(committed)
+        if draft or not self.drafting:
+            self.draft, self._skipped = committed, []
+        else:
+            self._skipped.append(committed)
         self.stats.target_forwards += 1
         self.stats.row_forwards += rows
         self.stats.tree_size = max(self.stats.tree_size, trees.width)
