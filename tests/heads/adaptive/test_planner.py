@@ -61,6 +61,39 @@ def test_fewer_rows_are_never_priced_above_more_rows():
     assert costs.verify_seconds(8, 9) > costs.verify_seconds(16, 9)
 
 
+def test_steps_that_also_compact_the_cache_are_not_timed_and_untimed_prices_plan_one_step():
+    from tree_attention.planning import StepRecord
+
+    adaptive = Adaptive(width=3)
+    planner = adaptive.planner("greedy", True)
+    roots = (TreeBatch.roots_only(torch.zeros(4, dtype=torch.long)), torch.zeros(4, 1, dtype=torch.long),
+             torch.ones(4, dtype=torch.long))
+    for rows, seconds in [(4, 9.0), (4, 1.0), (4, 1.0), (2, 7.0), (2, 0.5)]:
+        planner.observe(StepRecord("plain", rows, 1, 0.0, seconds, rows), *roots)
+    # the call's first step (9.0) and the first after rows finished (7.0) are dropped
+    assert adaptive.costs.verify_seconds(4, 1) == pytest.approx(1.0)
+    assert adaptive.costs.verify_seconds(2, 1) == pytest.approx(0.5)
+    assert adaptive.costs.known(4, 1) and not adaptive.costs.known(4, 3)
+    adaptive.costs.observe_draft(4, 0.1, False, (None, None))
+    assert adaptive.costs.known(4, 1, (None, None)) and not adaptive.costs.known(2, 1, (None, None))
+
+
+def test_a_plan_priced_from_an_untimed_width_serves_one_step():
+    adaptive = Adaptive([0.9] * 4, width=5)
+    planner = adaptive.planner("greedy", True)
+    for _ in range(8):  # a chain of 4, accepted whole, on 8 rows: measured
+        planner.models[0].observe(_chain_batch(5), torch.arange(5)[None], torch.tensor([5]))
+    adaptive.costs.observe_verify(1, 1, 1.0)
+    adaptive.costs.observe_draft(1, 0.1, False, (None, None))
+    choice = planner._plan(1)  # width 5 never timed: priced as the widest timed (optimistic)
+    assert choice.draft and choice.tentative
+    assert planner.draft(1) and planner._age == 1
+    planner.draft(1)  # planned again at once
+    assert planner.summary.reasons["drafting pays"] == 2
+    adaptive.costs.observe_verify(1, 5, 1.5)
+    assert not planner._plan(1).tentative
+
+
 def _chain_batch(width: int) -> TreeBatch:
     template = from_choices([(0,) * depth for depth in range(1, width)])
     return TreeBatch.from_template(template, torch.zeros(1, width, dtype=torch.long))
