@@ -235,7 +235,7 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
     spec.heads.load_state_dict(tensors, strict=True)
     spec.backbone_lora = backbone_lora
     spec.metadata = {"training": config.get("training", {}), "acceptance": config.get("acceptance", {}),
-                     "target": config["target"], "source_format": source}
+                     "target": config["target"], "source_format": source, "directory": str(directory)}
     if backbone_lora is not None:
         spec.metadata["backbone"] = backbone_lora.describe()
     if backbone_lora is not None and backbone_lora.shipped:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from contextlib import contextmanager
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 from torch import nn
@@ -140,6 +142,52 @@ def stopping(criteria, config, input_ids: torch.Tensor):
     return stop
 
 
+@dataclass(frozen=True)
+class ServedCall:
+    """One finished ``generate`` call, as an online learner (``spec.learning``) receives it."""
+
+    input_ids: torch.Tensor
+    """``[B, T]`` the prompts, left-padded."""
+    attention_mask: torch.Tensor
+    """``[B, T]`` 1 at prompt tokens."""
+    output: torch.Tensor
+    """``[B, T + new]`` what ``generate`` returned (finished rows padded)."""
+    eos_token_ids: frozenset[int]
+    stats: DecodeStats
+    seconds: float
+    """Wall-clock seconds of the whole call."""
+    greedy: bool
+    """Greedy decoding (the output is the target's own argmax continuation)."""
+
+    def sequences(self) -> list[torch.Tensor]:
+        """Each row's whole sequence ``[L]`` on the CPU: its prompt tokens (padding dropped), then what it
+        generated up to and including its first eos (without eos ids: every generated column; a row
+        cut by a stopping criterion keeps its padding, which a distillation loss scores as any other
+        context)."""
+        prompt_width = self.input_ids.shape[1]
+        generated = self.output[:, prompt_width:].cpu()
+        rows = []
+        for prompt, mask, new in zip(self.input_ids.cpu(), self.attention_mask.cpu().bool(), generated):
+            if self.eos_token_ids:
+                ends = torch.isin(new, torch.tensor(sorted(self.eos_token_ids))).nonzero().flatten()
+                new = new[: int(ends[0]) + 1] if ends.numel() else new
+            rows.append(torch.cat([prompt[mask], new]))
+        return rows
+
+
+class Learner(Protocol):
+    """What ``spec.learning`` holds (``training.online.OnlineLearner``): an object that sees every
+    finished ``generate`` call and may change the drafter's weights before the call returns (never the
+    backbone's), and what :meth:`SpeculativeModel.save_pretrained` records of what it did."""
+
+    def observe(self, call: ServedCall) -> None: ...
+
+    def adapter_metadata(self) -> dict:
+        """``save_pretrained`` metadata (``training``, ``acceptance``) describing the learned drafter
+        ({} when nothing was learned)."""
+        ...
+
+
 class SpeculativeModel:
     """A frozen causal LM (``backbone``) that drafts for itself with ``heads``.
 
@@ -171,6 +219,11 @@ class SpeculativeModel:
         self.lookup = None
         """The settings of the lookup drafting added to this drafter's trees (:meth:`set_lookup`), or None."""
         self._hybrid = None  # what the hybrid drafters share (the registry's ``DrafterKind.hybrid``), or None
+        self.learning: Learner | None = None
+        """The online learner every ``generate`` call feeds before it returns (``training.online.learn``), or
+        None. It changes only the drafter's weights: outputs stay what the backbone generates."""
+        self.tree_choice = None
+        """The tree last given to :meth:`set_tree` (None: the configured one)."""
         self.set_tree(config.tree)
 
     @property
@@ -208,6 +261,12 @@ class SpeculativeModel:
         (``total_tokens``), or a mapping of ``depth``/``top_k``/``total_tokens`` overrides.
         """
         self._drafter = self.drafter_for(tree)
+        self.tree_choice = tree
+
+    def locked(self):
+        """The spec's lock (re-entrant), held by every ``generate`` call: hold it to change the drafter
+        between calls from another thread (e.g. an online learner's step)."""
+        return self._lock
 
     def drafter_for(self, tree=None):
         """A drafter for another tree (as :meth:`set_tree` takes it), leaving this spec's own unchanged."""
@@ -288,6 +347,7 @@ class SpeculativeModel:
         Threads: calls on one spec run one at a time (a per-spec lock around the whole call, since
         the drafter keeps per-call state); ``last_stats`` is the calling thread's own.
         """
+        started = time.perf_counter()
         if inputs is not None:
             if input_ids is not None:
                 raise ValueError("generate() got the prompt twice, as input_ids and as inputs=; give one")
@@ -342,6 +402,9 @@ class SpeculativeModel:
         if planner is not None:
             stats.speculation = planner.summary.as_dict(self.adaptive, rule.key)
         self.last_stats = stats
+        if self.learning is not None:  # after the output is final: learning changes later calls' drafts only
+            self.learning.observe(ServedCall(input_ids, attention_mask, output, settings.eos_token_ids, stats,
+                                             time.perf_counter() - started, not config.do_sample))
         return output
 
     def _bind(self, drafter, rule):
@@ -376,6 +439,8 @@ class SpeculativeModel:
         if not entry.trainable:
             raise AdapterError(f"a {self.kind!r} drafter has no trained tensors to save as an adapter; "
                                f"attach it again with attach_heads(model, kind={self.kind!r}, ...)")
+        if self.learning is not None:  # what the online learner changed (given metadata still wins)
+            metadata = {**self.learning.adapter_metadata(), **metadata}
         if entry.save is not None:  # a kind with its own files (the draft kind: a whole model or a LoRA)
             entry.save(self, directory, **metadata)
             return

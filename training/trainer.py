@@ -292,7 +292,7 @@ class DistillationTrainer:
         optimizer = torch.optim.AdamW([{"params": parameters}, *backbone_groups], lr=config.learning_rate,
                                       weight_decay=config.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
-        clip_groups = self._clip_groups(parameters)
+        groups = clip_groups(self.hook, parameters)
         heads, optimizer = accelerator.prepare(self.spec.heads, optimizer)
         result = TrainResult()
         start_step = result.start_step = self._resume(heads, optimizer, scheduler, result) if resume else 0
@@ -307,7 +307,7 @@ class DistillationTrainer:
                 result.on_policy_refreshes.append(step)
             step_loss, step_agreement, count = self._step(heads, self.batch(step), step)
             tokens += count
-            for group in clip_groups:
+            for group in groups:
                 accelerator.clip_grad_norm_(group, config.max_grad_norm)
             self._reduce_backbone_gradients(backbone_parameters)
             optimizer.step()
@@ -328,16 +328,6 @@ class DistillationTrainer:
         result.accuracy = self.hook.rank_accuracy()
         self.hook.finish(result.accuracy)
         return result
-
-    def _clip_groups(self, parameters: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-        """The drafter's trainable tensors split into groups whose gradient norms are clipped apart
-        (the hook's ``clip_groups``, e.g. EAGLE's parallel heads apart from the drafter, so that their
-        large early gradients do not shrink the drafter's updates; one group by default)."""
-        declared = getattr(self.hook, "clip_groups", None)
-        groups = [[p for p in group if p.requires_grad] for group in declared()] if declared is not None else []
-        covered = {id(p) for group in groups for p in group}
-        rest = [p for p in parameters if id(p) not in covered]
-        return [group for group in groups + [rest] if group]
 
     def _backbone_groups(self) -> list[dict]:
         """The hook's optimizer groups of backbone tensors (none for most hooks)."""
@@ -427,6 +417,17 @@ class DistillationTrainer:
         logger.info("resumed from %s at step %d%s", directory, step,
                     " (the run had finished: no step left)" if step >= self.config.steps else "")
         return step
+
+
+def clip_groups(hook, parameters: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """The drafter's trainable tensors split into groups whose gradient norms are clipped apart
+    (the hook's ``clip_groups``, e.g. EAGLE's parallel heads apart from the drafter, so that their
+    large early gradients do not shrink the drafter's updates; one group by default)."""
+    declared = getattr(hook, "clip_groups", None)
+    groups = [[p for p in group if p.requires_grad] for group in declared()] if declared is not None else []
+    covered = {id(p) for group in groups for p in group}
+    rest = [p for p in parameters if id(p) not in covered]
+    return [group for group in groups + [rest] if group]
 
 
 def _check_prompts(prompts: Sequence[torch.Tensor] | None, config: TrainConfig) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ import torch
 import heads
 from heads.generation import resolve_sampling, warper
 from tests.conftest import greedy_reference, left_pad, progression_batch, train_toy_target
+from training.online import learn
 from training.trainer import TrainConfig, kind_trainer, make_trainer
 from tests.stats import FALSE_ALARM, chi_square_pvalue
 from tree_attention.verify import SamplingRule
@@ -236,6 +237,19 @@ def auto_samples(spec, runs=RUNS, **settings) -> list[tuple[int, int, int]]:
         CallPlanner._plan = original
     assert {"plain", "drafted"} <= kinds, kinds
     return samples
+
+
+def test_sampling_matches_the_target_while_the_drafter_learns(model, spec):
+    """Online learning (training/online.py) changes the drafter between calls, never within one: every
+    call still samples the target (1000 samples over 125 calls, the drafter updated after each)."""
+    learning = heads.attach_heads(model, num_heads=2, tree=16)
+    learning.heads.load_state_dict(spec.heads.state_dict())
+    learner = learn(learning, budget=1.0, batch_size=4, held_out=2, hold_every=4, steps_per_update=1,
+                    tolerance=1e9)  # every update kept: the drafter keeps changing
+    settings = dict(temperature=1.0, top_k=0)
+    samples = batched_samples(learning, **settings)
+    assert learner.kept >= 20, learner.summary()
+    assert chi_square_pvalue(samples, exact_joint(model, **settings)) > FALSE_ALARM
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])

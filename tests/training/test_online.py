@@ -1,0 +1,221 @@
+"""Online self-distillation while serving (training/online.py): outputs stay exactly the backbone's while
+the drafter learns between calls, the backbone never changes, the guard rolls a harmful update back
+(weights and optimizer state), learning raises acceptance, and memory stays bounded."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import heads
+from tests.conftest import build_model, greedy_reference, left_pad, progression_batch, random_prompt, train_toy_target
+from training.online import OnlineConfig, expected_acceptance, learn
+from training.replay import ReplayBuffer
+from training.trainer import TrainConfig, make_trainer
+
+
+def _backbone_state(model) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def _heads_state(spec) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in spec.heads.state_dict().items()}
+
+
+def _same(first: dict, second: dict) -> bool:
+    return first.keys() == second.keys() and all(torch.equal(first[name], second[name]) for name in first)
+
+
+@pytest.fixture(scope="module")
+def trained(toy_target):
+    """Medusa heads briefly distilled on the toy target's progressions (a guard proxy well above 0)."""
+    spec = heads.attach_heads(toy_target, num_heads=2, tree=8)
+    generator = torch.Generator().manual_seed(3)
+    sequences = [progression_batch(1, 24, generator)[0] for _ in range(48)]
+    make_trainer(spec, sequences, TrainConfig(steps=30, batch_size=8, learning_rate=1e-2, warmup_steps=3),
+                 progress=False).train()
+    return spec
+
+
+def _serve(spec, model, calls: int, seed: int = 0, rows: int = 2, new: int = 12) -> None:
+    """``calls`` greedy batches of ``rows`` left-padded prompts, each checked against ``model.generate``."""
+    for call in range(calls):
+        prompts = [random_prompt(3 + (call + row) % 4, seed * 1000 + call * 10 + row)[0] for row in range(rows)]
+        ids, mask = left_pad(prompts)
+        output = spec.generate(ids, attention_mask=mask, max_new_tokens=new)
+        with torch.no_grad():
+            expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new)
+        assert torch.equal(output, expected), f"call {call}: output differs from generate while learning"
+
+
+@pytest.mark.parametrize("architecture, kind, options", [
+    ("llama", "medusa", {"num_heads": 2, "tree": 8}),
+    ("gpt2", "medusa", {"num_heads": 2, "tree": 8}),
+    ("llama", "eagle", {"total_tokens": 8, "depth": 3, "top_k": 2}),
+])
+def test_greedy_output_is_the_backbones_while_learning(architecture, kind, options):
+    model = build_model(architecture)
+    before = _backbone_state(model)
+    spec = heads.attach_heads(model, kind=kind, **options)
+    drafter_before = _heads_state(spec)
+    learner = learn(spec, budget=2.0, batch_size=2, held_out=2, hold_every=3, steps_per_update=2)
+    _serve(spec, model, calls=6)
+    summary = learner.summary()
+    assert summary["updates_kept"] + summary["updates_rolled_back"] > 0, summary
+    assert summary["sequences_seen"] == 12
+    assert _same(before, _backbone_state(model)), "the backbone changed"
+    assert summary["updates_kept"] == 0 or not _same(drafter_before, _heads_state(spec))
+
+
+def test_seeded_samples_do_not_depend_on_what_was_learned(toy_target):
+    """A seeded call's output is a function of prompt, settings and seed whatever drafts: learning
+    between calls (every update kept) leaves every sample what an untouched drafter gives."""
+    learning, fixed = (heads.attach_heads(toy_target, num_heads=2, tree=8) for _ in range(2))
+    learner = learn(learning, budget=2.0, batch_size=2, held_out=2, hold_every=2, steps_per_update=1,
+                    tolerance=1e9)
+    generator = torch.Generator().manual_seed(4)
+    for seed in range(8):
+        prompt = progression_batch(2, 5, generator)
+        settings = dict(max_new_tokens=12, do_sample=True, temperature=0.8, seed=seed)
+        assert torch.equal(learning.generate(prompt, **settings), fixed.generate(prompt, **settings))
+    assert learner.kept > 0
+
+
+def test_the_guard_rolls_a_harmful_update_back(trained, toy_target):
+    spec = heads.attach_heads(toy_target, num_heads=2, tree=8)
+    spec.heads.load_state_dict(trained.heads.state_dict())
+    learner = learn(spec, learning_rate=5.0, batch_size=4, held_out=4, hold_every=2, steps_per_update=2)
+    learner.pause()
+    _serve(spec, toy_target, calls=6, rows=2, new=16)
+    state = _heads_state(spec)
+    assert learner.step(updates=1) == 1
+    assert learner.rolled_back == 1 and learner.kept == 0, learner.summary()
+    before, after = learner.last_proxy
+    assert after < before
+    assert _same(state, _heads_state(spec)), "a rolled-back update left the drafter changed"
+    assert not learner.optimizer.state, "a rolled-back first update left optimizer state behind"
+
+
+def test_a_kept_update_keeps_weights_and_optimizer_state(trained, toy_target):
+    spec = heads.attach_heads(toy_target, num_heads=2, tree=8)
+    spec.heads.load_state_dict(trained.heads.state_dict())
+    learner = learn(spec, batch_size=4, held_out=4, hold_every=2, steps_per_update=1, tolerance=1e9)
+    learner.pause()
+    _serve(spec, toy_target, calls=4, rows=2, new=16)
+    state = _heads_state(spec)
+    assert learner.step(updates=1) == 1 and learner.kept == 1
+    assert not _same(state, _heads_state(spec))
+    assert all(int(learner.optimizer.state[p]["step"]) == 1 for p in learner.parameters)
+
+
+def test_learning_raises_acceptance_on_the_served_domain(toy_target):
+    """Fresh heads (copies of the output head) learn the toy target's progressions from served traffic."""
+    spec = heads.attach_heads(toy_target, num_heads=2, tree=8)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [progression_batch(1, 5, generator) for _ in range(24)]
+
+    def tau(batch) -> float:
+        tokens = forwards = 0
+        for prompt in batch:
+            spec.generate(prompt, max_new_tokens=16)
+            tokens, forwards = tokens + spec.last_stats.new_tokens, forwards + spec.last_stats.row_forwards
+        return tokens / forwards
+
+    start = tau(prompts[16:])
+    learner = learn(spec, learning_rate=1e-2, batch_size=4, held_out=4, hold_every=4)
+    learner.pause()
+    for prompt in prompts[:16]:
+        spec.generate(prompt, max_new_tokens=16)
+    learner.step(updates=8)
+    learn(spec, False)
+    assert spec.learning is None
+    assert learner.kept > 0
+    assert tau(prompts[16:]) > start + 0.2, (start, learner.summary())
+
+
+def test_budget_bounds_learning_time_and_pause_stops_it(toy_target):
+    spec = heads.attach_heads(toy_target, num_heads=2, tree=8)
+    learner = learn(spec, budget=0.05, batch_size=2, held_out=2, hold_every=2, steps_per_update=1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        spec.generate(progression_batch(1, 5, generator), max_new_tokens=12)
+    summary = learner.summary()
+    assert summary["updates_kept"] + summary["updates_rolled_back"] > 0
+    # credit is earned before it is spent: what was spent exceeds what was earned by at most the last update
+    assert summary["learning_seconds"] <= 0.05 * summary["served_seconds"] - summary["credit_seconds"] + 1e-9
+    assert summary["credit_seconds"] > -0.5
+    learner.pause()
+    made = learner.kept + learner.rolled_back
+    for _ in range(5):
+        spec.generate(progression_batch(1, 5, generator), max_new_tokens=12)
+    assert learner.kept + learner.rolled_back == made and learner.buffer.seen == 35
+    learner.resume()
+    assert learner.step(updates=1) == 1
+
+
+def test_refusals():
+    model = build_model("llama")
+    with pytest.raises(ValueError, match="nothing to train online"):
+        learn(heads.attach_heads(model, kind="lookup"))
+    spec = heads.attach_heads(model)
+    with pytest.raises(ValueError, match="budget"):
+        learn(spec, budget=-1)
+    with pytest.raises(ValueError, match="held_out"):
+        learn(spec, held_out=0)
+    with pytest.raises(ValueError, match="apply to nothing"):
+        learn(spec, False, budget=0.1)
+    with pytest.raises(TypeError):
+        learn(spec, steps=3)
+    with pytest.raises(ValueError, match="seconds= or updates="):
+        learn(spec).step()
+
+
+def test_expected_acceptance_of_a_chain_and_a_tree():
+    assert expected_acceptance([[0.5], [0.5]], size=2) == pytest.approx(0.75)  # 0.5 + 0.5 * 0.5
+    assert expected_acceptance([[0.6, 0.3]], size=2) == pytest.approx(0.9)
+    assert expected_acceptance([]) == 0.0
+
+
+def test_buffer_is_bounded_in_tokens_and_holds_sequences_back():
+    buffer = ReplayBuffer(max_tokens=20, max_length=6, held_out=2, hold_every=3)
+    for index in range(30):
+        buffer.add(torch.arange(index % 9 + 1))
+        assert buffer.tokens <= 20 and buffer.tokens == sum(s.numel() for _, s in buffer.train)
+        assert len(buffer.held) <= 2
+    assert all(sequence.numel() <= 6 for _, sequence in buffer.train)
+    assert not {key for key, _ in buffer.held} & {key for key, _ in buffer.train}  # held back: never trained on
+    assert buffer.seen == 30 - 4  # one-token sequences are skipped
+
+
+def _resident_bytes() -> int:
+    """The process's resident memory now (Linux ``/proc/self/statm``)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads resident memory from /proc")
+def test_memory_stays_bounded_over_2000_requests():
+    model = build_model("llama", eos=5)
+    spec = heads.attach_heads(model, num_heads=2, tree=4)
+    learner = learn(spec, budget=0.05, buffer_tokens=256, max_length=16, batch_size=2, held_out=2,
+                    steps_per_update=1)
+    generator = torch.Generator().manual_seed(0)
+    peak_tokens, resident = 0, []
+    for call in range(250):  # 2,000 requests, 8 per call
+        spec.generate(torch.randint(3, 96, (8, 4), generator=generator), max_new_tokens=3)
+        peak_tokens = max(peak_tokens, learner.buffer.tokens)
+        if call in (49, 249):
+            gc.collect()
+            resident.append(_resident_bytes())
+    assert learner.buffer.seen == 2000 and peak_tokens <= 256
+    assert len(learner.buffer.held) <= 2 and len(learner._served) <= 50
+    assert learner.kept + learner.rolled_back > 0
+    assert resident[1] - resident[0] < 32 * 2**20, f"memory grew by {(resident[1] - resident[0]) / 2**20:.0f} MiB"
+
+
+def test_config_defaults_are_documented():
+    config = OnlineConfig()
+    assert config.budget == 0.05 and config.held_out >= 1
