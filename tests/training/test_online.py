@@ -5,6 +5,7 @@ the drafter learns between calls, the backbone never changes, the guard rolls a 
 from __future__ import annotations
 
 import gc
+import json
 import os
 from pathlib import Path
 
@@ -219,3 +220,55 @@ def test_memory_stays_bounded_over_2000_requests():
 def test_config_defaults_are_documented():
     config = OnlineConfig()
     assert config.budget == 0.05 and config.held_out >= 1
+
+
+def test_a_refined_adapter_records_its_refinement_loads_back_and_checks(toy_target, tmp_path):
+    from heads.fingerprint import state_fingerprint
+    from tests.training.test_cli import _tokenizer, _write_prompts
+    from training.cli import main
+
+    toy_target.save_pretrained(tmp_path / "model")
+    _tokenizer().save_pretrained(tmp_path / "model")
+    heads.attach_heads(toy_target, num_heads=2, tree=8).save_pretrained(tmp_path / "start")
+    spec = heads.load_heads(toy_target, tmp_path / "start")
+    start = state_fingerprint({name: tensor.cpu() for name, tensor in spec.heads.state_dict().items()})
+    learner = learn(spec, learning_rate=1e-2, batch_size=4, held_out=4, hold_every=4)
+    assert spec.save_pretrained(tmp_path / "unchanged") is None and "online" not in \
+        json.loads((tmp_path / "unchanged" / "adapter_config.json").read_text())["training"]  # nothing kept yet
+    learner.pause()
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(16):
+        spec.generate(progression_batch(1, 5, generator), max_new_tokens=16)
+    learner.step(updates=6)
+    assert learner.kept > 0
+    learner.resume()
+    for _ in range(8):  # the served window the adapter records, after learning
+        spec.generate(progression_batch(1, 5, generator), max_new_tokens=16)
+    spec.save_pretrained(tmp_path / "refined")
+
+    config = json.loads((tmp_path / "refined" / "adapter_config.json").read_text())
+    entry = config["training"]["online"][-1]
+    assert entry["refined_online"] and entry["from"] == {"adapter": str(tmp_path / "start"), "sha256": start}
+    assert entry["updates_kept"] == learner.kept and entry["steps"] == learner.steps
+    assert entry["tokens_seen"] == learner.buffer.seen_tokens and entry["trained_tokens"] > 0
+    assert set(config["acceptance"]) == {"served"} and config["acceptance"]["served"]["split"] == "served"
+    assert config["target"]["weights_sha256"] == heads.TargetPin.of(toy_target).recorded["weights_sha256"]
+
+    loaded = heads.load_heads(toy_target, tmp_path / "refined")
+    assert _same(_heads_state(loaded), _heads_state(spec)) and loaded.accuracy == spec.accuracy
+    prompt = progression_batch(1, 5, generator)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=16), greedy_reference(toy_target, prompt, 16))
+    learn(loaded, learning_rate=1e-2, tolerance=1e9).pause()  # refined again: its entry follows the first
+    for _ in range(4):
+        loaded.generate(progression_batch(1, 5, generator), max_new_tokens=16)
+    assert loaded.learning.step(updates=1) == 1
+    loaded.save_pretrained(tmp_path / "twice")
+    online = json.loads((tmp_path / "twice" / "adapter_config.json").read_text())["training"]["online"]
+    assert [item["from"]["adapter"] for item in online] == [str(tmp_path / "start"), str(tmp_path / "refined")]
+
+    data = _write_prompts(tmp_path / "prompts.jsonl", 6, seed=3)
+    code = main(["check", "--model", str(tmp_path / "model"), "--adapter", str(tmp_path / "refined"),
+                 "--data", str(data), "--prompts", "6", "--threshold", "0.5", "--json", str(tmp_path / "check.json")])
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert report["mix"] == "served" and report["measured"]["identical"] and report["target_matches"]
+    assert code == 0, report

@@ -26,9 +26,10 @@ def recorded_acceptance(acceptance: dict, data_path: str) -> tuple[str, dict] | 
 
 def split_label(entry: dict) -> str:
     """How the recorded tau was measured, for the report: ``" (held-out prompts)"``, ``" (in-sample:
-    training prompts)"``, ``" (--eval-data prompts)"``; adapters written before the label: nothing."""
+    training prompts)"``, ``" (--eval-data prompts)"``, ``" (traffic served while learning online)"``
+    (:mod:`training.online`); adapters written before the label: nothing."""
     labels = {"held-out": "held-out prompts", "in-sample": "in-sample: training prompts",
-              "eval-data": "--eval-data prompts"}
+              "eval-data": "--eval-data prompts", "served": "traffic served while learning online"}
     split = entry.get("split")
     return f" ({labels.get(split, split)})" if split else ""
 
