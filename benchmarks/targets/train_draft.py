@@ -107,7 +107,8 @@ def save_checkpoint(directory, model, optimizer, generator, step, history) -> No
     staging = directory + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
-    save_file({name: t.detach().contiguous() for name, t in model.state_dict().items()},
+    # cloned: tied weights (embedding and head) share storage, which safetensors refuses
+    save_file({name: t.detach().clone() for name, t in model.state_dict().items()},
               os.path.join(staging, "model.safetensors"))
     names = {id(p): name for name, p in model.named_parameters()}
     tensors, groups = {"generator": generator.get_state()}, []
