@@ -26,8 +26,7 @@ DEFINITIONS = {
 }
 DRAFT_PHASES = ("draft", "tree")
 VERIFY_PHASES = ("mask", "forward", "accept", "cache", "commit")
-LEGACY = {"auto": "benchmarks/bench_auto.py (benchmarks/auto_grid.sh)", "draft_": "benchmarks/bench_draft.py",
-          "demo": "make demo (benchmarks/demo.py)"}
+LEGACY = {"auto": "benchmarks/bench_auto.py (benchmarks/auto_grid.sh)", "demo": "make demo (benchmarks/demo.py)"}
 """Result files not written by the harness, by name prefix: the script that writes them."""
 
 

@@ -158,7 +158,7 @@ def test_a_greedy_mismatch_names_the_method_and_the_batch():
 
 
 def test_a_run_writes_its_result_and_the_index(tmp_path, capsys):
-    (tmp_path / "draft_code_T0.json").write_text(json.dumps({"machine": {"cpus": 2, "torch": "x", "threads": 1}}))
+    (tmp_path / "auto.json").write_text(json.dumps({"machine": {"cpus": 2, "torch": "x", "threads": 1}}))
     argv = ["peers", "--target", "stories260K", "--method", "lookup_4", "prompt_lookup_n3", "--temperature", "0",
             "--prompts", "1", "--max-new-tokens", "4", "--out", str(tmp_path)]
     assert harness.main(argv) == 0
@@ -174,7 +174,7 @@ def test_a_run_writes_its_result_and_the_index(tmp_path, capsys):
     assert (tmp_path / "peers.png").stat().st_size > 0
     index = (tmp_path / "README.md").read_text().splitlines()
     assert any(line.startswith("| `peers.json` | peers | `python -m benchmarks.run peers") for line in index)
-    assert any(line.startswith("| `draft_code_T0.json` | - | benchmarks/bench_draft.py") for line in index)
+    assert any(line.startswith("| `auto.json` | - | benchmarks/bench_auto.py") for line in index)
 
 
 def test_a_draft_method_runs_and_matches_generate(tmp_path):
