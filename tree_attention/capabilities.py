@@ -32,9 +32,10 @@ class SizedDrafter(Protocol):
     step that verifies a small tree does not pay for drafting a large one."""
 
     nested: bool
-    """Whether, under a deterministic acceptance rule, the tree drafted at a smaller size is the
-    first nodes (node order) of the tree drafted at a larger size on the same text: then every
-    drafted step also shows what each smaller size would have accepted."""
+    """Whether, under the acceptance rule the drafter is bound to, the tree drafted at a smaller size
+    is the first nodes (node order) of the tree drafted at a larger size on the same text (under
+    sampling: in distribution, with each node's acceptance depending only on the nodes before it):
+    then every drafted step also shows what each smaller size would have accepted."""
 
     def resize(self, tree: int | None) -> None:
         """Draft the next steps' trees with ``tree`` drafted nodes (as the kind's ``set_tree`` reads

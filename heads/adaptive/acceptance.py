@@ -6,8 +6,10 @@ that the node is on the accepted path. The model keeps, per node index (node ord
 before children, and drafters list better candidates first), how often the node existed in a row's
 proposed tree, how often it was verified and how often it was on the accepted path, with its mean
 depth. A prefix of node order is itself a tree, and under a deterministic rule (greedy) a node of
-the prefix is accepted exactly when it is accepted in the whole tree, so every drafted step counts
-what each smaller prefix (each smaller nested size) would have committed on the same text.
+the prefix is accepted exactly when it is accepted in the whole tree (under sampling, with the same
+chance, where a node's acceptance depends only on the nodes before it: its ancestors and earlier
+siblings), so every drafted step counts what each smaller prefix (each smaller nested size) would
+have committed on the same text.
 
 Evidence fades with a half-life counted in steps, plain steps included, and choices use an upper
 confidence bound on a prefix's total (each node's rate seen over its own evidence): after a

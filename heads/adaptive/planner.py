@@ -8,7 +8,7 @@ the cost of a width-1 verify) with each option the drafter offers: a size of its
 own cost) in each mode (a :class:`~tree_attention.planning.ModalDrafter`'s). An option is priced at
 its steady drafting seconds plus the verify seconds of its expected width, against the tokens it is
 expected to commit. Where sizes are nested (a smaller size's tree is the first nodes of a larger
-one's) and the rule is deterministic, one acceptance model per mode serves every size, and each
+one's; under sampling, in distribution), one acceptance model per mode serves every size, and each
 drafted step shows what every smaller size would have accepted; otherwise each size has its own.
 The size is chosen before drafting, so it never depends on what is drafted: a sampled output follows
 the target's distribution whatever is chosen, and a greedy output is the same. The drafted trees
@@ -160,7 +160,7 @@ class CallPlanner:
                                       for size in ((None,) if mode in fixed else sizes)]
         # nested sizes share one model per mode: a step drafted at any size shows what its first
         # nodes, every smaller size's tree, accepted
-        nested = self.sized is not None and deterministic and self.sized.nested
+        nested = self.sized is not None and self.sized.nested
         self.models = [adaptive.model(key, (mode, None if nested else size)) for mode, size in self.options]
         # per option: the nodes of its trees in its model's node order (None: all the model has seen)
         self._nodes = [1 + size if nested and size is not None else None for _, size in self.options]

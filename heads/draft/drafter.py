@@ -53,7 +53,9 @@ class DraftModelDrafter:
         self.reset(1)
 
     nested = True
-    """Chains and greedy dynamic trees list their nodes best first: a smaller size keeps the first nodes."""
+    """Chains and greedy dynamic trees list their nodes best first: a smaller size keeps the first
+    nodes. Sampled drafts are chains, drawn token after token: a shorter chain is the start of a
+    longer one in distribution, and a node's acceptance depends only on the nodes before it."""
 
     def resize(self, tree: int | None) -> None:
         """Draft the next steps' trees at ``tree`` drafted nodes, depth lowered to fit

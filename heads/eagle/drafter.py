@@ -128,9 +128,12 @@ class EagleDrafter:
         self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
         self.reset(1)
 
-    nested = True
-    """Greedy dynamic trees list their nodes best first: a smaller ``total_tokens`` keeps the first
-    nodes (``tree_attention.dynamic.grow_dynamic_tree``)."""
+    @property
+    def nested(self) -> bool:
+        """Greedy dynamic trees list their nodes best first: a smaller ``total_tokens`` keeps the
+        first nodes (``tree_attention.dynamic.grow_dynamic_tree``); sampled trees are grown in
+        expansion order, which a smaller size does not keep."""
+        return not self.sampling
 
     def resize(self, tree: int | None) -> None:
         """Grow the next steps' trees to ``tree`` drafted nodes, depth lowered to fit

@@ -312,8 +312,10 @@ class SwitchingEagleDrafter:
     """Modes whose trees :meth:`resize` leaves unchanged: a parallel step drafts its whole static tree
     in one forward, whatever its size."""
 
-    nested = True
-    """Sequential trees are nested by size (:attr:`EagleDrafter.nested`)."""
+    @property
+    def nested(self) -> bool:
+        """As the sequential drafter's trees (:attr:`EagleDrafter.nested`)."""
+        return self.sequential.nested
 
     def resize(self, tree: int | None) -> None:
         """Sequential trees at ``tree`` drafted nodes (None: configured); the shared cache is kept."""

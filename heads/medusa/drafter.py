@@ -104,7 +104,10 @@ class MedusaDrafter:
 
     nested = True
     """Default trees are built best-first, each node after the ones chosen before it: the tree of a
-    smaller size is the first nodes of a larger one (``tree_attention.tree.default_tree``)."""
+    smaller size is the first nodes of a larger one (``tree_attention.tree.default_tree``). Sampled,
+    the same static tree is filled with draws taken in sibling order, so a smaller size's tree is
+    the first nodes of a larger one's in distribution, and a node's acceptance depends only on the
+    nodes before it (its ancestors and earlier siblings)."""
 
     def resize(self, tree: int | None) -> None:
         """Fill the default tree of ``tree`` drafted nodes from the next step on (None: the template
