@@ -132,3 +132,19 @@ def train_toy_target(steps: int = 150, seed: int = 0, vocab: int = VOCAB, noise:
 @pytest.fixture(scope="session")
 def toy_target():
     return train_toy_target()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run the tests marked slow (minutes each: the manual's training commands)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``slow(reason=...)`` is skipped with that reason unless ``--run-slow`` is given."""
+    if config.getoption("--run-slow"):
+        return
+    for item in items:
+        marker = item.get_closest_marker("slow")
+        if marker is not None:
+            reason = marker.kwargs.get("reason", "")
+            item.add_marker(pytest.mark.skip(reason=f"slow ({reason}); pytest --run-slow runs it"))
