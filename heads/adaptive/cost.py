@@ -137,7 +137,11 @@ class CostCurve:
                 weights = np.array([table[width].weight(self.clock) for width in measured])
                 seconds = plain.value + (seconds - plain.value) * weights / (weights + 1)
                 seconds[0] = plain.value
-            seconds = np.minimum.accumulate(seconds[::-1])[::-1]  # the lower envelope: none above a wider one
+            # the lower envelope: none above a wider one timed often enough to bound it (one fast
+            # step of a wide tree, e.g. over a short cache, must not price every narrower width)
+            settled = np.array([table[width].count >= PRIOR_TIMINGS for width in measured])
+            settled[0] = True
+            seconds = np.minimum(seconds, np.minimum.accumulate(np.where(settled, seconds, np.inf)[::-1])[::-1])
             larger = [other for other in self.verify if other > bucket]
             if larger:  # nor above the same width over more rows (a bucket's few timings may be noisy),
                 # where those rows timed a width at least as large (not extrapolated)
