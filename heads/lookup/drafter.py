@@ -82,7 +82,7 @@ class LookupDrafter:
     """Proposes lookup trees for every row (``tree_attention.decode.Drafter``)."""
 
     def __init__(self, config: LookupConfig, memory: LookupMemory | None = None) -> None:
-        self.config = config
+        self.config = self.configured = config
         self.memory = memory
         self.rows: list[SuffixIndex] = []
         self.expected: list[float] = []  # per row: running mean of drafts accepted per step that proposed
@@ -140,16 +140,16 @@ class LookupDrafter:
     def _scaled(budget: int, scale: float) -> int:
         return max(1, round(budget * scale)) if budget else 0
 
-    def nested_counts(self, sizes) -> list[list[int]]:
-        """For the trees of the last :meth:`propose`: per row, how many of its drafted nodes (in node
-        order, the root not counted) a drafter configured for each tree size in ``sizes`` would have
-        proposed at the same step. Lookup trees are nested: a smaller budget's proposal is the first
-        nodes of a larger one's (best-first selection with a unique order; ``tests/test_lookup.py``),
-        so ``speculate="auto"`` learns every smaller size's acceptance on the same steps
-        (:class:`heads.policy.SpeculationPolicy`). With ``adaptive`` the smaller size is taken at
-        this drafter's budget scale (its own would differ after a few rejected steps)."""
-        return [[min(found, self._scaled(size, scale)) for size in sizes]
-                for scale, found in zip(self.scales, self.found)]
+    nested = True
+    """A smaller budget's proposal is the first nodes of a larger one's (best-first selection with a
+    unique order; ``tests/heads/lookup/test_nested.py``), taken at this drafter's per-row budget
+    scale (``LookupConfig.adaptive``)."""
+
+    def resize(self, tree: int | None) -> None:
+        """Propose at most ``tree`` nodes a step from the next step on (None: the configured budget);
+        the rows' indices and adaptive state are kept (``tree_attention.capabilities.SizedDrafter``).
+        Drafting costs about the same at any budget; what a smaller one saves is verify width."""
+        self.config = self.configured.with_tree(tree)
 
     @staticmethod
     def host(batch: DraftBatch) -> tuple[list[int], list[list[int]], list[int]]:

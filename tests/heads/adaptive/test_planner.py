@@ -246,7 +246,7 @@ def test_auto_is_token_identical_on_batches(name, kind):
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "draft", "hybrid"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "draft", "lookup", "hybrid"])
 def test_every_size_and_mode_mixed_per_step_is_token_identical(name, kind, monkeypatch):
     """A planner that takes a plain step or drafts with a random option (mode and size) every step:
     each resize keeps the drafter's state, so the output is ``generate``'s whatever it picks."""

@@ -34,29 +34,30 @@ def test_a_smaller_budget_proposes_the_first_nodes_of_a_larger_one(text, history
         assert small.tokens == large.tokens[:count] and small.parents == large.parents[:count]
 
 
-def test_nested_counts_are_what_a_smaller_drafter_proposes_at_the_same_step():
-    """Two drafters (budgets 10 and 4, adaptive) fed the same committed text: the larger one's
-    ``nested_counts([4])`` leading nodes are exactly the smaller one's tree, step after step,
-    while the adaptive budget shrinks and grows. (Given the same adaptive state: each drafter starts
-    from its own budget, so the counts describe the smaller size at the larger one's state.)"""
+def test_a_resized_drafter_proposes_the_first_nodes_of_the_configured_one():
+    """Two drafters (budget 10, adaptive budget scale) fed the same committed text, one resized to 4
+    and back: its trees are the configured one's first nodes, step after step, while the adaptive
+    budget shrinks and grows, and the same trees once resized back (its rows' state was kept).
+    (Without ``extend``: a row that drafts deeper after a fully accepted step does so at its own
+    depth limit, which a smaller budget lowers.)"""
     torch.manual_seed(0)
     text = torch.randint(0, 6, (2, 60))
-    large, small = LookupDrafter(LookupConfig(budget=10, history_tokens=0)), LookupDrafter(LookupConfig(budget=4, history_tokens=0))
+    large, small = (LookupDrafter(LookupConfig(budget=10, history_tokens=0, extend=1)) for _ in range(2))
     for drafter in (large, small):
         drafter.reset(2)
-    small.expected = list(large.expected)
     position, scales = 0, set()
     for step, accepted in enumerate([1, 1, 3, 1, 1, 1, 5, 2, 1, 4, 1, 1]):
+        small.resize(None if step >= 10 else 4)
         lengths = torch.tensor([accepted, max(1, accepted - 1)])
         tokens = torch.stack([row[position:position + accepted] for row in text])
         batch = DraftBatch(torch.zeros(2, accepted, 1), tokens, lengths, text[:, position + accepted])
         position += accepted
         big, little = large.proposals(batch), small.proposals(batch)
-        counts = large.nested_counts([4, 10])
         scales.update(large.scales)
         for row in range(2):
-            count = counts[row][0]
-            assert big[row].tokens[:count] == little[row].tokens, (step, row)
-            assert big[row].parents[:count] == little[row].parents
-            assert counts[row][1] == len(big[row].tokens)
+            assert len(little[row].tokens) <= (4 if step < 10 else 10)
+            assert big[row].tokens[:len(little[row].tokens)] == little[row].tokens, (step, row)
+            assert big[row].parents[:len(little[row].tokens)] == little[row].parents
+            if step >= 10:
+                assert little[row].tokens == big[row].tokens
     assert len(scales) > 1  # the adaptive budget did move
