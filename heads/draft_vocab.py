@@ -29,6 +29,23 @@ def frequent_tokens(sequences: Sequence[torch.Tensor], vocab_size: int, count: i
     return order[:count].clone()
 
 
+def vocabulary_swaps(token_map: torch.Tensor, counts: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """How a draft vocabulary ``token_map`` ``[V']`` follows traffic whose predicted tokens were counted in
+    ``counts`` ``[V]``: ``(positions, token_ids)``, at most ``limit`` of each, ``token_map[positions]`` to be
+    replaced by ``token_ids``. The most frequent tokens the vocabulary lacks come in (at least twice seen)
+    in place of its least frequent ones, a pair only where the newcomer was seen more often; positions and
+    ids are distinct and the ids are not in ``token_map``."""
+    token_map = token_map.to(counts.device)
+    inside = torch.zeros_like(counts, dtype=torch.bool)
+    inside[token_map] = True
+    outside_counts = torch.where(inside, torch.full_like(counts, -1), counts)
+    incoming = torch.sort(-outside_counts, stable=True).indices[:limit]  # most frequent outside first
+    incoming = incoming[counts[incoming] >= 2]
+    outgoing = torch.sort(counts[token_map], stable=True).indices[:incoming.numel()]  # rarest inside first
+    keep = counts[incoming] > counts[token_map[outgoing]]  # both sorted: a prefix of the pairs
+    return outgoing[keep].clone(), incoming[keep].clone()
+
+
 def check_token_map(token_ids: torch.Tensor, size: int) -> torch.Tensor:
     """``token_ids`` as a long tensor of ``size`` distinct ids (ValueError otherwise)."""
     token_ids = torch.as_tensor(token_ids, dtype=torch.long)

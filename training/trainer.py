@@ -23,6 +23,8 @@ trainer hands the hook what it needs in a :class:`LossContext` (the divergences 
     hook.finish(accuracy)          # after training, with rank_accuracy()'s table (e.g. Medusa's tree)
     hook.on_policy_model()         # optional: the model that samples on-policy data itself (the draft
                                    # kind's draft model, DistillSpec) instead of speculative generation
+    hook.swap_vocabulary(counts, limit) -> int  # optional, online learning (training/online.py): a
+                                   # reduced draft vocabulary follows served traffic's token counts [V]
 
 A hook that trains tensors of the backbone too (Medusa-2's LoRA, ``TrainConfig.joint``) adds three
 optional methods; the trainer gives those tensors their own optimizer groups, clips their gradient

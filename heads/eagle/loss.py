@@ -45,7 +45,7 @@ from typing import Sequence
 
 import torch
 
-from ..draft_vocab import frequent_tokens
+from ..draft_vocab import frequent_tokens, vocabulary_swaps
 
 
 FIT_SEQUENCES = 64
@@ -183,6 +183,18 @@ class EagleLoss:
         self.fit_projection()
         if heads.mask_feature is not None:
             self.fit_mask_inputs()
+
+    def swap_vocabulary(self, counts: torch.Tensor, limit: int) -> int:
+        """Online learning: with a reduced draft vocabulary, swap in up to ``limit`` tokens frequent in
+        served traffic (``counts`` ``[V]`` of its predicted tokens) that it cannot draft, in place of its
+        rarest (:func:`heads.draft_vocab.vocabulary_swaps`); the tokens swapped (0 without one)."""
+        heads = self.spec.heads
+        if heads.token_map is None:
+            return 0
+        positions, token_ids = vocabulary_swaps(heads.token_map, counts, limit)
+        if positions.numel():
+            heads.replace_tokens(positions, token_ids, self.spec.target)
+        return int(positions.numel())
 
     @torch.no_grad()
     def fit_projection(self) -> None:

@@ -208,6 +208,20 @@ class EagleHeads(nn.Module):
         if target is not None:
             self.copy_depth_rows(target)
 
+    @torch.no_grad()
+    def replace_tokens(self, positions: torch.Tensor, token_ids: torch.Tensor, target: Backbone) -> None:
+        """Draft ``token_ids`` ``[n]`` (target ids not in ``token_map``) at draft ids ``positions`` ``[n]``
+        instead of the tokens there; the parallel heads' rows there restart from the output head's
+        (online learning's vocabulary that follows traffic, ``heads.draft_vocab``)."""
+        if self.token_map is None:
+            raise ValueError("replace_tokens: this drafter has no reduced vocabulary (draft_vocab_size=None)")
+        self.token_map[positions] = token_ids.to(self.token_map.device)
+        check_token_map(self.token_map, self.token_map.numel())
+        if self.parallel_heads is not None:
+            rows = target.output_rows(self.token_map[positions]).weight
+            for head in self.parallel_heads:
+                head.weight[positions] = rows.to(head.weight.dtype)
+
     def draft_rows(self, target: Backbone):
         """What ``target.logits`` turns predicted features into logits with: the output-head rows
         of the draft vocabulary, after the drafter's own final norm (``eagle3``); None for the

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .. import lora
-from ..draft_vocab import frequent_tokens
+from ..draft_vocab import frequent_tokens, vocabulary_swaps
 from ..backbone import target_fingerprint
 
 
@@ -108,6 +108,18 @@ class MedusaLoss:
         if heads.token_map is not None:
             heads.set_token_map(frequent_tokens(self.context.train_sequences, self.spec.target.vocab_size,
                                                 heads.draft_vocab_size), self.spec.target.output_head)
+
+    def swap_vocabulary(self, counts: torch.Tensor, limit: int) -> int:
+        """Online learning: with a draft vocabulary, swap in up to ``limit`` tokens frequent in served
+        traffic (``counts`` ``[V]`` of its predicted tokens) that the heads cannot score, in place of
+        their rarest (:func:`heads.draft_vocab.vocabulary_swaps`); the tokens swapped (0 without one)."""
+        heads = self.spec.heads
+        if heads.token_map is None or heads.projections is None:
+            return 0
+        positions, token_ids = vocabulary_swaps(heads.token_map, counts, limit)
+        if positions.numel():
+            heads.replace_tokens(positions, token_ids, self.spec.target.output_head)
+        return int(positions.numel())
 
     def joint_weight(self, step: int) -> float | None:
         """Lambda at optimizer step ``step``: None while the heads train alone, then rising linearly

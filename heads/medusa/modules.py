@@ -72,6 +72,18 @@ class MedusaHeads(nn.Module):
         if output_head is not None and self.projections is not None:
             self.copy_output_rows(output_head)
 
+    @torch.no_grad()
+    def replace_tokens(self, positions: torch.Tensor, token_ids: torch.Tensor, output_head: nn.Module) -> None:
+        """Score ``token_ids`` ``[n]`` (target ids not in ``token_map``) at draft ids ``positions`` ``[n]``
+        instead of the tokens there; their projection rows restart from the output head's rows, as a
+        fresh head's do (online learning's vocabulary that follows traffic, ``heads.draft_vocab``)."""
+        if self.token_map is None:
+            raise ValueError("replace_tokens: these Medusa heads have no draft vocabulary (draft_vocab_size=None)")
+        self.token_map[positions] = token_ids.to(self.token_map.device)
+        check_token_map(self.token_map, self.draft_vocab_size)
+        for projection in self.projections or ():
+            projection.weight[positions] = output_head.weight[token_ids].to(projection.weight.dtype)
+
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids of draft-vocabulary ids (the identity without a draft vocabulary)."""
         return draft_ids if self.token_map is None else self.token_map[draft_ids]

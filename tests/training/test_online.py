@@ -14,6 +14,7 @@ import torch
 
 import heads
 from tests.conftest import build_model, greedy_reference, left_pad, progression_batch, random_prompt, train_toy_target
+from heads.draft_vocab import vocabulary_swaps
 from training.online import OnlineConfig, expected_acceptance, learn
 from training.replay import ReplayBuffer
 from training.trainer import TrainConfig, make_trainer
@@ -179,6 +180,35 @@ def test_expected_acceptance_of_a_chain_and_a_tree():
     assert expected_acceptance([[0.5], [0.5]], size=2) == pytest.approx(0.75)  # 0.5 + 0.5 * 0.5
     assert expected_acceptance([[0.6, 0.3]], size=2) == pytest.approx(0.9)
     assert expected_acceptance([]) == 0.0
+
+
+def test_vocabulary_swaps_bring_frequent_tokens_in_for_rare_ones():
+    counts = torch.tensor([0, 5, 1, 9, 0, 7, 2, 1])
+    positions, token_ids = vocabulary_swaps(torch.tensor([0, 1, 2, 4]), counts, limit=3)
+    # outside the map by frequency: 3 (9), 5 (7), 6 (2); inside by rarity: 0 (0), 4 (0), 2 (1)
+    assert positions.tolist() == [0, 3, 2] and token_ids.tolist() == [3, 5, 6]
+    assert vocabulary_swaps(torch.tensor([3, 5]), counts, limit=4)[0].numel() == 0  # the map holds the top
+
+
+@pytest.mark.parametrize("kind, options", [("medusa", {"num_heads": 2, "tree": 8, "draft_vocab_size": 24}),
+                                           ("eagle", {"total_tokens": 8, "depth": 3, "draft_vocab_size": 24})])
+def test_a_draft_vocabulary_follows_traffic_and_rolls_back_with_the_weights(toy_target, kind, options):
+    spec = heads.attach_heads(toy_target, kind=kind, **options)  # token_map 0..23: mostly unused ids
+    learner = learn(spec, batch_size=2, held_out=2, hold_every=2, tolerance=1e9, vocabulary_swaps=8)
+    learner.pause()
+    _serve(spec, toy_target, calls=4, new=16)
+    snapshot = learner._snapshot()
+    assert learner._swap_vocabulary() == 8
+    token_map = spec.heads.token_map
+    assert token_map.unique().numel() == 24 and not torch.equal(token_map, torch.arange(24))
+    if kind == "medusa":  # a swapped-in token's row restarts from the output head's
+        position = int((token_map >= 24).nonzero()[0])
+        assert torch.equal(spec.heads.projections[0].weight[position],
+                           toy_target.get_output_embeddings().weight[token_map[position]])
+    learner._restore(snapshot)
+    assert _same(snapshot[0], _heads_state(spec)) and torch.equal(spec.heads.token_map, torch.arange(24))
+    assert learner.step(updates=1) == 1 and learner.swapped == 8  # kept (tolerance): swapped and trained
+    _serve(spec, toy_target, calls=2, seed=1, new=16)  # still the backbone's output
 
 
 def test_buffer_is_bounded_in_tokens_and_holds_sequences_back():
