@@ -38,6 +38,20 @@ import train_target as target_recipe  # noqa: E402  (the target's corpora, split
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+def add_schedule_arguments(ap, *, batch_size: int, batch_help: str, steps: int, lr: float, warmup: int,
+                           weight_decay: float, eval_every: int) -> None:
+    """The optimisation and schedule flags both draft-training scripts take (their defaults differ)."""
+    ap.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
+    ap.add_argument("--steps", type=int, default=steps, help="length of the learning-rate schedule")
+    ap.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this long (0: no limit)")
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--min-lr-frac", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--weight-decay", type=float, default=weight_decay)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--eval-every", type=int, default=eval_every)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--code-dir", default=target_recipe.default_code_dir())
@@ -58,15 +72,8 @@ def parse_args(argv=None):
     ap.add_argument("--intermediate", type=int, default=352)
     ap.add_argument("--max-pos", type=int, default=1024)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per step (half code, half prose)")
-    ap.add_argument("--steps", type=int, default=900, help="length of the learning-rate schedule")
-    ap.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this long (0: no limit)")
-    ap.add_argument("--lr", type=float, default=4e-3)
-    ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--eval-every", type=int, default=150)
+    add_schedule_arguments(ap, batch_size=8, batch_help="sequences per step (half code, half prose)", steps=900,
+                           lr=4e-3, warmup=40, weight_decay=0.1, eval_every=150)
     ap.add_argument("--eval-chunks", type=int, default=16)
     ap.add_argument("--final-eval-chunks", type=int, default=64, help="held-out 256-token windows per mix at the end")
     ap.add_argument("--sample-new-tokens", type=int, default=40)

@@ -73,15 +73,8 @@ def parse_args(argv=None):
     ap.add_argument("--init-layers", default="0", help="target layers copied into the draft's layers (--init target)")
     # training
     ap.add_argument("--loss", choices=("kl", "ce"), default="kl")
-    ap.add_argument("--batch-size", type=int, default=16, help="sequences per step")
-    ap.add_argument("--steps", type=int, default=7000, help="length of the learning-rate schedule")
-    ap.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this long (0: no limit)")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--eval-every", type=int, default=500)
+    draft_recipe.add_schedule_arguments(ap, batch_size=16, batch_help="sequences per step", steps=7000, lr=3e-3,
+                                        warmup=50, weight_decay=0.0, eval_every=500)
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--check-prompts", type=int, default=4, help="held-out prompts of the greedy-parity check")
     return ap.parse_args(argv)
