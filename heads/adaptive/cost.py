@@ -8,8 +8,7 @@ in the width (for a cost that grows with the width, cheaper than any interpolati
 function of it, so an unmeasured width in between is tried rather than written off), and past the
 widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
 A width's excess over a plain step counts as if it had one more sample at the plain cost, its own
-samples' weight halving every ``HALF_LIFE`` steps served in its rows bucket (timings do not go
-stale while other buckets are served): a width written off on a few noisy steps, or
+samples' weight halving every ``HALF_LIFE`` steps: a width written off on a few noisy steps, or
 long ago, is tried again. No width is priced above a wider one, nor above the same width over
 more rows (the lower envelope): timing noise on a shared machine only ever adds time, and verifying
 more nodes, or more rows, never costs less.
@@ -46,7 +45,7 @@ class RecentMedian:
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=COST_HORIZON)
         self.count = 0
-        self.stamp = 0  # its rows bucket's clock (steps timed there) at the latest sample
+        self.stamp = 0  # the cost curve's clock (steps) at the latest sample
         self._value: float | None = None
 
     def add(self, sample: float, stamp: int = 0) -> None:
@@ -79,17 +78,17 @@ class CostCurve:
         self.verify: dict[int, dict[int, RecentMedian]] = {}
         self.drafting: dict[object, dict[int, RecentMedian]] = {}  # per drafting option, per rows bucket
         self.first_drafting: dict[object, dict[int, RecentMedian]] = {}
-        self.clocks: dict[int, int] = {}  # per rows bucket: verify forwards timed there (its steps)
+        self.clock = 0  # verify forwards observed (steps)
         self._curves: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # per bucket: (clock, widths, seconds)
 
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
+        self.clock += 1
         bucket = rows_bucket(rows)
-        clock = self.clocks[bucket] = self.clocks.get(bucket, 0) + 1
         table = self.verify.setdefault(bucket, {})
         timed = table.get(width)
         if timed is None:
             timed = table[width] = RecentMedian()
-        timed.add(seconds, clock)
+        timed.add(seconds, self.clock)
         if timed.count <= PRIOR_TIMINGS:  # a width's first timings move its price most: priced again now
             self._curves.pop(bucket, None)
 
@@ -100,7 +99,7 @@ class CostCurve:
         timed = table.get(bucket)
         if timed is None:
             timed = table[bucket] = RecentMedian()
-        timed.add(seconds, self.clocks.get(bucket, 0))
+        timed.add(seconds, self.clock)
 
     @staticmethod
     def _nearest(bucket: int, tables: dict) -> int:
@@ -129,13 +128,13 @@ class CostCurve:
             return None
         bucket = rows_bucket(rows)
         bucket = bucket if bucket in self.verify else self._nearest(bucket, self.verify)
-        table, curve, clock = self.verify[bucket], self._curves.get(bucket), self.clocks.get(bucket, 0)
-        if curve is None or curve[0] + _REFRESH <= clock or curve[1].size != len(table):
+        table, curve = self.verify[bucket], self._curves.get(bucket)
+        if curve is None or curve[0] + _REFRESH <= self.clock or curve[1].size != len(table):
             measured = sorted(table)
             seconds = np.array([table[width].value for width in measured])
             plain = table.get(1)
             if plain is not None:
-                weights = np.array([table[width].weight(clock) for width in measured])
+                weights = np.array([table[width].weight(self.clock) for width in measured])
                 seconds = plain.value + (seconds - plain.value) * weights / (weights + 1)
                 seconds[0] = plain.value
             # the lower envelope: none above a wider one timed often enough to bound it (one fast
@@ -150,7 +149,7 @@ class CostCurve:
                 cap = self.verify_curve(min(larger), np.array(measured, dtype=float))
                 seconds = np.where(np.array(measured) <= widest, np.minimum(seconds, cap), seconds)
                 seconds = np.minimum.accumulate(seconds[::-1])[::-1]
-            curve = self._curves[bucket] = (clock, np.array(measured, dtype=float), seconds)
+            curve = self._curves[bucket] = (self.clock, np.array(measured, dtype=float), seconds)
         return np.interp(widths, curve[1], curve[2])
 
     def verify_seconds(self, rows: int, width: int) -> float | None:
@@ -166,9 +165,8 @@ class CostCurve:
         if not tables:
             return 0.0
         bucket = rows_bucket(rows)
-        bucket = bucket if bucket in tables else self._nearest(bucket, tables)
-        timed = tables[bucket]
-        weight = timed.weight(self.clocks.get(bucket, 0))
+        timed = tables[bucket if bucket in tables else self._nearest(bucket, tables)]
+        weight = timed.weight(self.clock)
         return timed.value * weight / (weight + 1)
 
     def summary(self) -> dict:

@@ -49,20 +49,6 @@ def test_cost_curve_interpolates_optimistically_and_keeps_buckets_apart():
     assert costs.draft_seconds(1) == pytest.approx(0.25)
 
 
-def test_timings_age_with_the_steps_of_their_own_rows_bucket():
-    costs = CostCurve()
-    for _ in range(8):
-        costs.observe_verify(16, 1, 10.0)
-        costs.observe_verify(16, 5, 30.0)
-    before = costs.verify_seconds(16, 5)
-    for _ in range(200):  # a long stretch at batch 1 (the tail of a batch, or other traffic)
-        costs.observe_verify(1, 1, 1.0)
-    assert costs.verify_seconds(16, 5) == pytest.approx(before)  # still known, not priced as plain
-    for _ in range(64):
-        costs.observe_verify(16, 1, 10.0)
-    assert costs.verify_seconds(16, 5) < before  # its own bucket's steps age it
-
-
 def test_fewer_rows_are_never_priced_above_more_rows():
     costs = CostCurve()
     for _ in range(8):
