@@ -170,10 +170,13 @@ def check_calibration(table: object) -> None:
 
 
 class ChainCosts:
-    """Running means, in seconds, of one draft forward (all rows, one token each), of a verify step
-    as ``intercept + slope * (nodes - 1)``, and of the tokens a row commits per step; the slope is
-    a weighted least-squares fit held towards :data:`NODE_PRIOR` of the intercept (chains of one
-    length alone cannot tell it apart)."""
+    """Running means, in seconds, of one draft forward (all rows, one token each), of a steady
+    step's feeding forward, of a verify step as ``intercept + slope * (nodes - 1)``, and of the
+    tokens a row commits per step; the slope is a weighted least-squares fit held towards
+    :data:`NODE_PRIOR` of the intercept (chains of one length alone cannot tell it apart). Whether
+    drafting pays compares the running means of the drafted tokens a step kept and of its seconds
+    beyond a plain step, both over the drafted steps and the replayed plain steps (one-token
+    chains); a call's first drafted step, which catches up on the prompt, counts in the gain only."""
 
     def __init__(self) -> None:
         self.draft: float | None = None
@@ -181,7 +184,9 @@ class ChainCosts:
         self.step_seconds: float | None = None
         self.tokens = 1.0
         self.gain = 1.0  # drafted tokens a row kept per drafted step (optimistic until measured)
-        self.draft_step: float | None = None  # seconds of a drafted step beyond a plain one
+        self.propose: float | None = None  # seconds of a steady drafted step's proposal
+        self.drafted_nodes = 0.0  # verified nodes of a drafted step beyond the root
+        self.feed: float | None = None  # seconds of a steady step's feeding forward
         self.interval, self.waited = 1, 0
 
     def add_draft(self, seconds: float) -> None:
@@ -200,18 +205,28 @@ class ChainCosts:
             DECAY * self.step_seconds + (1 - DECAY) * step_seconds
         self.tokens = DECAY * self.tokens + (1 - DECAY) * tokens
 
-    def add_drafted(self, gain: float, propose_seconds: float, nodes: int, caught_up: bool = False) -> None:
+    def add_drafted(self, gain: float, propose_seconds: float, nodes: int, *, feed_seconds: float | None = None,
+                    caught_up: bool = False, first: bool = False) -> None:
         """A drafted step: the drafted tokens a row kept, the seconds of the proposal and the
-        widest row's node count (root included); ``caught_up``: the proposal also fed the tokens of
-        plain steps before it (its seconds then price those steps' deferred feeding too, so they
-        do not enter the mean seconds of a drafted step, unless none is known yet)."""
+        widest row's node count (root included). ``feed_seconds``: the part of the proposal spent in
+        the draft forward that fed it the step's committed tokens and root (None: not timed apart).
+
+        The mean seconds of a drafted step price what drafting costs at a steady step, so that a
+        plain step is chosen from what drafting costs now, not from what the draft once spent
+        catching up. ``first``: a call's first proposal (its feeding forward reads the whole prompt,
+        and the first call's also warms the draft up) stays out of that mean, like the first
+        drafting of a call in :class:`heads.adaptive.cost.CostCurve`. ``caught_up``: the feeding
+        forward also read the tokens of plain steps before it (a probe): the step counts, its
+        feeding forward priced as a steady one (:meth:`steady_feed`); having read more tokens than
+        a steady one, it also bounds a steady one (counted when below the mean)."""
         self.gain = GAIN_DECAY * self.gain + (1 - GAIN_DECAY) * gain
-        line = self.verify_line()
-        extra = propose_seconds + (0.0 if line is None else line[1] * (nodes - 1))
-        if self.draft_step is None:
-            self.draft_step = extra
-        elif not caught_up:
-            self.draft_step = DECAY * self.draft_step + (1 - DECAY) * extra
+        if not first:
+            steady = self.steady_feed()
+            if feed_seconds is not None and (not caught_up or (steady is not None and feed_seconds < steady)):
+                self.feed = feed_seconds if self.feed is None else DECAY * self.feed + (1 - DECAY) * feed_seconds
+            elif feed_seconds is not None and steady is not None:  # the plain steps' deferred feeding left out
+                propose_seconds -= feed_seconds - steady
+            self._add_drafted_seconds(propose_seconds, nodes)
         if self.pays():
             self.interval = 1
         elif self.waited >= self.interval:  # a probe that did not pay: wait longer before the next
@@ -219,18 +234,48 @@ class ChainCosts:
         self.waited = 0
 
     def add_replayed(self, gain: float) -> None:
-        """A plain step replayed: the drafted tokens a row would have kept with a chain of one."""
+        """A plain step replayed: the drafted tokens a row would have kept with a chain of one, a
+        drafted step of one node whose proposal is a steady feeding forward (the gain and the
+        seconds of a drafted step are means over the same steps: a one-token chain's gain is not
+        weighed against a longer chain's seconds)."""
         self.gain = GAIN_DECAY * self.gain + (1 - GAIN_DECAY) * gain
+        steady = self.steady_feed()
+        if steady is not None and self.propose is not None:
+            self._add_drafted_seconds(steady, 2)
         if self.pays():
             self.interval = 1
+
+    def steady_feed(self) -> float | None:
+        """Seconds of a steady step's feeding forward (a few tokens per row): the running mean of
+        those timed, else of a draft forward (one token per row); None before either."""
+        return self.feed if self.feed is not None else self.draft
+
+    def _add_drafted_seconds(self, propose_seconds: float, nodes: int) -> None:
+        """One drafted step's proposal seconds and its widest row's node count (root included)."""
+        if self.propose is None:
+            self.propose, self.drafted_nodes = propose_seconds, float(nodes - 1)
+        else:
+            self.propose = DECAY * self.propose + (1 - DECAY) * propose_seconds
+            self.drafted_nodes = DECAY * self.drafted_nodes + (1 - DECAY) * (nodes - 1)
+
+    @property
+    def draft_step(self) -> float | None:
+        """Seconds of a drafted step beyond a plain one: its mean proposal and its mean verified
+        nodes beyond the root at the verify line's current slope (priced when asked, so that a
+        slope fitted before any plain step was timed is not kept in the mean); None before any
+        drafted step was counted."""
+        if self.propose is None:
+            return None
+        line = self.verify_line()
+        return self.propose + (0.0 if line is None else line[1] * self.drafted_nodes)
 
     def pays(self) -> bool:
         """Whether a drafted step is expected to commit tokens faster than a plain step: the
         tokens it gains exceed its extra seconds in plain steps (True until measured)."""
-        line = self.verify_line()
-        if line is None or self.draft_step is None:
+        line, extra = self.verify_line(), self.draft_step
+        if line is None or extra is None:
             return True
-        return self.gain > self.draft_step / line[0]
+        return self.gain > extra / line[0]
 
     def draft_now(self) -> bool:
         """Draft at this step: it pays, or the plain steps since the last draft reached the probe interval."""

@@ -85,7 +85,9 @@ class DraftModelDrafter:
         self.proposed_at = None  # perf_counter when the last propose of this call returned
         self.pending: DraftBatch | None = None  # committed entries of plain steps, not fed to the draft yet
         self.plain_steps = 0  # plain steps in pending (each committed one token)
-        self.caught_up = False  # the last drafted step also fed plain steps' tokens
+        self.caught_up = False  # the last drafted step's feeding forward also fed plain steps' tokens
+        self.first = True  # the last drafted step was this call's first (its feeding forward fed the prompt)
+        self.feed_seconds = None  # the seconds of the last drafted step's feeding forward
         self.costs.waited = self.costs.interval  # each call's first step drafts
 
     def retire(self, keep: torch.Tensor) -> None:
@@ -171,8 +173,10 @@ class DraftModelDrafter:
             self.proposed_at = time.perf_counter()
             self.propose_seconds, self.width = self.proposed_at - started, 1
             return trees
+        self.caught_up, self.first = self.plain_steps > 0, not self.started  # plain steps' tokens; the prompt
+        fed = time.perf_counter()
         root_logits = self._commit(batch)  # (R, V)
-        self.caught_up, self.plain_steps = self.plain_steps > 0, 0
+        self.feed_seconds, self.plain_steps = time.perf_counter() - fed, 0
         self.cache.compact()
         if self.top_k != 1:
             trees = self._tree(batch.roots.tolist(), root_logits)
@@ -209,7 +213,8 @@ class DraftModelDrafter:
             for depth in range(1, min(accepted + 1, size - 1) + 1):
                 self.calibration.observe(mode, depth, row_bins[depth - 1], depth <= accepted or nodes[depth] == root)
         if kept:
-            self.costs.add_drafted(sum(kept) / len(kept), self.propose_seconds, self.width, self.caught_up)
+            self.costs.add_drafted(sum(kept) / len(kept), self.propose_seconds, self.width,
+                                   feed_seconds=self.feed_seconds, caught_up=self.caught_up, first=self.first)
 
     def _chain(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
         """Every row's chain, one draft forward per level for all rows; a row stops growing below

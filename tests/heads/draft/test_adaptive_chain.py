@@ -242,3 +242,72 @@ def test_the_verify_line_and_the_probes():
     costs.add_drafted(3.0, 0.005, 5)  # a probe that paid, twice: drafting at every step again
     costs.add_drafted(3.0, 0.005, 5)
     assert costs.pays() and all(costs.draft_now() for _ in range(5))
+
+
+
+def test_replayed_plain_steps_price_one_token_chains():
+    """A replayed plain step is a one-token chain: its gain comes with its own seconds (a steady
+    feeding forward and one node), not weighed against the seconds of the long chain drafted last.
+    Plain steps of 10 ms after a chain of 8 that cost 30 ms and kept one token: replays that keep
+    0.8 tokens at about 1.4 ms a step bring drafting back."""
+    costs = ChainCosts()
+    for _ in range(20):
+        costs.add_step(1, 0.010, 0.010, 1.0)
+    costs.add_draft(0.001)
+    costs.add_drafted(1.0, 0.030, 9)
+    assert not costs.pays()
+    for _ in range(30):
+        costs.add_replayed(0.8)
+    assert costs.pays() and costs.draft_step < 0.004, costs.draft_step
+
+
+class Clock:
+    """A controlled ``time`` for the drafter: seconds pass only in forwards, priced by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class Timed:
+    """``inner`` (a target or a draft backbone) whose ``forward`` advances ``clock`` by
+    ``seconds(input_ids)``; everything else is ``inner``'s."""
+
+    def __init__(self, inner, clock: Clock, seconds) -> None:
+        self.inner, self.clock, self.seconds = inner, clock, seconds
+
+    def forward(self, input_ids, *args, **kwargs):
+        self.clock.now += self.seconds(input_ids)
+        return self.inner.forward(input_ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_slow_first_step_does_not_stop_drafting(monkeypatch):
+    """A call's first drafted step feeds the draft the whole prompt (here 60 ms against 1 ms for
+    any other draft forward; a verify step costs 10 ms + 0.2 ms a node): drafting pays at every
+    later step, and the drafter keeps drafting, in the first call and in the next ones. (It once
+    priced every drafted step at that first one, never counted the probes after plain steps that
+    could have corrected it, and weighed one-token replays against long chains: plain for good.)"""
+    import heads.draft.drafter as drafter_module
+
+    clock = Clock()
+    monkeypatch.setattr(drafter_module, "time", clock)
+    model = build_model("llama", seed=1)
+    prompt = random_prompt(24, seed=0)
+    expected = reference(model, prompt, torch.ones_like(prompt), 48)
+    spec = heads.attach_heads(model, kind="draft", draft_model=model)
+    drafter = spec.drafter
+    drafter.draft = Timed(drafter.draft, clock, lambda ids: 0.060 if not drafter.started else 0.001)
+    target = Timed(spec.target, clock, lambda ids: 0.010 + 0.0002 * ids.shape[1])
+    for call in range(3):
+        recorder = Recorder(drafter)
+        output, _ = speculative_generate(target, recorder, prompt, 48, (), None, None, spec.pad_token_id)
+        assert torch.equal(output, expected)
+        plain = recorder.sizes.count(1)
+        assert plain <= 2, (call, recorder.sizes)  # at most a step or two while the costs are first measured
+    costs = spec.heads.costs  # a steady drafted step: at most 8 draft forwards and 8 nodes, ~10 ms
+    assert costs.pays() and costs.draft_step < 0.015, costs.draft_step
