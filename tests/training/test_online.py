@@ -56,7 +56,7 @@ def _serve(spec, model, calls: int, seed: int = 0, rows: int = 2, new: int = 12)
 
 @pytest.mark.parametrize("architecture, kind, options", [
     ("llama", "medusa", {"num_heads": 2, "tree": 8}),
-    ("gpt2", "medusa", {"num_heads": 2, "tree": 8}),
+    ("gpt2", "medusa", {"num_heads": 2, "tree": 8, "lookup": True}),  # a hybrid: its Medusa part learns
     ("llama", "eagle", {"total_tokens": 8, "depth": 3, "top_k": 2}),
 ])
 def test_greedy_output_is_the_backbones_while_learning(architecture, kind, options):
