@@ -199,6 +199,7 @@ class OnlineLearner:
         self.steps = self.kept = self.rolled_back = self.swapped = 0
         self.trained_tokens = 0  # tokens of the batches of kept updates
         self.seconds = 0.0  # spent learning
+        self.guard_seconds = 0.0  # of which measuring the held-back pool
         self.served_seconds = 0.0
         self.last_proxy: tuple[float, float] | None = None  # (before, after) of the last update
         self._baseline: tuple[int, float, list] | None = None  # (held-back pool version, proxy, table) now
@@ -304,6 +305,7 @@ class OnlineLearner:
 
     def _measure(self) -> tuple[float, list]:
         """The guard's proxy and the accuracy table (per depth, per rank) on the held-back pool."""
+        started = time.perf_counter()
         self._held_view[:] = self.buffer.held_sequences()
         heads = self.spec.heads
         was_training = heads.training
@@ -312,6 +314,7 @@ class OnlineLearner:
             table = self.hook.rank_accuracy(GUARD_RANKS)
         finally:
             heads.train(was_training)
+        self.guard_seconds += time.perf_counter() - started
         return expected_acceptance(table), table
 
     def _optimizer_step(self) -> int:
@@ -366,8 +369,8 @@ class OnlineLearner:
             "steps": self.steps, "vocabulary_swapped": self.swapped, "trained_tokens": self.trained_tokens,
             "sequences_seen": self.buffer.seen, "tokens_seen": self.buffer.seen_tokens,
             "buffer_tokens": self.buffer.tokens, "buffer_sequences": len(self.buffer.train),
-            "held_out_sequences": len(self.buffer.held),
-            "learning_seconds": self.seconds, "served_seconds": self.served_seconds, "credit_seconds": self.credit,
+            "held_out_sequences": len(self.buffer.held), "learning_seconds": self.seconds,
+            "guard_seconds": self.guard_seconds, "served_seconds": self.served_seconds, "credit_seconds": self.credit,
             "last_proxy": self.last_proxy,
         }
 
