@@ -10,7 +10,8 @@ so that a repeated prompt cannot copy itself);
 greedy outputs are checked identical to ``generate``; sampled, every drafter's run of a batch uses one
 seed (``seed=``: the same text whatever the tree size or ``auto`` decides), so that its methods differ
 in time alone, not in what they happened to sample. Reported per method: the median over batches
-of the speedup over ``generate`` and tau; for ``auto``, its ratio to the best fixed size (the size with
+of the speedup over ``generate`` in tokens per second (sampled, ``generate`` draws a text of its own,
+of another length) and tau; for ``auto``, its ratio to the best fixed size (the size with
 the best median), and the median over its first three calls (cold start) against that size's on the
 same batches. Writes the cell's JSON to ``--results``; ``bench_auto.py --merge DIR`` collects a
 grid's cells into ``benchmarks/results/auto.json`` (``auto_grid.sh`` does both).
@@ -48,6 +49,16 @@ def split_prompts(tokenizer, mix: str, split: str, count: int) -> list[str]:
     texts = [json.loads(line)["prompt"] for line in lines]
     chosen = texts[0::2] if split == "tuning" else texts[1::2]
     return chosen[:count]
+
+
+def new_tokens(output: torch.Tensor, prompt_length: int, eos: set[int]) -> int:
+    """Tokens the rows of ``output`` generated after a prompt of ``prompt_length`` columns, each row
+    up to and with its first eos (what follows is padding)."""
+    total = 0
+    for row in output[:, prompt_length:].tolist():
+        stop = next((index for index, token in enumerate(row) if token in eos), None)
+        total += len(row) if stop is None else stop + 1
+    return total
 
 
 def make_spec(model, drafter: str, size: int | None):
@@ -138,6 +149,8 @@ def main(argv=None) -> int:
     options = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, pad_token_id=tokenizer.pad_token_id)
     if sample:
         options.update(temperature=args.temperature, top_k=0, top_p=1.0)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     probe = make_spec(model, args.drafter, None)
     sizes = fixed_sizes(probe)
     methods = {"generate": None, **{f"size {size}": make_spec(model, args.drafter, size) for size in sizes},
@@ -153,7 +166,7 @@ def main(argv=None) -> int:
     names = list(methods)
     for index, batch in enumerate(batches):
         order = names[index % len(names):] + names[:index % len(names)]
-        seconds, outputs = {}, {}
+        seconds, outputs, produced = {}, {}, {}
         for repeat in range(args.repeats):
             for name in order:
                 spec = methods[name]
@@ -167,12 +180,17 @@ def main(argv=None) -> int:
                     if repeat == 0:
                         results[name]["tau"].append(spec.last_stats.tau)
                 seconds[name] = min(seconds.get(name, float("inf")), time.perf_counter() - start)
+                produced[name] = new_tokens(outputs[name], batch["input_ids"].shape[1], eos)
+        def rate(name: str) -> float:  # tokens per second
+            return produced[name] / seconds[name]
+
         for name in names:
             reference = "generate" if not sample else names[1] if name != "generate" else name
             if not torch.equal(outputs[name], outputs[reference]):
                 raise SystemExit(f"{name}: output differs from {reference} on batch {index}")
-            results[name]["speedup"].append(seconds["generate"] / seconds[name])
-        print(f"batch {index}: " + " ".join(f"{name} {seconds['generate'] / seconds[name]:.2f}" for name in names),
+            # per generated token: sampled, generate draws its own text (of its own length)
+            results[name]["speedup"].append(rate(name) / rate("generate"))
+        print(f"batch {index}: " + " ".join(f"{name} {rate(name) / rate('generate'):.2f}" for name in names),
               flush=True)
     medians = {name: statistics.median(entry["speedup"]) for name, entry in results.items()}
     best = max((name for name in names if name.startswith("size")), key=medians.get)

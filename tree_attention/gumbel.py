@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .tree import Tree, TreeBatch
@@ -84,13 +85,37 @@ def row_keys(seeds: Sequence[int], input_ids: torch.Tensor, attention_mask: torc
     return mix(mix(seed) ^ mix(prompt + mask.long().sum(dim=1)))
 
 
+_WORDS = {name: np.uint64(value % (1 << 64)) for name, value in
+          (("golden", GOLDEN), ("mix_1", _MIX_1), ("mix_2", _MIX_2), ("position", _POSITION))}
+
+
+def _mix_host(values: np.ndarray) -> np.ndarray:
+    """:func:`mix` on uint64 numpy ``values``, in place (the same bits: both wrap modulo ``2**64``)."""
+    for bits, factor in ((30, _WORDS["mix_1"]), (27, _WORDS["mix_2"])):
+        values ^= values >> np.uint64(bits)
+        values *= factor
+    values ^= values >> np.uint64(31)
+    return values
+
+
 def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise ``G(key, position, token)`` as float64 ``[..., K]`` for int64 ``keys``
     and ``positions`` ``[...]`` (the position of the token being drawn) and ``tokens`` ``[..., K]``
-    (or ``[K]``, broadcast)."""
-    stream = mix(keys.long() ^ mix(positions.long() + _POSITION))[..., None]  # (..., 1)
-    words = mix(stream + (tokens.long() + 1) * GOLDEN)  # (..., K) splitmix64's sequence from `stream`
-    uniform = _shift(words, 11).double().add_(0.5).mul_(2.0 ** -53)  # (0, 1): never log(0)
+    (or ``[K]``, broadcast). On the host the words are hashed in numpy (about a dozen integer
+    operations an entry, where torch's per-operation cost dominates a small step), bit for bit the
+    words of the tensor path."""
+    if keys.device.type == "cpu" and positions.device.type == "cpu" and tokens.device.type == "cpu":
+        with np.errstate(over="ignore"):  # (multiplication wraps, by design)
+            key = keys.long().numpy().astype(np.uint64)
+            stream = _mix_host(key ^ _mix_host(positions.long().numpy().astype(np.uint64) + _WORDS["position"]))
+            words = (tokens.long().numpy().astype(np.uint64) + np.uint64(1)) * _WORDS["golden"]
+            words = _mix_host(words + stream[..., None])
+        uniform = torch.from_numpy((words >> np.uint64(11)).astype(np.float64))
+    else:
+        stream = mix(keys.long() ^ mix(positions.long() + _POSITION))[..., None]  # (..., 1)
+        words = mix(stream + (tokens.long() + 1) * GOLDEN)  # (..., K) splitmix64's sequence from `stream`
+        uniform = _shift(words, 11).double()
+    uniform = uniform.add_(0.5).mul_(2.0 ** -53)  # (0, 1): never log(0)
     return uniform.log_().neg_().log_().neg_()
 
 

@@ -15,7 +15,9 @@ Evidence fades with a half-life counted in steps, plain steps included, and choi
 confidence bound on a prefix's total (each node's rate seen over its own evidence): after a
 stretch of plain steps the question is open again, so no tree size is locked out by a few early
 steps. The prior is the acceptance by depth the adapter recorded at save time, spread evenly over
-the nodes of each depth the first time they are seen.
+the nodes of each depth the first time they are seen, and fades with the evidence: what reopens
+the question is the bound widening, not the estimate drifting back to a prior measured on other
+text.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ class AcceptanceModel:
         self.prior_by_depth = [float(rate) for rate in prior_by_depth]
         self.exists = np.zeros(0)  # rows whose tree held (and verified) node i (stored, see scale)
         self.on_path = np.zeros(0)  # rows in which node i was accepted
-        self.prior_on = np.zeros(0)  # prior pseudo-counts (unfaded), spread per depth
+        self.prior_on = np.zeros(0)  # prior pseudo-counts (stored as the counts, fading with them), per depth
         self.prior_seen = np.zeros(0)
         self.asked = np.zeros(0)  # rows of drafted steps whose tree could hold node i (stored)
         self.scale = 1.0  # faded value = stored x scale
@@ -83,7 +85,7 @@ class AcceptanceModel:
         self.scale *= self._decay
         if self.scale < _RESCALE:
             self._count()  # (pending steps carry weights of the current scale)
-            for array in (self.exists, self.on_path, self.asked):
+            for array in (self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen):
                 array *= self.scale
             self.scale = 1.0
             self._cache = None
@@ -125,7 +127,7 @@ class AcceptanceModel:
                 row = int(sizes.argmax())
                 held = int(sizes[row])
             if held > 1 and self.prior_seen[held - 1] == 0:  # (a root alone has no prior)
-                self._spread_prior(trees.depths[row, :held].numpy())
+                self._spread_prior(trees.depths[row, :held].numpy(), weight)
             paths, lengths = paths.numpy(), lengths.numpy()
             if rows == 1:
                 self.on_path[paths[0, :lengths[0]]] += weight
@@ -134,17 +136,20 @@ class AcceptanceModel:
                 self.on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
         self._pending.clear()
 
-    def _spread_prior(self, depths: np.ndarray) -> None:
+    def _spread_prior(self, depths: np.ndarray, weight: float) -> None:
         """Give the nodes of one row's tree (``depths``, one per node) seen for the first time their
-        share of the prior acceptance of their depth."""
+        share of the prior acceptance of their depth, stored with the ``weight`` of the step that
+        showed them (as its evidence is)."""
         for index in np.flatnonzero(self.prior_seen[:depths.size] == 0).tolist():
             depth = int(depths[index])
             if depth == 0:
                 continue
             reach = (self.prior_by_depth[depth - 1] if depth - 1 < len(self.prior_by_depth)
                      else 0.0 if self.prior_by_depth else UNINFORMED ** depth)
-            self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths == depth).sum()))
-            self.prior_seen[index] = PRIOR_STEPS
+            # (stored as evidence is, fading with it: a stretch of plain steps widens the bound
+            # on a node's rate but leaves the rate where the evidence put it, not back at the prior)
+            self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths == depth).sum())) * weight
+            self.prior_seen[index] = PRIOR_STEPS * weight
 
     def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per node index: the chance it exists in a row's tree, its acceptance given it was
@@ -154,8 +159,8 @@ class AcceptanceModel:
         evidence has faded."""
         if self._cache is None:
             self._count()
-            seen = self.exists * self.scale + self.prior_seen
-            rate = (self.on_path * self.scale + self.prior_on) / np.maximum(seen, 1e-9)
+            seen = (self.exists + self.prior_seen) * self.scale
+            rate = (self.on_path + self.prior_on) * self.scale / np.maximum(seen, 1e-300)
             exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / (self.asked * self.scale + PRIOR_STEPS), 1.0)
             if rate.size:
                 rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
@@ -168,11 +173,17 @@ class AcceptanceModel:
         count plus :data:`CONFIDENCE` standard errors of it), and the expected padded width of
         ``rows`` such trees. The bound is on each prefix's total, not per node: per-node bounds
         would add up and favour whichever option has more nodes."""
+        expected, bonus, padded = self.prefix_estimates(width, rows)
+        return expected + bonus, padded
+
+    def prefix_estimates(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`prefix_gains` apart: the expected drafted tokens a row accepts from each prefix,
+        the bound's margin above it (``CONFIDENCE`` standard errors), and the padded width."""
         if self._cache is not None and self._gains_key == (width, rows):
             return self._gains
         exists, rate, seen = self._estimates()
         count = min(width, exists.size)
-        gain, padded = np.zeros(width), np.ones(width)
+        gain, bonus, padded = np.zeros(width), np.zeros(width), np.ones(width)
         if count > 1:
             gain[:count] = np.cumsum(exists[:count] * rate[:count])
             padded[:count] += np.cumsum(exists[:count] if rows == 1 else 1.0 - (1.0 - exists[:count]) ** rows)
@@ -180,11 +191,11 @@ class AcceptanceModel:
             # the standard error of a prefix's total: each node's rate seen over its own evidence,
             # weighted by how often the node exists (a node rarely proposed moves the total little)
             spread = exists[:count] ** 2 * np.maximum(rate[:count] * (1 - rate[:count]), 0.01) / (seen[:count] + 1)
-            gain[:count] += CONFIDENCE * np.sqrt(np.cumsum(spread))
-            gain[0] = 0.0
-            gain[count:] = gain[count - 1]
-        self._gains_key, self._gains = (width, rows), (gain, padded)  # kept while the estimates stand
-        return gain, padded
+            bonus[:count] = CONFIDENCE * np.sqrt(np.cumsum(spread))
+            gain[0] = bonus[0] = 0.0
+            bonus[count:] = bonus[count - 1]
+        self._gains_key, self._gains = (width, rows), (gain, bonus, padded)  # kept while the estimates stand
+        return self._gains
 
     def summary(self) -> dict:
         exists, rate, seen = self._estimates()

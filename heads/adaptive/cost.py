@@ -7,14 +7,20 @@ latest timings. A width never verified is priced by interpolating its measured n
 in the width (for a cost that grows with the width, cheaper than any interpolation in a concave
 function of it, so an unmeasured width in between is tried rather than written off), and past the
 widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
-A width's excess over a plain step counts as if it had one more sample at the plain cost, its own
-samples' weight halving every ``HALF_LIFE`` steps: a width written off on a few noisy steps, or
-long ago, is tried again. No width is priced above a wider one, nor above the same width over
+A width's excess over a plain step counts as if it had one more sample at the plain cost: a width
+timed on a few (perhaps noisy) steps is priced optimistically until it has more. No width is priced above a wider one, nor above the same width over
 more rows (the lower envelope): timing noise on a shared machine only ever adds time, and verifying
 more nodes, or more rows, never costs less.
 Drafting cost is kept per drafting option and rows bucket for a drafter's steady steps, shrunk
 toward nothing the same way; a request's first ``propose`` (the drafter catching up on the prompt)
 is kept apart and never charged to a step's choice.
+
+Every timing is stored divided by the machine's current speed: a shared machine runs the same step
+in times that drift by tens of percent over seconds, so a plain step timed in a slow stretch and a
+tree timed in a fast one would compare wrongly (a plain option written off, or drafting that loses
+2x kept). The speed is the median, over the latest steps of any width, of each step's seconds over
+its width's stored cost; options are priced at stored cost x current speed, so what decides between
+them is their costs measured relative to one another, chained through whatever steps ran in between.
 """
 
 from __future__ import annotations
@@ -60,10 +66,18 @@ class RecentMedian:
             self._value = statistics.median(self.samples) if self.samples else 0.0
         return self._value
 
+    @property
+    def evidence(self) -> int:
+        """Samples the value rests on (at most the horizon)."""
+        return min(self.count, COST_HORIZON)
+
     def weight(self, now: int) -> float:
         """Samples' worth of evidence left at step ``now``: their count (at most the horizon),
         halved every :data:`~heads.adaptive.acceptance.HALF_LIFE` steps since the latest."""
         return min(self.count, COST_HORIZON) * 0.5 ** ((now - self.stamp) / HALF_LIFE)
+
+
+_SPEED_HORIZON = COST_HORIZON // 4  # latest steps the speed is the median of (a plan's worth)
 
 
 def rows_bucket(rows: int) -> int:
@@ -79,6 +93,8 @@ class CostCurve:
         self.drafting: dict[object, dict[int, RecentMedian]] = {}  # per drafting option, per rows bucket
         self.first_drafting: dict[object, dict[int, RecentMedian]] = {}
         self.clock = 0  # verify forwards observed (steps)
+        self.speed = 1.0  # the machine's current seconds per stored second (module docstring)
+        self._ratios: deque[float] = deque(maxlen=_SPEED_HORIZON)  # latest steps' seconds / stored cost
         self._curves: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # per bucket: (clock, widths, seconds)
 
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
@@ -88,7 +104,10 @@ class CostCurve:
         timed = table.get(width)
         if timed is None:
             timed = table[width] = RecentMedian()
-        timed.add(seconds, self.clock)
+        elif timed.value > 0:
+            self._ratios.append(seconds / timed.value)
+            self.speed = statistics.median(self._ratios)
+        timed.add(seconds / self.speed, self.clock)
         if timed.count <= PRIOR_TIMINGS:  # a width's first timings move its price most: priced again now
             self._curves.pop(bucket, None)
 
@@ -99,15 +118,17 @@ class CostCurve:
         timed = table.get(bucket)
         if timed is None:
             timed = table[bucket] = RecentMedian()
-        timed.add(seconds, self.clock)
+        timed.add(seconds / self.speed, self.clock)
 
     @staticmethod
     def _nearest(bucket: int, tables: dict) -> int:
         return min(tables, key=lambda other: (abs(math.log2(other / bucket)), other))
 
-    def knows_plain(self, rows: int) -> bool:
-        """Whether a plain step (width 1) has been timed in ``rows``' bucket."""
-        return 1 in self.verify.get(rows_bucket(rows), {})
+    def plain_weight(self, rows: int) -> float:
+        """Plain steps' worth of width-1 timings left in ``rows``' bucket (0: none; aged as every
+        timing is, :meth:`RecentMedian.weight`)."""
+        timed = self.verify.get(rows_bucket(rows), {}).get(1)
+        return 0.0 if timed is None else timed.weight(self.clock)
 
     def known(self, rows: int, width: float, option: object = None) -> bool:
         """Whether a step of ``option`` over ``rows`` rows of ``width`` nodes is priced from timings
@@ -121,9 +142,15 @@ class CostCurve:
     def verify_curve(self, rows: int, widths: np.ndarray) -> np.ndarray | None:
         """Predicted seconds of a verify forward over ``rows`` rows of each of ``widths`` nodes per
         row (None: no verify forward timed yet). Each measured width's excess over the plain step
-        counts as if one more sample had cost what a plain step costs, its own samples fading with
-        their age: a width timed on few steps, or long ago, perhaps on noisy steps, is tried again
-        before it is written off."""
+        counts as if one more sample had cost what a plain step costs: a width timed on few steps,
+        perhaps noisy ones, is tried again before it is written off. (Timings do not age: stored at
+        the machine's speed, one taken long ago compares with today's, and aged timings shrinking
+        toward the plain step priced trees at half their cost after a stretch of plain steps.)"""
+        curve = self._stored_curve(rows, widths)
+        return None if curve is None else curve * self.speed
+
+    def _stored_curve(self, rows: int, widths: np.ndarray) -> np.ndarray | None:
+        """:meth:`verify_curve` in stored seconds (at speed 1)."""
         if not self.verify:
             return None
         bucket = rows_bucket(rows)
@@ -134,7 +161,7 @@ class CostCurve:
             seconds = np.array([table[width].value for width in measured])
             plain = table.get(1)
             if plain is not None:
-                weights = np.array([table[width].weight(self.clock) for width in measured])
+                weights = np.array([table[width].evidence for width in measured], dtype=float)
                 seconds = plain.value + (seconds - plain.value) * weights / (weights + 1)
                 seconds[0] = plain.value
             # the lower envelope: none above a wider one timed often enough to bound it (one fast
@@ -146,7 +173,7 @@ class CostCurve:
             if larger:  # nor above the same width over more rows (a bucket's few timings may be noisy),
                 # where those rows timed a width at least as large (not extrapolated)
                 widest = max(self.verify[min(larger)])
-                cap = self.verify_curve(min(larger), np.array(measured, dtype=float))
+                cap = self._stored_curve(min(larger), np.array(measured, dtype=float))
                 seconds = np.where(np.array(measured) <= widest, np.minimum(seconds, cap), seconds)
                 seconds = np.minimum.accumulate(seconds[::-1])[::-1]
             curve = self._curves[bucket] = (self.clock, np.array(measured, dtype=float), seconds)
@@ -160,20 +187,21 @@ class CostCurve:
     def draft_seconds(self, rows: int, mode: object = None) -> float:
         """Predicted seconds of one steady drafting step of ``mode`` (a drafting option) over ``rows``
         rows: the median shrunk toward 0 as if one more sample had cost nothing (0 before any is
-        timed: optimistic, so the option gets tried, and again once its timings have aged)."""
+        timed: optimistic, so the option gets tried)."""
         tables = self.drafting.get(mode)
         if not tables:
             return 0.0
         bucket = rows_bucket(rows)
         timed = tables[bucket if bucket in tables else self._nearest(bucket, tables)]
-        weight = timed.weight(self.clock)
-        return timed.value * weight / (weight + 1)
+        weight = timed.evidence
+        return timed.value * self.speed * weight / (weight + 1)
 
     def summary(self) -> dict:
-        """Measured costs in milliseconds, for ``last_stats.speculation``."""
-        return {"verify_ms": {bucket: {width: round(1e3 * mean.value, 3) for width, mean in sorted(table.items())}
+        """Measured costs in milliseconds at the machine's current speed, for ``last_stats.speculation``."""
+        scale = 1e3 * self.speed
+        return {"speed": round(self.speed, 3), "verify_ms": {bucket: {width: round(scale * mean.value, 3) for width, mean in sorted(table.items())}
                               for bucket, table in sorted(self.verify.items())},
-                "draft_ms": {str(mode): {bucket: round(1e3 * mean.value, 3) for bucket, mean in sorted(table.items())}
+                "draft_ms": {str(mode): {bucket: round(scale * mean.value, 3) for bucket, mean in sorted(table.items())}
                              for mode, table in self.drafting.items()},
-                "first_draft_ms": {str(mode): {bucket: round(1e3 * mean.value, 3) for bucket, mean in sorted(table.items())}
+                "first_draft_ms": {str(mode): {bucket: round(scale * mean.value, 3) for bucket, mean in sorted(table.items())}
                                    for mode, table in self.first_drafting.items()}}

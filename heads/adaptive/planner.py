@@ -15,8 +15,10 @@ the target's distribution whatever is chosen, and a greedy output is the same. T
 are verified whole (cutting them after drafting, on lookup's own match scores, was measured to cost
 more per step than it saved: ``docs/auto.md``).
 
-The first time a rows bucket is served the planner takes a plain step to time a width-1 forward,
-the reference every option is judged against; then each acceptance model drafts until it has seen
+The first time a rows bucket is served, and again once its plain timings have aged to less than
+one step's worth, the planner serves a plan of plain steps to time a width-1 forward in a run of
+plain steps, the reference every option is judged against (a plain step right after drafted ones
+costs more than one in a run: drafting evicts the caches of a CPU); then each acceptance model drafts until it has seen
 :data:`REPLAN_EVERY` rows (its first under this rule on this spec: a plan's steps at batch 1, one
 step of a batch of 8 or more), so that every choice rests on measured acceptance. A plan priced
 from a cost not yet timed in its rows' bucket serves one step: the next plan has that step's timing.
@@ -178,19 +180,20 @@ class CallPlanner:
         self._last_rows = 0  # the rows of this call's previous step (0: none yet)
 
     def _plan(self, rows: int) -> Choice:
-        if not self.costs.knows_plain(rows):
-            return Choice(False, nodes=0, reason="time a plain step")  # (nodes=0: planned again next step)
+        if self.costs.plain_weight(rows) < 1.0:  # the reference every option is judged against
+            return Choice(False, reason="time plain steps")
         for (mode, size), model in zip(self.options, self.models):
             if model.rows_seen < REPLAN_EVERY:  # see every model's trees on a plan's worth of rows: a
                 # prior says little of this text (one step at a time: a batch's step brings many rows)
                 return Choice(True, mode, size, nodes=model.width, reason="measure an option never drafted",
                               tentative=True)
         plain = self.costs.verify_seconds(rows, 1)
-        gains, widths = np.zeros(len(self.options)), np.zeros(len(self.options))
+        expected, bonuses, widths = (np.zeros(len(self.options)) for _ in range(3))
         for index, (model, nodes) in enumerate(zip(self.models, self._nodes)):
-            gain, padded = model.prefix_gains(model.width, rows)
+            gain, bonus, padded = model.prefix_estimates(model.width, rows)
             last = model.width - 1 if nodes is None else min(nodes, model.width) - 1
-            gains[index], widths[index] = gain[last], padded[last]
+            expected[index], bonuses[index], widths[index] = gain[last], bonus[last], padded[last]
+        gains = expected + bonuses
         drafting = np.array([self.costs.draft_seconds(rows, option) for option in self.options])
         seconds = drafting + self.costs.verify_curve(rows, widths)
         rates = (1.0 + gains) / np.maximum(seconds, 1e-9)
@@ -198,8 +201,12 @@ class CallPlanner:
         if rates[best] <= 1.0 / plain:
             return Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
         mode, size = self.options[best]
+        # paying only within the bound (its expected tokens alone lose to a plain step): one step at
+        # a time, each adding evidence, until the bound closes or the estimate itself pays
+        exploring = (1.0 + expected[best]) / max(seconds[best], 1e-9) <= 1.0 / plain
         return Choice(True, mode, size, int(round(widths[best])), 1.0 + float(gains[best]), float(seconds[best]),
-                      plain, "drafting pays", not self.costs.known(rows, widths[best], self.options[best]))
+                      plain, "the bound says it may pay" if exploring else "drafting pays",
+                      exploring or not self.costs.known(rows, widths[best], self.options[best]))
 
     def release(self) -> None:
         """The call is over: the drafter drafts as configured again (``speculate=None`` calls)."""
@@ -234,9 +241,11 @@ class CallPlanner:
 
     def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
                 lengths: torch.Tensor) -> None:
-        if record.rows == self._last_rows and not record.first_draft:
+        if record.rows == self._last_rows and not record.first_draft and record.kind != "empty":
             # (a call's first step, its first tree step and the first step after rows finished also
-            # build or compact the cache's bookkeeping: that cost is paid whatever the step verifies)
+            # build or compact the cache's bookkeeping: that cost is paid whatever the step verifies;
+            # an empty step is a width-1 forward amid drafted ones, slower than one amid plain steps
+            # on a CPU whose caches the drafting evicted: width 1 is what a plain plan's steps cost)
             self.costs.observe_verify(record.rows, record.width, record.verify_seconds)
         self._last_rows = record.rows
         option = self.choice.option if self.choice is not None else (None, None)

@@ -36,17 +36,31 @@ def test_cost_curve_interpolates_optimistically_and_keeps_buckets_apart():
     assert costs.verify_seconds(1, 256) == pytest.approx(wide)  # past the widest: its cost
     costs.observe_verify(1, 8, 9.0)  # a noisy narrower width is priced no higher than a wider one
     assert costs.verify_seconds(1, 8) == pytest.approx(costs.verify_seconds(1, 16))
-    before = costs.verify_seconds(1, 64)
-    for _ in range(64):  # timings age: after a half-life of plain steps a width counts half its samples
-        costs.observe_verify(1, 1, 1.0)
-    aged = costs.verify_seconds(1, 64)
-    assert aged == pytest.approx(1.0 + 4.0 * 2 / 3, rel=0.02) and aged < before
     costs.observe_verify(5, 1, 10.0)  # rows 4..7 share a bucket, apart from batch 1
     assert costs.verify_seconds(4, 1) == pytest.approx(10.0) and costs.verify_seconds(1, 1) == pytest.approx(1.0)
     assert costs.verify_seconds(16, 1) == pytest.approx(10.0)  # an unseen bucket borrows the nearest
     costs.observe_draft(1, 5.0, first=True)  # a request's first propose is kept apart
     costs.observe_draft(1, 0.5, first=False)  # one sample: counted half, beside one free one
     assert costs.draft_seconds(1) == pytest.approx(0.25)
+
+
+def test_costs_follow_the_machine_speed_and_keep_their_ratios():
+    costs = CostCurve()
+    for _ in range(32):
+        costs.observe_verify(1, 1, 1.0)
+        costs.observe_verify(1, 9, 3.0)
+    before = costs.verify_seconds(1, 9)
+    for _ in range(16):  # the machine runs at half speed now: plain steps take twice as long
+        costs.observe_verify(1, 1, 2.0)
+    assert costs.speed == pytest.approx(2.0)
+    # every width is priced at the current speed: the tree timed in the fast stretch keeps its cost
+    # relative to the plain step (timings do not age), and the plain step's stored cost holds
+    assert costs.verify_seconds(1, 9) == pytest.approx(2 * before)
+    assert costs.verify_seconds(1, 1) == pytest.approx(2.0)
+    for _ in range(16):
+        costs.observe_verify(1, 9, 3.0)
+    assert costs.speed == pytest.approx(1.0) and costs.verify_seconds(1, 9) == pytest.approx(before)
+    assert costs.summary()["speed"] == 1.0
 
 
 def test_fewer_rows_are_never_priced_above_more_rows():
@@ -136,9 +150,22 @@ def test_fading_reopens_a_question_after_plain_steps():
     for _ in range(8):  # node 1 rejected 8 times
         model.observe(trees, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
     low = model.prefix_gains(3, 1)[0][1]  # the bound on what node 1 alone would accept
+    rate = model._estimates()[1][1]
     for _ in range(200):  # plain steps: no evidence, old evidence fades
         model.fade()
-    assert model.prefix_gains(3, 1)[0][1] > low + 0.2
+    assert model.prefix_gains(3, 1)[0][1] > low + 0.1  # the bound widened: the question is open
+    # the estimate itself stays where the evidence put it: the prior (0.5) fades with the evidence
+    assert model._estimates()[1][1] == pytest.approx(rate)
+
+
+def test_a_high_prior_does_not_come_back_after_plain_steps():
+    model = AcceptanceModel(prior_by_depth=[0.9, 0.8])
+    trees = _chain_batch(3)
+    for _ in range(32):  # node 1 rejected on every step
+        model.observe(trees, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+    for _ in range(400):  # long after: the prior's 0.9 outweighed the faded evidence before
+        model.fade()
+    assert model._estimates()[1][1] < 0.2
 
 
 def test_a_drafter_that_proposed_nothing_is_asked_again_after_plain_steps():
