@@ -7,20 +7,19 @@ latest timings. A width never verified is priced by interpolating its measured n
 in the width (for a cost that grows with the width, cheaper than any interpolation in a concave
 function of it, so an unmeasured width in between is tried rather than written off), and past the
 widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
-A width's excess over a plain step counts as if it had one more sample at the plain cost: a width
-timed on a few (perhaps noisy) steps is priced optimistically until it has more. No width is priced above a wider one, nor above the same width over
-more rows (the lower envelope): timing noise on a shared machine only ever adds time, and verifying
-more nodes, or more rows, never costs less.
-Drafting cost is kept per drafting option and rows bucket for a drafter's steady steps, shrunk
-toward nothing the same way; a request's first ``propose`` (the drafter catching up on the prompt)
-is kept apart and never charged to a step's choice.
+A width's excess over a plain step counts as if it had one more sample at the plain cost (a width
+timed on a few, perhaps noisy, steps is priced optimistically until it has more). No width is
+priced above a wider one, nor above the same width over more rows (the lower envelope): timing noise
+only ever adds time, and more nodes or more rows never cost less. Drafting cost is kept per drafting
+option and rows bucket for a drafter's steady steps, shrunk toward nothing the same way; a request's
+first ``propose`` (the drafter catching up on the prompt) is kept apart.
 
 Every timing is stored divided by the machine's current speed: a shared machine runs the same step
 in times that drift by tens of percent over seconds, so a plain step timed in a slow stretch and a
-tree timed in a fast one would compare wrongly (a plain option written off, or drafting that loses
-2x kept). The speed is the median, over the latest steps of any width, of each step's seconds over
-its width's stored cost; options are priced at stored cost x current speed, so what decides between
-them is their costs measured relative to one another, chained through whatever steps ran in between.
+tree timed in a fast one would compare wrongly. The speed is the median, over the latest steps of
+any width, of each step's seconds over its width's stored cost; options are priced at stored cost x
+current speed, so what decides is their costs relative to one another, chained through whatever
+steps ran in between.
 """
 
 from __future__ import annotations
@@ -72,9 +71,8 @@ class RecentMedian:
         return min(self.count, COST_HORIZON)
 
     def weight(self, now: int) -> float:
-        """Samples' worth of evidence left at step ``now``: their count (at most the horizon),
-        halved every :data:`~heads.adaptive.acceptance.HALF_LIFE` steps since the latest."""
-        return min(self.count, COST_HORIZON) * 0.5 ** ((now - self.stamp) / HALF_LIFE)
+        """:attr:`evidence` halved every :data:`~heads.adaptive.acceptance.HALF_LIFE` steps since the latest."""
+        return self.evidence * 0.5 ** ((now - self.stamp) / HALF_LIFE)
 
 
 _SPEED_HORIZON = COST_HORIZON // 4  # latest steps the speed is the median of (a plan's worth)
