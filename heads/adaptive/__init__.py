@@ -17,9 +17,8 @@ def recorded_acceptance(acceptance: Mapping, sampled: bool = False) -> list[floa
     (``adapter_config.json``'s ``acceptance``: ``{mix: {"acceptance_by_position": [...],
     "temperature": T}}``), over the entries recorded greedy (no temperature, or 0) or, ``sampled``,
     at a temperature: acceptance under one says little of the other."""
-    rows = [entry.get("acceptance_by_position", []) for entry in acceptance.values()
-            if isinstance(entry, Mapping) and (float(entry.get("temperature") or 0) > 0) == sampled]
-    rows = [row for row in rows if row]
+    rows = [row for entry in acceptance.values() if isinstance(entry, Mapping)
+            and (float(entry.get("temperature") or 0) > 0) == sampled and (row := entry.get("acceptance_by_position"))]
     if not rows:
         return []
     depth = max(len(row) for row in rows)

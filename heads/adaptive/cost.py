@@ -32,8 +32,7 @@ import numpy as np
 
 from .acceptance import HALF_LIFE
 
-_REFRESH = max(1, HALF_LIFE // 16)  # steps a priced curve serves before it is priced again (weights move < 5%)
-PRIOR_TIMINGS = _REFRESH  # a width's first timings, each of which prices the curve again at once
+_REFRESH = PRIOR_TIMINGS = max(1, HALF_LIFE // 16)  # steps a priced curve serves; a width's first timings
 
 COST_HORIZON = 32
 """Latest observations a cost is the median of: enough that one step's timing noise (a shared
