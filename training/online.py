@@ -68,6 +68,10 @@ GUARD_RANKS = 10
 """Ranks per depth the guard measures (what the offline trainer's accuracy table holds)."""
 SERVED_WINDOW = 50
 """Greedy calls whose acceptance a saved adapter records as its ``served`` entry."""
+RATE_BACKOFF = 0.5
+"""The learning rate is multiplied by this after a rolled-back update (the steps were too large to help)."""
+RATE_RECOVERY = 1.25
+"""... and by this after a kept one, up to ``OnlineConfig.learning_rate``."""
 
 
 @dataclass
@@ -86,7 +90,10 @@ class OnlineConfig:
     steps_per_update: int = 4
     """Optimizer steps between two guard checks (one update, kept or rolled back whole)."""
     learning_rate: float = 1e-3
-    """Constant AdamW rate (a tenth of ``selfdraft train``'s peak for Medusa and EAGLE)."""
+    """AdamW's first and largest rate (a tenth of ``selfdraft train``'s peak for Medusa and EAGLE); the rate
+    follows the guard: :data:`RATE_BACKOFF` after a rolled-back update, :data:`RATE_RECOVERY` after a kept one."""
+    min_learning_rate: float = 1e-4
+    """The rate never falls below this."""
     held_out: int = 16
     """Sequences in the guard's held-back pool (the most recent held-back ones). Fewer make the guard
     cheaper and noisier: on stories260K 8 rolled back 3 of 10 useful updates, 16 rolled back 2."""
@@ -118,6 +125,9 @@ class OnlineConfig:
         if isinstance(self.learning_rate, bool) or not isinstance(self.learning_rate, (int, float)) \
                 or not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be a number > 0; got {self.learning_rate!r}")
+        if isinstance(self.min_learning_rate, bool) or not isinstance(self.min_learning_rate, (int, float)) \
+                or not 0 < self.min_learning_rate <= self.learning_rate:
+            raise ValueError(f"min_learning_rate must be a number in (0, learning_rate]; got {self.min_learning_rate!r}")
         if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) or self.tolerance < 0:
             raise ValueError(f"tolerance must be a number >= 0; got {self.tolerance!r}")
 
@@ -197,6 +207,8 @@ class OnlineLearner:
         self.paused = False
         self.credit = 0.0
         self.steps = self.kept = self.rolled_back = self.swapped = 0
+        self.rate = config.learning_rate  # AdamW's rate now (follows the guard)
+        self.swap_limit = config.vocabulary_swaps  # tokens the next update may swap (follows the guard)
         self.trained_tokens = 0  # tokens of the batches of kept updates
         self.seconds = 0.0  # spent learning
         self.guard_seconds = 0.0  # of which measuring the held-back pool
@@ -262,6 +274,8 @@ class OnlineLearner:
         before, _ = self._current_proxy()
         snapshot = self._snapshot()
         swapped = self._swap_vocabulary()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.rate
         tokens = sum(self._optimizer_step() for _ in range(self.config.steps_per_update))
         after, table = self._measure()
         self.last_proxy = (before, after)
@@ -270,6 +284,8 @@ class OnlineLearner:
             self.steps += self.config.steps_per_update
             self.trained_tokens += tokens
             self.swapped += swapped
+            self.rate = min(self.config.learning_rate, self.rate * RATE_RECOVERY)
+            self.swap_limit = self.config.vocabulary_swaps
             self._baseline = (self.buffer.held_version, after, table)
             if self.config.refresh_tree and table:
                 choice = self.spec.tree_choice
@@ -279,21 +295,34 @@ class OnlineLearner:
         else:
             self.rolled_back += 1
             self._restore(snapshot)
+            self.rate = max(self.config.min_learning_rate, self.rate * RATE_BACKOFF)
+            if swapped:  # the swap may be what hurt: the next update tries half as many
+                self.swap_limit //= 2
             logger.info("online update rolled back: held-back acceptance proxy %.3f -> %.3f", before, after)
 
     def _swap_vocabulary(self) -> int:
         """Let the kind's draft vocabulary follow the buffered traffic (its hook's ``swap_vocabulary``, if
-        any); the optimizer's state restarts when tokens were swapped (their rows restarted too)."""
+        any). The optimizer's moments restart where the swap changed a tensor (the swapped tokens' rows,
+        restarted themselves) and nowhere else: restarting them all would make Adam's next step move every
+        weight by about the full rate at once."""
         swap = getattr(self.hook, "swap_vocabulary", None)
-        if swap is None or not self.config.vocabulary_swaps:
+        if swap is None or not self.swap_limit:
             return 0
         vocab = self.spec.target.vocab_size
         counts = torch.zeros(vocab, dtype=torch.long)
         for _, sequence in self.buffer.train:
             counts += torch.bincount(sequence[1:], minlength=vocab)[:vocab]
-        swapped = swap(counts, self.config.vocabulary_swaps)
+        before = [parameter.detach().clone() for parameter in self.parameters]
+        swapped = swap(counts, self.swap_limit)
         if swapped:
-            self.optimizer.state.clear()
+            for parameter, previous in zip(self.parameters, before):
+                state = self.optimizer.state.get(parameter)
+                if not state:
+                    continue
+                changed = parameter.detach() != previous  # same shape as the parameter
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    if isinstance(state.get(moment), torch.Tensor):
+                        state[moment].masked_fill_(changed, 0.0)
         return swapped
 
     def _current_proxy(self) -> tuple[float, list]:
@@ -367,6 +396,7 @@ class OnlineLearner:
         return {
             "paused": self.paused, "updates_kept": self.kept, "updates_rolled_back": self.rolled_back,
             "steps": self.steps, "vocabulary_swapped": self.swapped, "trained_tokens": self.trained_tokens,
+            "learning_rate": self.rate,
             "sequences_seen": self.buffer.seen, "tokens_seen": self.buffer.seen_tokens,
             "buffer_tokens": self.buffer.tokens, "buffer_sequences": len(self.buffer.train),
             "held_out_sequences": len(self.buffer.held), "learning_seconds": self.seconds,

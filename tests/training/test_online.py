@@ -100,6 +100,29 @@ def test_the_guard_rolls_a_harmful_update_back(trained, toy_target):
     assert after < before
     assert _same(state, _heads_state(spec)), "a rolled-back update left the drafter changed"
     assert not learner.optimizer.state, "a rolled-back first update left optimizer state behind"
+    assert learner.rate == 2.5 and learner.summary()["learning_rate"] == 2.5  # halved after a rollback
+
+
+def test_the_rate_and_the_swaps_follow_the_guard(toy_target, monkeypatch):
+    """A rolled-back update halves the rate (down to min_learning_rate) and, when it swapped tokens, the next
+    update's swaps; a kept one raises the rate by a quarter (up to learning_rate) and restores the swaps."""
+    spec = heads.attach_heads(toy_target, num_heads=2, tree=8, draft_vocab_size=24)
+    learner = learn(spec, batch_size=2, held_out=2, hold_every=2, learning_rate=1e-3, min_learning_rate=3e-4,
+                    vocabulary_swaps=8)
+    learner.pause()
+    _serve(spec, toy_target, calls=4, new=16)
+    proxies = iter([])
+    monkeypatch.setattr(learner, "_measure", lambda: (next(proxies), []))
+    rates, limits = [], []
+    for before, after in [(1.0, 0.5), (1.0, 0.5), (1.0, 0.5), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (4.0, 5.0)]:
+        proxies = iter([before, after])
+        learner._baseline = None
+        learner.step(updates=1)
+        rates.append(learner.rate)
+        limits.append(learner.swap_limit)
+    assert rates == pytest.approx([5e-4, 3e-4, 3e-4, 3.75e-4, 4.6875e-4, 5.859375e-4, 7.32421875e-4])
+    assert limits[:3] == [4, 2, 1] and limits[3:] == [8] * 4, limits  # halved while swaps were rolled back
+    assert learner.rolled_back == 3 and learner.kept == 4
 
 
 def test_a_kept_update_keeps_weights_and_optimizer_state(trained, toy_target):
