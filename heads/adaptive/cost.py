@@ -42,20 +42,18 @@ the machine's load changing."""
 
 class RecentMedian:
     """The median of the latest :data:`COST_HORIZON` samples (robust to bursts of timing noise, where
-    a mean is not: one slow step must not write off a tree size), and when the last was taken."""
+    a mean is not: one slow step must not write off a tree size)."""
 
-    __slots__ = ("samples", "count", "stamp", "_value")
+    __slots__ = ("samples", "count", "_value")
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=COST_HORIZON)
         self.count = 0
-        self.stamp = 0  # the cost curve's clock (steps) at the latest sample
         self._value: float | None = None
 
-    def add(self, sample: float, stamp: int = 0) -> None:
+    def add(self, sample: float) -> None:
         self.samples.append(sample)
         self.count += 1
-        self.stamp = stamp
         self._value = None
 
     @property
@@ -68,10 +66,6 @@ class RecentMedian:
     def evidence(self) -> int:
         """Samples the value rests on (at most the horizon)."""
         return min(self.count, COST_HORIZON)
-
-    def weight(self, now: int) -> float:
-        """:attr:`evidence` halved every :data:`~heads.adaptive.acceptance.HALF_LIFE` steps since the latest."""
-        return self.evidence * 0.5 ** ((now - self.stamp) / HALF_LIFE)
 
 
 _SPEED_HORIZON = COST_HORIZON // 4  # latest steps the speed is the median of (a plan's worth)
@@ -104,7 +98,7 @@ class CostCurve:
         elif timed.value > 0:
             self._ratios.append(seconds / timed.value)
             self.speed = statistics.median(self._ratios)
-        timed.add(seconds / self.speed, self.clock)
+        timed.add(seconds / self.speed)
         if timed.count <= PRIOR_TIMINGS:  # a width's first timings move its price most: priced again now
             self._curves.pop(bucket, None)
 
@@ -115,17 +109,16 @@ class CostCurve:
         timed = table.get(bucket)
         if timed is None:
             timed = table[bucket] = RecentMedian()
-        timed.add(seconds / self.speed, self.clock)
+        timed.add(seconds / self.speed)
 
     @staticmethod
     def _nearest(bucket: int, tables: dict) -> int:
         return min(tables, key=lambda other: (abs(math.log2(other / bucket)), other))
 
-    def plain_weight(self, rows: int) -> float:
-        """Plain steps' worth of width-1 timings left in ``rows``' bucket (0: none; aged as every
-        timing is, :meth:`RecentMedian.weight`)."""
+    def plain_timings(self, rows: int) -> int:
+        """Plain steps timed in ``rows``' bucket (at most the horizon)."""
         timed = self.verify.get(rows_bucket(rows), {}).get(1)
-        return 0.0 if timed is None else timed.weight(self.clock)
+        return 0 if timed is None else timed.evidence
 
     def known(self, rows: int, width: float, option: object = None) -> bool:
         """Whether a step of ``option`` over ``rows`` rows of ``width`` nodes is priced from timings

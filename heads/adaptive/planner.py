@@ -15,10 +15,9 @@ the target's distribution whatever is chosen, and a greedy output is the same. T
 are verified whole (cutting them after drafting, on lookup's own match scores, was measured to cost
 more per step than it saved: ``docs/auto.md``).
 
-The first time a rows bucket is served, and again once its plain timings have aged to less than
-one step's worth, the planner serves a plan of plain steps to time a width-1 forward in a run of
-plain steps, the reference every option is judged against (a plain step right after drafted ones
-costs more than one in a run: drafting evicts the caches of a CPU); then each acceptance model drafts until it has seen
+The first time a rows bucket is served the planner serves a plan of plain steps to time a width-1
+forward in a run of plain steps, the reference every option is judged against (a plain step right
+after drafted ones costs more than one in a run: drafting evicts the caches of a CPU); then each acceptance model drafts until it has seen
 :data:`REPLAN_EVERY` rows (its first under this rule on this spec: a plan's steps at batch 1, one
 step of a batch of 8 or more), so that every choice rests on measured acceptance. A plan priced
 from a cost not yet timed in its rows' bucket serves one step: the next plan has that step's timing.
@@ -38,7 +37,7 @@ from tree_attention.planning import ModalDrafter, StepRecord
 from tree_attention.tree import TreeBatch
 
 from .acceptance import AcceptanceModel
-from .cost import CostCurve
+from .cost import PRIOR_TIMINGS, CostCurve
 
 REPLAN_EVERY = 8
 """Steps a plan serves before it is made again (sooner when the rows change): the estimates it rests
@@ -180,7 +179,7 @@ class CallPlanner:
         self._last_rows = 0  # the rows of this call's previous step (0: none yet)
 
     def _plan(self, rows: int) -> Choice:
-        if self.costs.plain_weight(rows) < 1.0:  # the reference every option is judged against
+        if self.costs.plain_timings(rows) < PRIOR_TIMINGS:  # the reference every option is judged against
             return Choice(False, reason="time plain steps")
         for (mode, size), model in zip(self.options, self.models):
             if model.rows_seen < REPLAN_EVERY:  # see every model's trees on a plan's worth of rows: a

@@ -92,12 +92,32 @@ def test_steps_that_also_compact_the_cache_are_not_timed_and_untimed_prices_plan
     assert adaptive.costs.known(4, 1, (None, None)) and not adaptive.costs.known(2, 1, (None, None))
 
 
+def test_the_plain_reference_is_timed_in_a_plan_of_plain_steps_and_not_from_empty_steps():
+    from tree_attention.planning import StepRecord
+
+    adaptive = Adaptive([0.9] * 4, width=5)
+    planner = adaptive.planner("greedy", True)
+    roots = (TreeBatch.roots_only(torch.zeros(1, dtype=torch.long)), torch.zeros(1, 1, dtype=torch.long),
+             torch.ones(1, dtype=torch.long))
+    assert not planner.draft(1) and planner.choice.reason == "time plain steps"
+    for _ in range(6):  # a width-1 forward amid drafted ones (the drafter proposed nothing): not timed
+        planner.observe(StepRecord("empty", 1, 1, 0.001, 3.0, 1), *roots)
+    assert adaptive.costs.plain_timings(1) == 0
+    for step in range(5):  # the plan serves plain steps until the reference rests on a few of them
+        assert not planner.draft(1)
+        planner.observe(StepRecord("plain", 1, 1, 0.0, 1.0, 1), *roots)
+    assert adaptive.costs.plain_timings(1) == 5 and adaptive.costs.verify_seconds(1, 1) == pytest.approx(1.0)
+    planner._age = 8  # the plain plan is over: the next one measures the drafter
+    assert planner.draft(1) and planner.choice.reason == "measure an option never drafted"
+
+
 def test_a_plan_priced_from_an_untimed_width_serves_one_step():
     adaptive = Adaptive([0.9] * 4, width=5)
     planner = adaptive.planner("greedy", True)
     for _ in range(8):  # a chain of 4, accepted whole, on 8 rows: measured
         planner.models[0].observe(_chain_batch(5), torch.arange(5)[None], torch.tensor([5]))
-    adaptive.costs.observe_verify(1, 1, 1.0)
+    for _ in range(4):  # a plain plan's timings
+        adaptive.costs.observe_verify(1, 1, 1.0)
     adaptive.costs.observe_draft(1, 0.1, False, (None, None))
     choice = planner._plan(1)  # width 5 never timed: priced as the widest timed (optimistic)
     assert choice.draft and choice.tentative
