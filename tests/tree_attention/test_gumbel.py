@@ -217,3 +217,17 @@ def test_coupled_candidates_of_the_targets_own_logits_start_with_its_draw():
     candidates = rule.coupled_candidates(logits, [1, 0], positions + 1, 3)  # the drawn tokens' positions
     assert candidates.shape == (2, 5, 3)
     assert torch.equal(candidates[..., 0], draws)
+
+
+def test_host_noise_is_the_tensor_paths_bit_for_bit():
+    """On the host the words are hashed in numpy; they must be the tensor path's (the one a GPU runs),
+    so a seeded call draws the same tokens on either."""
+    from tree_attention import gumbel
+
+    keys = torch.tensor([[123456789, -5, 2**62 + 7], [0, -(2**63), 99]])
+    positions = torch.tensor([[17, 40, 0], [3, 2**40, 5]])
+    for tokens in (torch.arange(600), torch.randint(0, 50_000, (2, 3, 9))):
+        stream = gumbel.mix(keys ^ gumbel.mix(positions + gumbel._POSITION))[..., None]
+        words = gumbel.mix(stream + (tokens + 1) * gumbel.GOLDEN)
+        expected = gumbel._shift(words, 11).double().add_(0.5).mul_(2.0 ** -53).log_().neg_().log_().neg_()
+        assert torch.equal(gumbel_noise(keys, positions, tokens), expected)
