@@ -16,10 +16,12 @@ first ``propose`` (the drafter catching up on the prompt) is kept apart.
 
 Every timing is stored divided by the machine's current speed: a shared machine runs the same step
 in times that drift by tens of percent over seconds, so a plain step timed in a slow stretch and a
-tree timed in a fast one would compare wrongly. The speed is the median, over the latest steps of
-any width, of each step's seconds over its width's stored cost; options are priced at stored cost x
-current speed, so what decides is their costs relative to one another, chained through whatever
-steps ran in between.
+tree timed in a fast one would compare wrongly. The speed is the median, over the latest plain
+steps, of each one's seconds over the plain step's stored cost; options are priced at stored cost x
+current speed. Only plain steps move it: a step's cost also depends on the step before it (on a
+CPU the first plain steps after drafted ones, and the first drafted steps after plain ones, cost
+more), and a speed chained through both kinds of step ratcheted every switch's extra cost into the
+stored costs, until the plain step looked several times cheaper than it was against any tree.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class RecentMedian:
         return min(self.count, COST_HORIZON)
 
 
-_SPEED_HORIZON = COST_HORIZON // 4  # latest steps the speed is the median of (a plan's worth)
+_SPEED_HORIZON = COST_HORIZON // 4  # latest plain steps the speed is the median of (a plan's worth)
 
 
 def rows_bucket(rows: int) -> int:
@@ -85,7 +87,7 @@ class CostCurve:
         self.first_drafting: dict[object, dict[int, RecentMedian]] = {}
         self.clock = 0  # verify forwards observed (steps)
         self.speed = 1.0  # the machine's current seconds per stored second (module docstring)
-        self._ratios: deque[float] = deque(maxlen=_SPEED_HORIZON)  # latest steps' seconds / stored cost
+        self._ratios: deque[float] = deque(maxlen=_SPEED_HORIZON)  # latest plain steps' seconds / stored cost
         self._curves: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # per bucket: (clock, widths, seconds)
 
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
@@ -95,7 +97,7 @@ class CostCurve:
         timed = table.get(width)
         if timed is None:
             timed = table[width] = RecentMedian()
-        elif timed.value > 0:
+        elif width == 1 and timed.value > 0:  # (plain steps alone: see the module docstring)
             self._ratios.append(seconds / timed.value)
             self.speed = statistics.median(self._ratios)
         timed.add(seconds / self.speed)

@@ -57,9 +57,12 @@ def test_costs_follow_the_machine_speed_and_keep_their_ratios():
     # relative to the plain step (timings do not age), and the plain step's stored cost holds
     assert costs.verify_seconds(1, 9) == pytest.approx(2 * before)
     assert costs.verify_seconds(1, 1) == pytest.approx(2.0)
+    for _ in range(16):  # trees alone do not move the speed (their cost depends on the step before)
+        costs.observe_verify(1, 9, 6.0)
+    assert costs.speed == pytest.approx(2.0)
     for _ in range(16):
-        costs.observe_verify(1, 9, 3.0)
-    assert costs.speed == pytest.approx(1.0) and costs.verify_seconds(1, 9) == pytest.approx(before)
+        costs.observe_verify(1, 1, 1.0)
+    assert costs.speed == pytest.approx(1.0) and costs.verify_seconds(1, 9) < 2 * before
     assert costs.summary()["speed"] == 1.0
 
 
