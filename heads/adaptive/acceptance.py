@@ -146,17 +146,15 @@ class AcceptanceModel:
                 continue
             reach = (self.prior_by_depth[depth - 1] if depth - 1 < len(self.prior_by_depth)
                      else 0.0 if self.prior_by_depth else UNINFORMED ** depth)
-            # (stored as evidence is, fading with it: a stretch of plain steps widens the bound
-            # on a node's rate but leaves the rate where the evidence put it, not back at the prior)
+            # (fading with the evidence: a plain stretch widens the bound, the rate stays put)
             self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths == depth).sum())) * weight
             self.prior_seen[index] = PRIOR_STEPS * weight
 
     def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per node index: the chance it exists in a row's tree, its acceptance given it was
-        verified, and the rows' worth of evidence its acceptance rests on (faded verifications plus
-        the prior's weight). A node's existence starts from the prior that the drafter proposes it (weight :data:`PRIOR_STEPS`), so a drafter
-        that proposed nothing for a while (lookup before the text repeats) is asked again once that
-        evidence has faded."""
+        verified, and the rows' worth of (faded) evidence, the prior's included. Existence starts
+        from a prior of 1 (weight :data:`PRIOR_STEPS`): a drafter that proposed nothing for a while
+        (lookup before the text repeats) is asked again once that evidence has faded."""
         if self._cache is None:
             self._count()
             seen = (self.exists + self.prior_seen) * self.scale

@@ -4,15 +4,15 @@ Verify cost depends on the rows a step decodes and the nodes it verifies per row
 drafter proposed them, so every verify forward the loop runs (plain steps included) teaches the
 same table. Rows are kept in power-of-two buckets; within a bucket each width is the median of its
 latest timings. A width never verified is priced by interpolating its measured neighbours linearly
-in the width (for a cost that grows with the width, cheaper than any interpolation in a concave
-function of it, so an unmeasured width in between is tried rather than written off), and past the
-widest measured width at that width's cost (optimistic: a wider tree is tried once, then known).
-A width's excess over a plain step counts as if it had one more sample at the plain cost (a width
-timed on a few, perhaps noisy, steps is priced optimistically until it has more). No width is
-priced above a wider one, nor above the same width over more rows (the lower envelope): timing noise
-only ever adds time, and more nodes or more rows never cost less. Drafting cost is kept per drafting
-option and rows bucket for a drafter's steady steps, shrunk toward nothing the same way; a request's
-first ``propose`` (the drafter catching up on the prompt) is kept apart.
+in the width (cheaper than any concave interpolation: a width in between is tried rather than
+written off), and past the widest measured width at that width's cost (tried once, then known).
+A width's excess over a plain step counts as if it had one more sample at the plain cost, its own
+samples' weight halving every ``HALF_LIFE`` steps: a width timed on a few steps, or long ago, is
+priced optimistically (the planner tries it, one step at a time where only that optimism pays). No
+width is priced above a wider one, nor above the same width over more rows (the lower envelope):
+noise only adds time, and more nodes or rows never cost less. Drafting cost is kept per drafting
+option and rows bucket, shrunk toward nothing the same way; a request's first ``propose`` (the
+drafter catching up on the prompt) is kept apart.
 
 Every timing is stored divided by the machine's current speed: a shared machine runs the same step
 in times that drift by tens of percent over seconds, so a plain step timed in a slow stretch and a
@@ -46,16 +46,18 @@ class RecentMedian:
     """The median of the latest :data:`COST_HORIZON` samples (robust to bursts of timing noise, where
     a mean is not: one slow step must not write off a tree size)."""
 
-    __slots__ = ("samples", "count", "_value")
+    __slots__ = ("samples", "count", "stamp", "_value")
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=COST_HORIZON)
         self.count = 0
+        self.stamp = 0  # the cost curve's clock (steps) at the latest sample
         self._value: float | None = None
 
-    def add(self, sample: float) -> None:
+    def add(self, sample: float, stamp: int) -> None:
         self.samples.append(sample)
         self.count += 1
+        self.stamp = stamp
         self._value = None
 
     @property
@@ -68,6 +70,11 @@ class RecentMedian:
     def evidence(self) -> int:
         """Samples the value rests on (at most the horizon)."""
         return min(self.count, COST_HORIZON)
+
+    def weight(self, now: int, aged: bool) -> float:
+        """:attr:`evidence`, ``aged``: halved every :data:`~heads.adaptive.acceptance.HALF_LIFE`
+        steps since the latest sample."""
+        return self.evidence * 0.5 ** ((now - self.stamp) / HALF_LIFE) if aged else float(self.evidence)
 
 
 _SPEED_HORIZON = COST_HORIZON // 4  # latest plain steps the speed is the median of (a plan's worth)
@@ -88,7 +95,7 @@ class CostCurve:
         self.clock = 0  # verify forwards observed (steps)
         self.speed = 1.0  # the machine's current seconds per stored second (module docstring)
         self._ratios: deque[float] = deque(maxlen=_SPEED_HORIZON)  # latest plain steps' seconds / stored cost
-        self._curves: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # per bucket: (clock, widths, seconds)
+        self._curves: dict[tuple, tuple[int, np.ndarray, np.ndarray]] = {}  # per (bucket, aged): (clock, widths, seconds)
 
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
         self.clock += 1
@@ -100,9 +107,10 @@ class CostCurve:
         elif width == 1 and timed.value > 0:  # (plain steps alone: see the module docstring)
             self._ratios.append(seconds / timed.value)
             self.speed = statistics.median(self._ratios)
-        timed.add(seconds / self.speed)
+        timed.add(seconds / self.speed, self.clock)
         if timed.count <= PRIOR_TIMINGS:  # a width's first timings move its price most: priced again now
-            self._curves.pop(bucket, None)
+            self._curves.pop((bucket, True), None)
+            self._curves.pop((bucket, False), None)
 
     def observe_draft(self, rows: int, seconds: float, first: bool, mode: object = None) -> None:
         """A drafting step's seconds (``first``: a request's first ``propose``, kept apart)."""
@@ -111,7 +119,7 @@ class CostCurve:
         timed = table.get(bucket)
         if timed is None:
             timed = table[bucket] = RecentMedian()
-        timed.add(seconds / self.speed)
+        timed.add(seconds / self.speed, self.clock)
 
     @staticmethod
     def _nearest(bucket: int, tables: dict) -> int:
@@ -131,29 +139,28 @@ class CostCurve:
         return (any(other >= width for other in timed)
                 and (option is None or bucket in self.drafting.get(option, {})))
 
-    def verify_curve(self, rows: int, widths: np.ndarray) -> np.ndarray | None:
+    def verify_curve(self, rows: int, widths: np.ndarray, aged: bool = True) -> np.ndarray | None:
         """Predicted seconds of a verify forward over ``rows`` rows of each of ``widths`` nodes per
         row (None: no verify forward timed yet). Each measured width's excess over the plain step
-        counts as if one more sample had cost what a plain step costs: a width timed on few steps,
-        perhaps noisy ones, is tried again before it is written off. (Timings do not age: stored at
-        the machine's speed, one taken long ago compares with today's, and aged timings shrinking
-        toward the plain step priced trees at half their cost after a stretch of plain steps.)"""
-        curve = self._stored_curve(rows, widths)
+        counts as if one more sample had cost what a plain step costs, its samples' weight halving
+        with their age (``aged``; else their count alone): a width timed on few steps, or long ago,
+        perhaps on a noisy stretch, is tried again before it is written off."""
+        curve = self._stored_curve(rows, widths, aged)
         return None if curve is None else curve * self.speed
 
-    def _stored_curve(self, rows: int, widths: np.ndarray) -> np.ndarray | None:
+    def _stored_curve(self, rows: int, widths: np.ndarray, aged: bool) -> np.ndarray | None:
         """:meth:`verify_curve` in stored seconds (at speed 1)."""
         if not self.verify:
             return None
         bucket = rows_bucket(rows)
         bucket = bucket if bucket in self.verify else self._nearest(bucket, self.verify)
-        table, curve = self.verify[bucket], self._curves.get(bucket)
+        table, curve = self.verify[bucket], self._curves.get((bucket, aged))
         if curve is None or curve[0] + _REFRESH <= self.clock or curve[1].size != len(table):
             measured = sorted(table)
             seconds = np.array([table[width].value for width in measured])
             plain = table.get(1)
             if plain is not None:
-                weights = np.array([table[width].evidence for width in measured], dtype=float)
+                weights = np.array([table[width].weight(self.clock, aged) for width in measured])
                 seconds = plain.value + (seconds - plain.value) * weights / (weights + 1)
                 seconds[0] = plain.value
             # the lower envelope: none above a wider one timed often enough to bound it (one fast
@@ -165,10 +172,10 @@ class CostCurve:
             if larger:  # nor above the same width over more rows (a bucket's few timings may be noisy),
                 # where those rows timed a width at least as large (not extrapolated)
                 widest = max(self.verify[min(larger)])
-                cap = self._stored_curve(min(larger), np.array(measured, dtype=float))
+                cap = self._stored_curve(min(larger), np.array(measured, dtype=float), aged)
                 seconds = np.where(np.array(measured) <= widest, np.minimum(seconds, cap), seconds)
                 seconds = np.minimum.accumulate(seconds[::-1])[::-1]
-            curve = self._curves[bucket] = (self.clock, np.array(measured, dtype=float), seconds)
+            curve = self._curves[(bucket, aged)] = (self.clock, np.array(measured, dtype=float), seconds)
         return np.interp(widths, curve[1], curve[2])
 
     def verify_seconds(self, rows: int, width: int) -> float | None:
@@ -176,16 +183,16 @@ class CostCurve:
         curve = self.verify_curve(rows, np.array([width]))
         return None if curve is None else float(curve[0])
 
-    def draft_seconds(self, rows: int, mode: object = None) -> float:
+    def draft_seconds(self, rows: int, mode: object = None, aged: bool = True) -> float:
         """Predicted seconds of one steady drafting step of ``mode`` (a drafting option) over ``rows``
-        rows: the median shrunk toward 0 as if one more sample had cost nothing (0 before any is
-        timed: optimistic, so the option gets tried)."""
+        rows: the median shrunk toward 0 as if one more sample had cost nothing, weighted as in
+        :meth:`verify_curve` (0 before any is timed: optimistic, so the option gets tried)."""
         tables = self.drafting.get(mode)
         if not tables:
             return 0.0
         bucket = rows_bucket(rows)
         timed = tables[bucket if bucket in tables else self._nearest(bucket, tables)]
-        weight = timed.evidence
+        weight = timed.weight(self.clock, aged)
         return timed.value * self.speed * weight / (weight + 1)
 
     def summary(self) -> dict:

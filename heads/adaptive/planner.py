@@ -15,14 +15,13 @@ the target's distribution whatever is chosen, and a greedy output is the same. T
 are verified whole (cutting them after drafting, on lookup's own match scores, was measured to cost
 more per step than it saved: ``docs/auto.md``).
 
-The first time a rows bucket is served the planner serves a plan of plain steps to time a width-1
-forward in a run of plain steps, the reference every option is judged against (a plain step right
-after drafted ones costs more than one in a run: drafting evicts the caches of a CPU); then each acceptance model drafts until it has seen
-:data:`REPLAN_EVERY` rows (its first under this rule on this spec: a plan's steps at batch 1, one
-step of a batch of 8 or more), so that every choice rests on measured acceptance. A plan priced
-from a cost not yet timed in its rows' bucket serves one step: the next plan has that step's timing.
-The first step of a call and the first after rows finished are not timed: they also build or
-compact the cache's bookkeeping, whatever they verify.
+The first time a rows bucket is served the planner serves a plan of plain steps to time the
+reference every option is judged against in a run of plain steps (right after drafted ones a plain
+step costs more: drafting evicts a CPU's caches); then each acceptance model drafts until it has seen
+:data:`REPLAN_EVERY` rows (at batch 1 a plan's steps, one step of a batch of 8), so that choices rest
+on measured acceptance. A plan priced from a cost not yet timed in its rows' bucket, or paying only
+by the optimism of the bounds, serves one step. The first step of a call and the first after rows
+finished are not timed: they also build or compact the cache's bookkeeping, whatever they verify.
 """
 from __future__ import annotations
 
@@ -200,11 +199,13 @@ class CallPlanner:
         if rates[best] <= 1.0 / plain:
             return Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
         mode, size = self.options[best]
-        # paying only within the bound (its expected tokens alone lose to a plain step): one step at
-        # a time, each adding evidence, until the bound closes or the estimate itself pays
-        exploring = (1.0 + expected[best]) / max(seconds[best], 1e-9) <= 1.0 / plain
+        # paying only by the optimism (its expected tokens over its costs' samples unaged lose to a
+        # plain step): one step at a time, each adding evidence, until the estimate itself pays
+        steady = (self.costs.draft_seconds(rows, self.options[best], aged=False)
+                  + self.costs.verify_curve(rows, widths[best:best + 1], aged=False)[0])
+        exploring = (1.0 + expected[best]) / max(steady, 1e-9) <= 1.0 / plain
         return Choice(True, mode, size, int(round(widths[best])), 1.0 + float(gains[best]), float(seconds[best]),
-                      plain, "the bound says it may pay" if exploring else "drafting pays",
+                      plain, "it may pay" if exploring else "drafting pays",
                       exploring or not self.costs.known(rows, widths[best], self.options[best]))
 
     def release(self) -> None:

@@ -49,20 +49,23 @@ def test_costs_follow_the_machine_speed_and_keep_their_ratios():
     for _ in range(32):
         costs.observe_verify(1, 1, 1.0)
         costs.observe_verify(1, 9, 3.0)
-    before = costs.verify_seconds(1, 9)
+    def steady(width):  # its samples unaged
+        return float(costs.verify_curve(1, np.array([float(width)]), aged=False)[0])
+
+    before = steady(9)
     for _ in range(16):  # the machine runs at half speed now: plain steps take twice as long
         costs.observe_verify(1, 1, 2.0)
     assert costs.speed == pytest.approx(2.0)
     # every width is priced at the current speed: the tree timed in the fast stretch keeps its cost
-    # relative to the plain step (timings do not age), and the plain step's stored cost holds
-    assert costs.verify_seconds(1, 9) == pytest.approx(2 * before)
-    assert costs.verify_seconds(1, 1) == pytest.approx(2.0)
+    # relative to the plain step, and the plain step's stored cost holds
+    assert steady(9) == pytest.approx(2 * before)
+    assert steady(1) == pytest.approx(2.0)
     for _ in range(16):  # trees alone do not move the speed (their cost depends on the step before)
         costs.observe_verify(1, 9, 6.0)
     assert costs.speed == pytest.approx(2.0)
     for _ in range(16):
         costs.observe_verify(1, 1, 1.0)
-    assert costs.speed == pytest.approx(1.0) and costs.verify_seconds(1, 9) < 2 * before
+    assert costs.speed == pytest.approx(1.0) and steady(9) < 2 * before
     assert costs.summary()["speed"] == 1.0
 
 
