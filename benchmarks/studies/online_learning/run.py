@@ -4,7 +4,9 @@ offline on the serving domain as the reference (see README.md in this folder).
 
 Each configuration serves the same requests one at a time, greedy, ``--max-new-tokens`` each: the
 ``--requests`` stream prompts (from ``--stream``), then ``--eval`` prompts of ``--eval-mix``'s check
-split (odd lines), on which the goals are measured. Configurations:
+split (odd lines), on which the goals are measured. The configurations are served interleaved, window
+by window (``--window`` requests), the one that goes first rotating from one window to the next, so
+that a burst of load on the machine hits every configuration alike. Configurations:
 
 * ``off``: the starting adapter, learning off;
 * ``on@B``: the starting adapter learning online with budget ``B`` (one per ``--budget``), every
@@ -34,11 +36,11 @@ from training.online import learn
 HERE = Path(__file__).resolve().parent
 
 
-def serve(spec, prompts: list[torch.Tensor], max_new_tokens: int, label: str, progress: bool = True) -> list[dict]:
+def serve(spec, prompts: list[torch.Tensor], max_new_tokens: int) -> list[dict]:
     """One record per request: committed tokens, target forwards, wall-clock seconds (learning
     included), of which learning, and the output ids."""
     records = []
-    for index, prompt in enumerate(prompts):
+    for prompt in prompts:
         learned = spec.learning.seconds if spec.learning is not None else 0.0
         started = time.perf_counter()
         output = spec.generate(prompt, max_new_tokens=max_new_tokens)
@@ -47,10 +49,6 @@ def serve(spec, prompts: list[torch.Tensor], max_new_tokens: int, label: str, pr
         records.append({"new_tokens": stats.new_tokens, "forwards": stats.row_forwards, "seconds": seconds,
                         "learning_seconds": (spec.learning.seconds if spec.learning is not None else 0.0) - learned,
                         "output": output[0].tolist()})
-        if progress and (index + 1) % 25 == 0:
-            window = records[-25:]
-            print(f"  {label}: {index + 1} requests, tau of the last 25 "
-                  f"{sum(r['new_tokens'] for r in window) / sum(r['forwards'] for r in window):.3f}", flush=True)
     return records
 
 
@@ -63,19 +61,46 @@ def summarise(records: list[dict]) -> dict:
             "calls_that_learned": sum(r["learning_seconds"] > 0 for r in records)}
 
 
-def windows(records: list[dict], size: int) -> list[dict]:
-    return [{"first": start + 1, **summarise(records[start:start + size])} for start in range(0, len(records), size)]
+def windows(records: list[dict], size: int, first: int = 0) -> list[dict]:
+    """Per window of ``size`` requests (numbered from ``first``, the configuration's first request)."""
+    return [{"first": first + start + 1, **summarise(records[start:start + size])}
+            for start in range(0, len(records), size)]
 
 
-def run_configuration(model_dir: str, adapter: str, prompts: list[torch.Tensor], max_new_tokens: int,
-                      budget: float | None, options: dict, label: str) -> tuple[list[dict], dict | None]:
+def load_configuration(model_dir: str, adapter: str, budget: float | None, options: dict):
+    """A fresh backbone with ``adapter`` loaded, learning with ``budget`` (None: off)."""
     import heads
 
     model, _ = load_model(model_dir)
     spec = heads.load_heads(model, adapter)
-    learner = learn(spec, budget=budget, **options) if budget is not None else None
-    records = serve(spec, prompts, max_new_tokens, label)
-    return records, learner.summary() if learner is not None else None
+    if budget is not None:
+        learn(spec, budget=budget, **options)
+    return spec
+
+
+def serve_interleaved(plan: list[tuple], requests: list[torch.Tensor], first_eval: int, window: int,
+                      max_new_tokens: int) -> dict[str, list[dict]]:
+    """Serve ``requests`` with every configuration of ``plan`` (``(label, spec, serves_stream)``), window by
+    window, the first configuration of window ``w`` being ``plan[w % len(plan)]``. A configuration that does
+    not serve the stream serves only the requests from ``first_eval`` on. Records per label, by request."""
+    records: dict[str, list[dict]] = {label: [] for label, _, _ in plan}
+    for number, start in enumerate(range(0, len(requests), window)):
+        order = plan[number % len(plan):] + plan[:number % len(plan)]
+        latest: dict[str, list[dict]] = {}
+        for label, spec, serves_stream in order:
+            first = start if serves_stream else max(start, first_eval)
+            if first < start + window:
+                latest[label] = serve(spec, requests[first:start + window], max_new_tokens)
+                records[label] += latest[label]
+        done = min(start + window, len(requests))
+        line = ", ".join(f"{label} {tau_of(window_records):.3f}" for label, window_records in latest.items())
+        print(f"  {done} requests, tau of the last window: {line}", flush=True)
+    return records
+
+
+def tau_of(records: list[dict]) -> float:
+    forwards = sum(r["forwards"] for r in records)
+    return sum(r["new_tokens"] for r in records) / forwards if forwards else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,24 +133,26 @@ def main(argv: list[str] | None = None) -> int:
     budgets = args.budget or [0.05]
     results = {"settings": {**vars(args), "budgets": budgets, "options": options}, "machine": machine(),
                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "configurations": {}}
-    plan = [] if args.skip_off else [("off", args.adapter, None, stream + evaluation)]
-    plan += [(f"on@{budget:g}", args.adapter, budget, stream + evaluation) for budget in budgets]
+    plan = [] if args.skip_off else [("off", args.adapter, None, True)]
+    plan += [(f"on@{budget:g}", args.adapter, budget, True) for budget in budgets]
     if args.reference:
-        plan.append(("reference", args.reference, None, (stream if args.reference_stream else []) + evaluation))
-    outputs = {}
-    for label, adapter, budget, prompts in plan:
-        print(f"{label}: {len(prompts)} requests", flush=True)
-        records, learned = run_configuration(model_dir, adapter, prompts, args.max_new_tokens, budget,
-                                             options, label)
+        plan.append(("reference", args.reference, None, args.reference_stream))
+    loaded = [(label, load_configuration(model_dir, adapter, budget, options), serves_stream)
+              for label, adapter, budget, serves_stream in plan]
+    requests = stream + evaluation
+    served = serve_interleaved(loaded, requests, len(stream), args.window, args.max_new_tokens)
+    for (label, adapter, budget, serves_stream), (_, spec, _) in zip(plan, loaded):
+        records = served[label]
+        first = 0 if serves_stream else len(stream)
+        for index, record in enumerate(records, start=first):  # greedy: every configuration gives the same text
+            reference_output = served[plan[0][0]][index - (0 if plan[0][3] else len(stream))]["output"]
+            if record["output"] != reference_output:
+                raise SystemExit(f"{label}: request {index + 1}'s output differs from {plan[0][0]}'s")
         tail = records[-len(evaluation):]
-        for index, record in enumerate(records):  # greedy: every configuration gives the same text
-            key = len(stream) + index if len(records) == len(evaluation) else index
-            if key in outputs and outputs[key] != record["output"]:
-                raise SystemExit(f"{label}: request {key + 1}'s output differs from an earlier configuration's")
-            outputs.setdefault(key, record["output"])
         results["configurations"][label] = {
             "adapter": adapter, "budget": budget, "stream": summarise(records[:-len(evaluation)]),
-            "evaluation": summarise(tail), "windows": windows(records, args.window), "learner": learned,
+            "evaluation": summarise(tail), "windows": windows(records, args.window, first),
+            "learner": spec.learning.summary() if spec.learning is not None else None,
             "requests": [[r["new_tokens"], r["forwards"], round(r["seconds"], 4), round(r["learning_seconds"], 4)]
                          for r in records]}  # per request: tokens, target forwards, seconds, of which learning
         print(f"{label}: evaluation tau {results['configurations'][label]['evaluation']['tau']:.3f}", flush=True)
