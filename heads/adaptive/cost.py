@@ -20,8 +20,8 @@ tree timed in a fast one would compare wrongly. The speed is the median, over th
 steps, of each one's seconds over the plain step's stored cost; options are priced at stored cost x
 current speed. Only plain steps move it: a step's cost also depends on the step before it (on a
 CPU the first plain steps after drafted ones, and the first drafted steps after plain ones, cost
-more), and a speed chained through both kinds of step ratcheted every switch's extra cost into the
-stored costs, until the plain step looked several times cheaper than it was against any tree.
+more), and a speed moved by both kinds of step would carry each switch's extra cost into the stored
+costs of one kind, drifting the two kinds' costs apart with every switch.
 """
 
 from __future__ import annotations
