@@ -9,7 +9,7 @@ from ..draft_vocab_flags import DRAFT_VOCAB_FROM, auto_draft_vocab, draft_vocab
 
 LAYOUTS = ("native", "eagle1", "eagle3")
 DRAFTING_MODES = ("sequential", "parallel", "auto")
-PARALLEL_MODES = ("heads", "mask")
+PARALLEL_MODES = ("heads", "mask", "block")
 HEAD_INPUTS = ("prediction", "feature")
 """The choices of ``--eagle-layout``, ``--drafting``, ``--parallel-mode`` and ``--head-input``: those of
 :class:`~heads.eagle.config.EagleConfig` (same names there; a test keeps them equal), declared here
@@ -33,6 +33,12 @@ and traffic (:mod:`heads.eagle.switch`). The drafter itself trains exactly as a 
 (``--parallel 1``): the heads read its depth-1 prediction with the gradient stopped. (With
 ``--parallel-mode mask`` it shares its layer with mask queries, see ``--mask-query-weight``.) Four
 parallel depths ran level with or ahead of three (figures in CHANGELOG.md)."""
+
+MASK_QUERY_WEIGHT = {"mask": 0.2, "block": 1.0}
+"""``--mask-query-weight``'s default per ``--parallel-mode``: a ``mask`` drafter also drafts sequentially
+(``--drafting auto``), so its mask queries' losses weigh less than the sequential step's; a ``block``
+drafter drafts every depth below the first from them, so every depth weighs alike (up to
+``head_decay``)."""
 
 
 def layer_list(text: str) -> list[int]:
@@ -73,15 +79,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "sequential")
     group.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
                        help="--parallel > 1: where depths 2..K come from: heads (default; Medusa-style heads with their "
-                            "own output rows, see --head-input, which leave the drafter's layer to sequential drafting) or mask "
-                            "(learned mask queries in the drafter forward, sharing its layer)")
+                            "own output rows, see --head-input, which leave the drafter's layer to sequential drafting), mask "
+                            "(learned mask queries in the drafter forward, sharing its layer) or block (mask queries and a "
+                            "sequential head that conditions each depth on the token drafted above it; dynamic trees, "
+                            "drafting parallel by default)")
     group.add_argument("--head-input", choices=HEAD_INPUTS, default=None,
                        help="--parallel-mode heads: what the heads read: prediction (default; the drafter's depth-1 "
                             "prediction at the root, which has seen the context and the root token) or feature (the "
                             "root's backbone feature, as Medusa's heads)")
-    group.add_argument("--mask-query-weight", type=float, default=0.2,
-                       help="--parallel-mode mask: weight of the mask queries' losses against the teacher-forced pairs' "
-                            "(default 0.2; higher favours the parallel mode over the sequential one)")
+    group.add_argument("--mask-query-weight", type=float, default=None,
+                       help="--parallel-mode mask or block: weight of the mask queries' losses against the teacher-forced "
+                            f"pairs' (default {MASK_QUERY_WEIGHT['mask']:g} for mask, which also drafts sequentially; "
+                            f"{MASK_QUERY_WEIGHT['block']:g} for block, which drafts from them; higher favours the parallel "
+                            "mode over the sequential one)")
     group.add_argument("--parallel-tokens", type=int, default=None,
                        help="--drafting auto: drafted nodes of the parallel mode's static tree (default 16)")
     group.add_argument("--min-acceptance", type=float, default=None,
@@ -115,8 +125,8 @@ def options(args: argparse.Namespace) -> dict:
     parallel, drafting = args.parallel, args.drafting
     if getattr(args, "kind", None) == "eagle" and parallel is None and default_parallel(args):
         parallel = PARALLEL
-    if drafting is None and parallel is not None and parallel > 1:
-        drafting = "auto"
+    if drafting is None and parallel is not None and parallel > 1:  # a block drafter grows its own trees
+        drafting = "parallel" if getattr(args, "parallel_mode", None) == "block" else "auto"
     return {"drafting": drafting, "parallel_tokens": args.parallel_tokens,
             "num_layers": args.num_layers, "depth": args.depth, "top_k": args.top_k,
             "total_tokens": args.total_tokens, "feature_layers": args.feature_layers,
@@ -131,7 +141,8 @@ def train_options(args: argparse.Namespace) -> dict:
     """The ``TrainConfig`` fields EAGLE's flags set."""
     return {"feature_weight": args.feature_weight, "token_weight": args.token_weight,
             "feature_noise": args.feature_noise, "unroll_steps": args.unroll_steps,
-            "mask_query_weight": args.mask_query_weight}
+            "mask_query_weight": (args.mask_query_weight if args.mask_query_weight is not None
+                                  else MASK_QUERY_WEIGHT["block" if getattr(args, "parallel_mode", None) == "block" else "mask"])}
 
 
 def target_options(args: argparse.Namespace, vocab_size: int) -> dict:

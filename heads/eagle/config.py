@@ -25,7 +25,7 @@ DEFAULT_SIBLINGS = 1
 _TREE_FIELDS = DYNAMIC_FIELDS
 LAYOUTS = tuple(EAGLE_LAYOUT_FAMILIES)
 DRAFTING_MODES = ("sequential", "parallel", "auto")
-PARALLEL_MODES = ("heads", "mask")
+PARALLEL_MODES = ("heads", "mask", "block")
 HEAD_INPUTS = ("prediction", "feature")
 
 
@@ -73,7 +73,12 @@ class EagleConfig:
     Nothing they learn touches the drafter's layer, which trains exactly as a sequential drafter's.
     ``mask``: ``K - 1`` learned mask queries (``mask_feature``, ``mask_embedding``) run in the
     committing forward after each row's last pair (P-EAGLE/PARD style); they share the layer and
-    pull it their way (``mask_query_weight``). None: ``mask`` (adapters written before this field)."""
+    pull it their way (``mask_query_weight``). ``block``: a block drafter with a sequential head
+    (DSpark style, :mod:`heads.eagle.block`): the mask queries of ``mask`` mode give each depth's
+    feature in one forward, and a small head (``sequential_head``) refines depth ``j + 1``'s from the
+    token drafted at depth ``j``, so a node's children depend on its own token; trees grow
+    dynamically (best-first by path probability, or sampled) up to ``min(depth, K)`` deep, each level
+    costing the head, not a drafter forward. None: ``mask`` (adapters written before this field)."""
     head_input: str | None = None
     """``heads`` mode only: what the parallel heads read, with its gradient stopped. ``prediction``
     (``attach_heads`` and ``selfdraft train``'s default): the drafter's own depth-1 prediction at the
@@ -155,6 +160,10 @@ class EagleConfig:
             self.drafting = "sequential" if self.parallel == 1 else "parallel"
         if self.drafting not in DRAFTING_MODES:
             raise ValueError(f"EagleConfig.drafting must be one of {DRAFTING_MODES}; got {self.drafting!r}")
+        if self.parallel_mode == "block" and self.drafting == "auto":
+            raise ValueError("EagleConfig.drafting 'auto' switches between sequential drafting and a static parallel "
+                             "tree; a 'block' drafter grows its trees with its sequential head: use drafting "
+                             "'parallel' (the block drafter) or 'sequential'")
         if self.drafting != "sequential" and self.parallel == 1:
             raise ValueError(f"EagleConfig.drafting {self.drafting!r} needs a drafter trained for parallel drafting "
                              f"(parallel >= 2); this one has parallel=1")

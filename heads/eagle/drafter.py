@@ -270,14 +270,7 @@ class EagleDrafter:
                 real_siblings.append((present & wanted)[:, None].expand(-1, side))
             if level == depth or not bool(growing.any()):
                 break
-            positions = (start + level)[:, None]  # (R, 1)
-            mask = None
-            if not unmasked:
-                keys = start[:, None] + torch.arange(1, level + 1, device=device)[None, :]  # this step's chain slots
-                visible = torch.ones(rows, 1, level, dtype=torch.bool, device=device)
-                mask = self.cache.mask(positions, visible, self.heads.layout, features.dtype, keys)
-            embeddings = self.target.input_embeddings(token[:, None])  # (R, 1, d)
-            features = self.heads.step(features[:, None], embeddings, positions, mask, self.cache.cache)[:, 0]
+            features = self._next_level(features, token, level, start, unmasked)
         chains = torch.stack(tokens, dim=1)
         if self.min_acceptance > 0:
             self._pending = (chains, sizes, torch.stack(bins, dim=1) if bins else torch.zeros(rows, 0, dtype=torch.long))
@@ -288,6 +281,21 @@ class EagleDrafter:
             if bool(real.any()):
                 return chain_with_siblings(chains, sizes, torch.cat(siblings, dim=1), real)
         return chain_batch(chains, sizes, draws if self.sampling else None)
+
+    def _next_level(self, features: torch.Tensor, token: torch.Tensor, level: int, start: torch.Tensor,
+                    unmasked: bool) -> torch.Tensor:
+        """A chain's features ``[R, d]`` at depth ``level + 1`` from those at ``level`` and the tokens
+        drafted there ``[R]``: one drafter forward over every row's chain node (``start`` ``[R]``: the
+        roots' positions; ``unmasked``: every key is visible, no mask needed)."""
+        rows, device = token.shape[0], token.device
+        positions = (start + level)[:, None]  # (R, 1)
+        mask = None
+        if not unmasked:
+            keys = start[:, None] + torch.arange(1, level + 1, device=device)[None, :]  # this step's chain slots
+            visible = torch.ones(rows, 1, level, dtype=torch.bool, device=device)
+            mask = self.cache.mask(positions, visible, self.heads.layout, features.dtype, keys)
+        embeddings = self.target.input_embeddings(token[:, None])  # (R, 1, d)
+        return self.heads.step(features[:, None], embeddings, positions, mask, self.cache.cache)[:, 0]
 
     def _tree(self, roots: list[int], root_features: torch.Tensor, draft_rows) -> TreeBatch:
         """One dynamic tree per row (EAGLE-2 growth, or sampled children), all rows in lockstep."""

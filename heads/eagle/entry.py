@@ -13,13 +13,14 @@ from ..kind import DrafterKind, refuse_options
 from . import cli
 from .checkpoint import FORMATS
 from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, LAYOUTS, EagleConfig
+from .block import BlockDrafter
 from .drafter import EagleDrafter
 from .loss import EagleLoss
 from .modules import Eagle3Midlayer, EagleHeads, parallel_attention_mask, unrolled_attention_mask
 from .parallel import ParallelEagleDrafter, parallel_template
 from .switch import DraftingChoice, SwitchingEagleDrafter
 
-__all__ = ["KIND", "EagleConfig", "EagleDrafter", "EagleHeads", "Eagle3Midlayer", "unrolled_attention_mask",
+__all__ = ["KIND", "EagleConfig", "EagleDrafter", "BlockDrafter", "EagleHeads", "Eagle3Midlayer", "unrolled_attention_mask",
            "ParallelEagleDrafter", "parallel_attention_mask", "parallel_template", "SwitchingEagleDrafter",
            "DraftingChoice", "DEFAULT_DEPTH", "DEFAULT_TOP_K",
            "DEFAULT_TOTAL_TOKENS", "LAYOUTS"]
@@ -59,6 +60,8 @@ def build_heads(target, config: EagleConfig) -> EagleHeads:
 
 def build_drafter(spec, tree) -> EagleDrafter | ParallelEagleDrafter | SwitchingEagleDrafter:
     config = spec.config.with_tree(tree)
+    if config.drafting == "parallel" and config.parallel_mode == "block":
+        return BlockDrafter(spec.heads, spec.target, config)
     if config.drafting == "parallel":
         return ParallelEagleDrafter(spec.heads, spec.target, config, spec.accuracy)
     if config.drafting == "auto":

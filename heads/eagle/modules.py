@@ -150,6 +150,23 @@ class DepthHead(ResidualBlock):
         self.weight = nn.Parameter(torch.zeros(rows, hidden))
 
 
+class SequentialHead(nn.Module):
+    """The block drafter's sequential head (``parallel_mode="block"``): refines the block's predicted
+    feature ``h`` ``[..., d]`` of a depth from the embedding ``e`` ``[..., d]`` of the token drafted one
+    depth above, ``h + W_out SiLU(W_in [h; e] + b)``. ``W_out`` starts at zero, so an untrained head is
+    the identity (the block's mask-query prediction)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2 * hidden, hidden)
+        self.outer = nn.Linear(hidden, hidden, bias=False)
+        nn.init.zeros_(self.outer.weight)
+
+    def forward(self, hidden: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        inner = self.inner(torch.cat([hidden, embeddings.to(hidden.dtype)], dim=-1))
+        return hidden + self.outer(nn.functional.silu(inner))
+
+
 class EagleHeads(nn.Module):
     """The trainable drafter: fusion (option), projection and decoder copy (``native``/``eagle1``
     layouts) or fusion and :class:`Eagle3Midlayer` (``eagle3``); the only tensors in the adapter
@@ -175,10 +192,12 @@ class EagleHeads(nn.Module):
         self._heads_cache = None  # (count, sources, their state, stacked tensors) of the parallel heads, see _fused_heads
         self._lean = LeanDecoder(self.decoder) if self.projection is not None and lean_decoder_ok(self.decoder) else None
         self.layout = attention_layout(self.decoder.config)
-        self.mask_embedding = self.mask_feature = self.parallel_heads = None
-        if config.parallel > 1 and config.parallel_mode == "mask":  # mask queries' inputs (set from data by EagleLoss)
+        self.mask_embedding = self.mask_feature = self.parallel_heads = self.sequential_head = None
+        if config.parallel > 1 and config.parallel_mode in ("mask", "block"):  # mask queries' inputs (set from data)
             self.mask_embedding = nn.Parameter(torch.zeros(hidden))
             self.mask_feature = nn.Parameter(torch.zeros(hidden))
+            if config.parallel_mode == "block":
+                self.sequential_head = SequentialHead(hidden)
         elif config.parallel > 1:  # depths 2..K: Medusa-style heads on what head_input names
             rows = config.draft_vocab_size or target.vocab_size
             self.parallel_heads = nn.ModuleList(DepthHead(hidden, rows) for _ in range(config.parallel - 1))
@@ -357,16 +376,26 @@ class EagleHeads(nn.Module):
         shape = (batch, count, self.hidden_size)
         return self.mask_feature.expand(shape), self.mask_embedding.expand(shape)
 
+    def refine(self, hidden: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """``block`` mode: a depth's feature ``[..., d]`` from the block refined by the sequential head
+        with the embeddings ``[..., d]`` of the tokens drafted one depth above."""
+        if self.sequential_head is None:
+            raise ValueError("this EAGLE drafter has no sequential head (EagleConfig.parallel_mode is not 'block')")
+        return self.sequential_head(hidden, embeddings)
+
     def parallel_forward(self, features: torch.Tensor, token_embeddings: torch.Tensor) -> list[torch.Tensor]:
         """Training forward of parallel drafting (``config.parallel = K``): one drafter forward over
         the teacher-forced pairs and ``K - 1`` blocks of mask queries (:func:`parallel_attention_mask`).
 
         Args and returns as :meth:`forward` with ``steps = K``: ``K`` tensors ``[B, T, d]``; entry
         ``j`` at anchor ``t`` predicts the feature at ``t + j + 1`` (entry 0: the pair at ``t`` itself,
-        entry ``j >= 1``: anchor ``t``'s mask query ``j``).
+        entry ``j >= 1``: anchor ``t``'s mask query ``j``). ``block`` mode: entry ``j >= 1`` is then
+        refined by the sequential head with the embedding of the token at ``t + j + 1`` (teacher
+        forced: the token a chain drafts at depth ``j`` whenever its depths so far are accepted, the
+        only case in which depth ``j + 1`` counts).
         """
         if self.mask_feature is None:
-            raise ValueError("parallel_forward trains mask queries (parallel_mode 'mask'); a 'heads' drafter trains "
+            raise ValueError("parallel_forward trains mask queries (parallel_mode 'mask' or 'block'); a 'heads' drafter trains "
                              "its sequential step with forward() and its heads with depth_logits()")
         batch, length, _ = features.shape
         parallel = self.config.parallel
@@ -378,8 +407,14 @@ class EagleHeads(nn.Module):
         origins = torch.arange(length, device=features.device)
         positions = torch.cat([origins + block for block in range(parallel)]).expand(batch, -1)  # (B, K*T)
         mask = parallel_attention_mask(length, parallel, self.layout, inputs.dtype, features.device)
-        outputs = self.step(inputs, embeddings, positions, _expand_batch(mask, batch), None)  # (B, K*T, d)
-        return list(outputs.split(length, dim=1))
+        outputs = list(self.step(inputs, embeddings, positions, _expand_batch(mask, batch), None).split(length, dim=1))
+        if self.sequential_head is not None:
+            for depth in range(1, parallel):  # the token at t + depth + 1 (zeros past the sequence's end)
+                drafted = torch.cat([token_embeddings[:, depth + 1:],
+                                     token_embeddings.new_zeros(batch, min(depth + 1, length), self.hidden_size)],
+                                    dim=1)[:, :length]
+                outputs[depth] = self.refine(outputs[depth], drafted)
+        return outputs
 
 
 def check_against_target(config: EagleConfig, target: Backbone) -> None:

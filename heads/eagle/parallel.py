@@ -60,6 +60,42 @@ def parallel_template(config: EagleConfig, accuracy: Sequence[Sequence[float]] |
     return from_choices(best_first_choices(table, config.total_tokens))
 
 
+def mask_query_forward(heads: EagleHeads, target: Backbone, cache: cache_ops.RaggedCache, committed: torch.Tensor,
+                       batch: DraftBatch, parallel: int, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One drafter forward that appends each row's pairs (features[i], tokens[i + 1]) and (features[-1],
+    root) to ``cache`` and runs ``parallel - 1`` mask queries behind them (``mask`` and ``block``
+    modes). Returns the predicted features of depths 1..``parallel`` ``[R, K, d]`` (the last pair's
+    output, then the mask queries') and the new committed counts ``[R]``. The mask queries' entries
+    stay past the cache's bookkeeping width (the next step's ``crop`` drops them); ``limit`` (a hard
+    position limit, or None) clamps their positions."""
+    cache.crop()
+    rows, width = batch.tokens.shape
+    masks = parallel - 1
+    if limit is None and dense_ok(heads, batch, cache):
+        predicted, committed = dense_forward(heads, target, cache, committed, batch, heads.mask_inputs(rows, masks))
+        return predicted[:, width - 1:], committed  # (R, K, d): the last pair's output, then the mask queries'
+    counts, next_tokens, valid = committed_pairs(batch, committed.device)
+    device, dtype = committed.device, target.dtype
+    last, row_index, columns = counts - 1, torch.arange(rows, device=device), torch.arange(width, device=device)
+    visible = torch.zeros(rows, width + masks, width + masks, dtype=torch.bool, device=device)
+    visible[:, :width, :width] = causal_visibility(width, device) & (
+        valid[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)[None])
+    visible[:, width:, :width] = valid[:, None, :]  # mask queries see the row's committed pairs
+    visible[:, width:, width:] = causal_visibility(masks, device)  # and the row's earlier mask queries
+    pair_positions = committed[:, None] + columns[None, :]  # (R, n)
+    mask_positions = (committed + last)[:, None] + torch.arange(1, masks + 1, device=device)[None, :]
+    if limit is not None:  # depths beyond the limit are cut from the tree by the drafter
+        mask_positions = mask_positions.clamp(max=limit - 1)
+    positions = torch.cat([pair_positions, mask_positions], dim=1)  # (R, n + K - 1)
+    attention = cache.mask(positions, visible, heads.layout, dtype)
+    mask_features, mask_embeddings = heads.mask_inputs(rows, masks)
+    features = torch.cat([heads.fuse(batch.features.to(device=device, dtype=dtype)), mask_features], dim=1)
+    embeddings = torch.cat([target.input_embeddings(next_tokens), mask_embeddings.to(dtype)], dim=1)
+    predicted = heads.step(features, embeddings, positions, attention, cache.cache)  # (R, n + K - 1, d)
+    cache.extend(valid, pair_positions)
+    return torch.cat([predicted[row_index, last][:, None], predicted[:, width:]], dim=1), committed + counts
+
+
 class ParallelEagleDrafter:
     """Proposes one static-shape tree per row and step (``tree_attention.decode.Drafter``) from one
     drafter forward over all rows: the newly committed pairs plus ``K - 1`` mask queries per row.
@@ -99,37 +135,10 @@ class ParallelEagleDrafter:
         self.committed = self.committed[keep]
 
     def _draft(self, batch: DraftBatch) -> torch.Tensor:
-        """Append each row's pairs (features[i], tokens[i + 1]) and (features[-1], root), run the
-        mask queries behind them in the same forward; the predicted features of depths 1..K
-        ``[R, K, d]``."""
-        self.cache.crop()
-        rows, width = batch.tokens.shape
-        masks = self.parallel - 1
-        if self.position_limit is None and dense_ok(self.heads, batch, self.cache):
-            predicted, self.committed = dense_forward(self.heads, self.target, self.cache, self.committed, batch,
-                                                      self.heads.mask_inputs(rows, masks))
-            return predicted[:, width - 1:]  # (R, K, d): the last pair's output, then the mask queries'
-        counts, next_tokens, valid = committed_pairs(batch, self.committed.device)
-        device, dtype = self.committed.device, self.target.dtype
-        last, row_index, columns = counts - 1, torch.arange(rows, device=device), torch.arange(width, device=device)
-        visible = torch.zeros(rows, width + masks, width + masks, dtype=torch.bool, device=device)
-        visible[:, :width, :width] = causal_visibility(width, device) & (
-            valid[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)[None])
-        visible[:, width:, :width] = valid[:, None, :]  # mask queries see the row's committed pairs
-        visible[:, width:, width:] = causal_visibility(masks, device)  # and the row's earlier mask queries
-        pair_positions = self.committed[:, None] + columns[None, :]  # (R, n)
-        mask_positions = (self.committed + last)[:, None] + torch.arange(1, masks + 1, device=device)[None, :]
-        if self.position_limit is not None:  # depths beyond the limit are cut from the tree (see propose)
-            mask_positions = mask_positions.clamp(max=self.position_limit - 1)
-        positions = torch.cat([pair_positions, mask_positions], dim=1)  # (R, n + K - 1)
-        attention = self.cache.mask(positions, visible, self.heads.layout, dtype)
-        mask_features, mask_embeddings = self.heads.mask_inputs(rows, masks)
-        features = torch.cat([self.heads.fuse(batch.features.to(device=device, dtype=dtype)), mask_features], dim=1)
-        embeddings = torch.cat([self.target.input_embeddings(next_tokens), mask_embeddings.to(dtype)], dim=1)
-        predicted = self.heads.step(features, embeddings, positions, attention, self.cache.cache)  # (R, n + K - 1, d)
-        self.cache.extend(valid, pair_positions)  # the mask queries' entries stay past the width: cropped next step
-        self.committed = self.committed + counts
-        return torch.cat([predicted[row_index, last][:, None], predicted[:, width:]], dim=1)  # (R, K, d)
+        """The predicted features of depths 1..K ``[R, K, d]`` (:func:`mask_query_forward`)."""
+        predicted, self.committed = mask_query_forward(self.heads, self.target, self.cache, self.committed, batch,
+                                                       self.parallel, self.position_limit)
+        return predicted
 
     def _logits(self, batch: DraftBatch, depths: int) -> torch.Tensor:
         """The drafter's logits ``[R, depths, V']`` of depths ``1..depths`` for every row: the commit

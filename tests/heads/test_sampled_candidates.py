@@ -67,6 +67,14 @@ def eagle(model):
     return trained(heads.attach_heads(model, kind="eagle", depth=3, top_k=2, total_tokens=4), 60, 3e-3, 8)
 
 
+@pytest.fixture(scope="module")
+def block(model):
+    """A block drafter (EAGLE ``parallel_mode="block"``): its children come from the sequential head."""
+    torch.manual_seed(3)
+    return trained(heads.attach_heads(model, kind="eagle", parallel=3, parallel_mode="block", depth=3, top_k=2,
+                                      total_tokens=4), 60, 3e-3, 8)
+
+
 def configure(spec, shape):
     """``spec`` drafting ``shape`` (Medusa: a choice list; EAGLE: depth/top_k/total_tokens), or
     with lookup continuations from :data:`CORPUS` merged in (``"hybrid"``, Medusa's wide tree)."""
@@ -110,6 +118,8 @@ CASES = [
                  id="eagle-chain-confidence-T1"),
     pytest.param("eagle", dict(depth=3, top_k=1, total_tokens=3, min_acceptance=0.2), dict(temperature=1.0, top_k=0),
                  id="eagle-chain-calibrated-T1"),
+    pytest.param("block", dict(depth=3, top_k=1, total_tokens=3), dict(temperature=1.0, top_k=0), id="block-chain-T1"),
+    pytest.param("block", dict(depth=3, top_k=2, total_tokens=4), dict(temperature=1.0, top_k=0), id="block-tree-T1"),
 ]
 HEAT = 2.0
 
@@ -160,7 +170,7 @@ def wrong_q(monkeypatch):
 
 
 WRONG_CASES = [pytest.param(no_residual, *case.values, id=f"no-residual-{case.id}") for case in CASES]
-WRONG_CASES += [pytest.param(wrong_q, *CASES[index].values, id=f"wrong-q-{CASES[index].id}") for index in (1, 3, 4, 5, 6)]
+WRONG_CASES += [pytest.param(wrong_q, *CASES[index].values, id=f"wrong-q-{CASES[index].id}") for index in (1, 3, 4, 5, 6, 9)]
 
 
 @pytest.mark.parametrize("wrong, kind, shape, settings", WRONG_CASES)
