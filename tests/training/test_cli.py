@@ -60,9 +60,10 @@ def test_train_then_bench(model_dir, tmp_path):
     summary = json.loads((tmp_path / "train.json").read_text())
     assert summary["losses"][-1] < summary["losses"][0]
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["training"]["divergence"] == "fkl" and config["acceptance"]["prompts"]["tau"] >= 1.0
+    greedy, sampled = config["acceptance"]["prompts"]  # the default recipe: measured greedy and at 0.7
+    assert config["training"]["divergence"] == "fkl" and greedy["tau"] >= 1.0 and sampled["temperature"] == 0.7
     assert (adapter / "adapter_model.safetensors").is_file()
-    assert len(list((tmp_path / "cache").glob("distill-*.safetensors"))) == 1
+    assert len(list((tmp_path / "cache").glob("distill-*.safetensors"))) == 2  # greedy and sampled shares
 
     bench_json = tmp_path / "bench.json"
     code = main(["bench", "--model", str(model_dir), "--adapter", str(adapter), "--data", str(data),

@@ -23,6 +23,7 @@ from pathlib import Path
 from heads import _refuse_foreign_options, kinds, lora_flags
 
 from ..config import DIVERGENCES
+from ..recipe import DEFAULT_RECIPE, DIVERGENCE_TEMPERATURE, recipe
 from .common import (
     Interrupted, UsageError, add_paragraphs_argument, check_int, check_model, check_number,
     check_output_directory, check_output_file, load_model, logger, read_prompts, require, write_json,
@@ -101,8 +102,11 @@ def add_parser(commands) -> None:
                              "jsd, tvd (1 - alpha, alpha = sum min(p, q)), ce, nla (-log alpha), lk_hybrid (KL/TV)")
     parser.add_argument("--position-decay", type=float, default=None, metavar="DECAY",
                         help="loss weight DECAY ** k of drafting depth k + 1 (Medusa, EAGLE), in (0, 1] (default 0.8)")
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="temperature of both distributions in the divergence; match the serving temperature")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="temperature of both distributions in the divergence; match the serving temperature "
+                             f"(default {DIVERGENCE_TEMPERATURE:g}). Giving it, --data-temperature or an on-policy "
+                             "flag specialises the recipe; without any of them the adapter is trained for greedy and "
+                             "sampled serving alike (the default recipe, docs/training.md)")
     parser.add_argument("--jsd-beta", type=float, default=0.5,
                         help="--loss jsd: weight of the target's distribution, in (0, 1) (default 0.5)")
     added: dict[str, argparse.Action] = {}
@@ -111,8 +115,11 @@ def add_parser(commands) -> None:
     parser.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="length of the target's continuation generated per prompt (distillation data)")
-    parser.add_argument("--data-temperature", type=float, default=0.0,
-                        help="temperature of the target's continuations (0: greedy, for greedy serving)")
+    parser.add_argument("--data-temperature", type=float, nargs="+", default=None, metavar="T",
+                        help="temperature of the target's continuations (0: greedy, for greedy serving); several "
+                             "values: prompt i is continued at the (i mod count)-th (default: 0, or with no "
+                             "temperature flag the default recipe's " + " ".join(
+                                 f"{value:g}" for value in DEFAULT_RECIPE.data_temperatures) + ")")
     _add_on_policy_arguments(parser)
     parser.add_argument("--original-text", action="store_true",
                         help="train on the prompts' original text instead of the target's continuations")
@@ -159,14 +166,6 @@ def _add_on_policy_arguments(parser) -> None:
                        help="training prompts generated from at each refresh (default 32)")
 
 
-def _on_policy_ratio(args) -> float:
-    if args.on_policy_ratio is None:
-        return 0.5 if args.on_policy else 0.0
-    if args.on_policy and args.on_policy_ratio == 0:
-        raise ValueError("--on-policy with --on-policy-ratio 0: give a ratio in (0, 1] or drop --on-policy")
-    return args.on_policy_ratio
-
-
 def default_learning_rate(kind: str) -> float:
     """``--lr`` when not given: the kind's ``cli.LEARNING_RATE`` (``TrainConfig``'s default when it has none)."""
     from ..config import TrainConfig
@@ -182,14 +181,15 @@ def train_config(args):
     kind_fields = {}
     for cli in kinds.command_lines().values():
         kind_fields.update(cli.train_options(args))
+    chosen = recipe(args)
     return TrainConfig(
-        on_policy_ratio=_on_policy_ratio(args), on_policy_refresh=args.on_policy_refresh,
-        on_policy_temperature=args.on_policy_temperature, on_policy_prompts=args.on_policy_prompts,
+        on_policy_ratio=chosen.on_policy_ratio, on_policy_refresh=args.on_policy_refresh,
+        on_policy_temperature=chosen.on_policy_temperature, on_policy_prompts=args.on_policy_prompts,
         on_policy_max_new_tokens=args.max_new_tokens,
         steps=args.steps, batch_size=args.batch_size, gradient_accumulation=args.gradient_accumulation,
         learning_rate=default_learning_rate(args.kind) if args.lr is None else args.lr,
         warmup_steps=args.warmup_steps, mixed_precision=args.mixed_precision,
-        divergence=args.divergence, temperature=args.temperature, jsd_beta=args.jsd_beta, seed=args.seed,
+        divergence=args.divergence, temperature=chosen.temperature, jsd_beta=args.jsd_beta, seed=args.seed,
         checkpoint_every=args.checkpoint_every, **kind_fields,
         **({} if args.position_decay is None else {"head_decay": args.position_decay}),
     )
@@ -216,9 +216,10 @@ def resolved_options(args, model_config) -> dict:
 
 
 def _sequences(args, model, tokenizer, prompts, accelerator):
-    """The training sequences: the target's continuations of the prompts (cached), or their text."""
+    """The training sequences: the target's continuations of the prompts (cached; prompt ``i`` at
+    the recipe's ``data_temperatures[i % count]``), or their text."""
     import heads
-    from ..distill_data import default_cache_dir, generate_distillation_data
+    from ..distill_data import default_cache_dir, generate_mixed_distillation_data
     from ..prompts import text_sequences
 
     target_id = heads.backbone.target_fingerprint(model)["weights_sha256"]
@@ -226,9 +227,10 @@ def _sequences(args, model, tokenizer, prompts, accelerator):
         if args.original_text:
             sequences = text_sequences(tokenizer, prompts, args.max_length)
         else:
-            sequences = generate_distillation_data(
-                model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, temperature=args.data_temperature,
-                seed=args.seed, cache_dir=args.cache_dir or default_cache_dir(), target_id=target_id,
+            sequences, _ = generate_mixed_distillation_data(
+                model, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
+                temperatures=recipe(args).data_temperatures, seed=args.seed,
+                cache_dir=args.cache_dir or default_cache_dir(), target_id=target_id,
                 batch_size=args.generation_batch_size, progress=not args.no_progress and accelerator.is_main_process,
                 max_prompt_tokens=max(1, args.max_length - args.max_new_tokens), truncate=True,
             )
@@ -269,10 +271,8 @@ def _measured_acceptance(args, spec, tokenizer, config, texts: list[str], split:
     if split == "eval-data":
         texts = read_prompts(eval_path, tokenizer, "--eval-data", paragraphs=args.paragraphs)
     eval_prompts = encode_prompts(tokenizer, texts, args.eval_prompts)
-    # greedy, and the serving temperature an on-policy run was matched to
-    temperatures = sorted({0.0, config.serving_temperature if config.on_policy_ratio else 0.0})
     entries = []
-    for temperature in temperatures:
+    for temperature in recipe(args).evaluated_at:
         report = measure(spec, eval_prompts, args.eval_max_new_tokens, plain=False, temperature=temperature,
                          seed=args.seed)
         entry = {"tau": report.tau, "acceptance_by_position": report.acceptance_by_position,
@@ -288,11 +288,7 @@ def _measured_acceptance(args, spec, tokenizer, config, texts: list[str], split:
 def _recipe(args, config, prompts, accelerator, engine: str, held_out: int) -> dict:
     return {
         "data": str(args.data), "prompts": len(prompts), "held_out_prompts": held_out, "for": engine,
-        "divergence": args.divergence,
-        "temperature": args.temperature, "data_temperature": args.data_temperature,
-        "on_policy": config.on_policy_ratio > 0, "on_policy_ratio": config.on_policy_ratio,
-        "on_policy_refresh": config.on_policy_refresh if config.on_policy_ratio else None,
-        "on_policy_temperature": config.serving_temperature if config.on_policy_ratio else None,
+        "divergence": args.divergence, **recipe(args).record(config),
         "original_text": args.original_text, "steps": args.steps,
         "config": config.__dict__, "processes": accelerator.num_processes,
     }
@@ -375,7 +371,8 @@ def check_arguments(args, processes: int):
     check_number(args.temperature, "--temperature", 0.0, inclusive=False)
     check_number(args.position_decay, "--position-decay", 0.0, inclusive=False, maximum=1.0)
     require(0 < args.jsd_beta < 1, f"--jsd-beta must lie in (0, 1) (the target's weight in JSD); got {args.jsd_beta}")
-    check_number(args.data_temperature, "--data-temperature", 0.0)
+    for value in args.data_temperature or ():
+        check_number(value, "--data-temperature", 0.0)
     check_number(args.on_policy_ratio, "--on-policy-ratio", 0.0, maximum=1.0)
     check_number(args.on_policy_temperature, "--on-policy-temperature", 0.0)
     require(not (args.resume and not args.checkpoint_dir),

@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness.prompts import PROMPTS, TARGETS, mixed_training_file, target_directory
+from benchmarks.harness.prompts import SPLITS, TARGETS, mix_prompts, mixed_training_file, target_directory
 from benchmarks.studies.common import RESULTS, table, write_json
+from training.recipe import DEFAULT_RECIPE
 
 HERE = Path(__file__).resolve().parent
 TARGETS = {name: TARGETS[name] for name in ("demo-llama", "stories260K")}
@@ -44,10 +45,22 @@ RECIPES = {
     "greedy-off": ["--temperature", "1.0", "--data-temperature", "0"],
     "T0.7-on": ["--temperature", "0.7", "--data-temperature", "0.7", "--on-policy"],
     "T1.0-on": ["--temperature", "1.0", "--data-temperature", "1.0", "--on-policy"],
+    "default": [],
+    "mix-on": ["--data-temperature", "0", "--on-policy", "--on-policy-temperature", "0.7"],
+    "mix-data-T0.7": ["--temperature", "0.7", "--data-temperature", "0", "0.7"],
+    "mix-data-on": ["--data-temperature", "0", "0.7", "--on-policy", "--on-policy-temperature", "0.7",
+                    "--on-policy-ratio", "0.25"],
 }
+"""Recipe name -> its ``selfdraft train`` flags. ``default``: no recipe flag (the CLI's default recipe,
+whatever it is at the time of the run); ``mix-*``: candidates for that default, tuned on the tuning
+split (``mix-on``: greedy data plus half of each batch on-policy at 0.7; ``mix-data-T0.7``: the
+default's mixed data with the divergence at 0.7; ``mix-data-on``: the mixed data plus a quarter
+on-policy at 0.7)."""
 MATCHED = {0.0: "greedy-off", 0.7: "T0.7-on", 1.0: "T1.0-on"}
 """The draft trained for each serving temperature (0.5 has none)."""
 SERVING = (0.0, 0.5, 0.7, 1.0)
+STUDY_RECIPES = ("greedy-off", "T0.7-on", "default")
+"""``--recipes``' default: the specialised drafts and the CLI's default recipe."""
 COLUMNS = ["kind", "recipe", "candidates", "serve_T", "mix", "tau", "tok/s plain", "tok/s spec", "speedup", "accept"]
 CANDIDATES = {"sampled": "auto", "top-k": "never"}
 """``--candidates`` choice -> the kinds' ``sample`` mode."""
@@ -79,9 +92,12 @@ def train(kind: str, recipe: str, data: Path, args) -> tuple[Path, dict]:
     steps = args.steps[("medusa", "eagle").index(kind)]
     optional = [] if args.lr is None else ["--lr", str(args.lr)]
     optional += [] if args.warmup_steps is None else ["--warmup-steps", str(args.warmup_steps)]
+    optional += ["--for", args.eagle_for] if kind == "eagle" else []
     prompts = len(TARGETS[args.target]["mixes"]) * args.train_prompts
     summary = adapter.parent / f"{adapter.name}.json"
-    if not (adapter / "adapter_config.json").is_file() or not summary.is_file() or args.retrain:
+    flags = [*optional, *(RECIPES[recipe] or [repr(DEFAULT_RECIPE)])]  # a changed default recipe retrains
+    stale = not summary.is_file() or json.loads(summary.read_text()).get("recipe_flags") != flags
+    if not (adapter / "adapter_config.json").is_file() or stale or args.retrain:
         started = time.perf_counter()
         selfdraft([
             "train", "--model", str(target_directory(args.target)), "--kind", kind, "--data", str(data),
@@ -93,6 +109,7 @@ def train(kind: str, recipe: str, data: Path, args) -> tuple[Path, dict]:
         ])
         payload = json.loads(summary.read_text())
         payload["wall_seconds"] = time.perf_counter() - started  # data generation included
+        payload["recipe_flags"] = flags
         summary.write_text(json.dumps(payload, indent=2) + "\n")
     payload = json.loads(summary.read_text())
     return adapter, {key: payload.get(key) for key in ("seconds", "wall_seconds", "final_loss",
@@ -107,7 +124,7 @@ def plot(rows: list[dict], kinds: list[str], path: Path, target: str) -> None:
 
     figure, axes = plt.subplots(2, len(kinds), figsize=(5.5 * len(kinds), 7.5), squeeze=False)
     for column, kind in enumerate(kinds):
-        for recipe in RECIPES:
+        for recipe in dict.fromkeys(row["recipe"] for row in rows):
             for row_index, (metric, label) in enumerate((("tau", "tau (tokens / target forward)"),
                                                          ("speedup", "speedup vs model.generate (median)"))):
                 axis = axes[row_index][column]
@@ -138,15 +155,35 @@ def candidate_comparison(rows: list[dict]) -> list[dict]:
             for (kind, recipe, temperature, mix), pair in cells.items() if len(pair) == 2]
 
 
-def winners(rows: list[dict], kinds: list[str]) -> dict:
+def winners(rows: list[dict], kinds: list[str], serving: list[float]) -> dict:
     """Per kind and serving temperature: the recipe with the highest tau summed over mixes."""
     best = {}
+    recipes = list(dict.fromkeys(row["recipe"] for row in rows))
     for kind in kinds:
-        for temperature in SERVING:
+        for temperature in serving:
             scores = {recipe: sum(r["tau"] for r in rows if (r["kind"], r["recipe"], r["serve_T"])
-                                  == (kind, recipe, temperature)) for recipe in RECIPES}
+                                  == (kind, recipe, temperature)) for recipe in recipes}
             best[f"{kind}@T={temperature}"] = max(scores, key=scores.get)
     return best
+
+
+def against_specialised(rows: list[dict]) -> list[dict]:
+    """Per cell of every recipe that is not the serving temperature's specialised draft
+    (:data:`MATCHED`): its tau, per-position acceptance and speedup over the specialised draft's in
+    the same kind, temperature and mix."""
+    matched = {(r["kind"], r["serve_T"], r["mix"]): r for r in rows if MATCHED.get(r["serve_T"]) == r["recipe"]}
+    ratios = []
+    for row in rows:
+        reference = matched.get((row["kind"], row["serve_T"], row["mix"]))
+        if reference is None or reference is row:
+            continue
+        ratios.append({"kind": row["kind"], "recipe": row["recipe"], "specialised": reference["recipe"],
+                       "serve_T": row["serve_T"], "mix": row["mix"], "tau": row["tau"],
+                       "tau specialised": reference["tau"], "tau ratio": row["tau"] / reference["tau"],
+                       "speedup": row["speedup"], "speedup specialised": reference["speedup"],
+                       "speedup ratio": row["speedup"] / reference["speedup"],
+                       "accept": row["accept"], "accept specialised": reference["accept"]})
+    return ratios
 
 
 def main() -> None:
@@ -163,6 +200,13 @@ def main() -> None:
                         help="generated tokens per training prompt (default per target)")
     parser.add_argument("--max-length", type=int, default=None, help="tokens per training sequence (default per target)")
     parser.add_argument("--pool-prompts", type=int, default=None, help="on-policy prompts per refresh (default per target)")
+    parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(STUDY_RECIPES),
+                        help="recipes to train and serve (default: " + " ".join(STUDY_RECIPES) + ")")
+    parser.add_argument("--serve", type=float, nargs="+", default=list(SERVING), metavar="T",
+                        help="serving temperatures (default: " + " ".join(f"{t:g}" for t in SERVING) + ")")
+    parser.add_argument("--split", choices=SPLITS, default="check",
+                        help="held-out prompts from this split of each mix (tuning: even lines, check: odd lines; "
+                             "default check)")
     parser.add_argument("--prompts", type=int, default=12, help="held-out prompts per mix and cell")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per held-out prompt")
     parser.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
@@ -172,6 +216,12 @@ def main() -> None:
                         help="candidates under sampling: drawn from the drafter's q (the default), its top-k "
                              "tokens, or both side by side")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny budgets, temperature_quick.json")
+    parser.add_argument("--eagle-for", choices=("any", "hf"), default="hf",
+                        help="EAGLE's --for (default hf: the native layout with parallel depths, as the shipped "
+                             "stories260K-eagle-T0.7; any: the exportable EAGLE-3 layout)")
+    parser.add_argument("--train-only", action="store_true",
+                        help="train (or find cached) the adapters and stop: training and timing can then run pinned "
+                             "to different cores")
     args = parser.parse_args()
     for key, value in DEFAULTS[args.target].items():
         if getattr(args, key) is None:
@@ -183,6 +233,8 @@ def main() -> None:
     for flag, value in counts.items():  # before any training or measuring starts
         if value < 1:
             parser.error(f"{flag} must be a positive integer; got {value}")
+    if any(not t >= 0 for t in args.serve):
+        parser.error(f"--serve temperatures must be >= 0 (0: greedy); got {args.serve}")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be >= 0; got {args.warmup_steps}")
     if args.lr is not None and not args.lr > 0:
@@ -191,12 +243,12 @@ def main() -> None:
         for key, value in QUICK.items():
             setattr(args, key, value)
     modes = list(CANDIDATES) if args.candidates == "both" else [args.candidates]
-    suffix = ("" if args.target == "demo-llama" else f"_{args.target}") + ("_quick" if args.quick else "")
+    suffix = (("" if args.target == "demo-llama" else f"_{args.target}") + ("_quick" if args.quick else "")
+              + ("_tuning" if args.split == "tuning" else ""))
     mixes = TARGETS[args.target]["mixes"]  # held-out prompts: targets/prompts/<mix>.jsonl
 
     import heads
     from training.commands.common import load_model
-    from training.prompts import load_prompts
     from training.evaluate import encode_prompts, measure
 
     started = time.perf_counter()
@@ -204,19 +256,22 @@ def main() -> None:
     adapters, training = {}, {}
     torch.set_num_threads(args.train_threads)
     for kind in args.kinds:
-        for recipe in RECIPES:
+        for recipe in args.recipes:
             adapters[kind, recipe], training[f"{kind}/{recipe}"] = train(kind, recipe, data, args)
             print(f"{kind}/{recipe}: {json.dumps(training[f'{kind}/{recipe}'])}", flush=True)
+    if args.train_only:
+        return
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(str(target_directory(args.target)))
-    prompts = {mix: encode_prompts(tokenizer, load_prompts(PROMPTS / f"{mix}.jsonl"), args.prompts) for mix in mixes}
+    prompts = {mix: encode_prompts(tokenizer, mix_prompts(mix, args.split, args.prompts), args.prompts)
+               for mix in mixes}
     rows = []
     for (kind, recipe), adapter in adapters.items():
         spec = heads.load_heads(model, adapter)
         for mode in modes:
             spec.config.sample = CANDIDATES[mode]
             spec.set_tree(None)  # a drafter built for this sample mode
-            for temperature in SERVING:
+            for temperature in args.serve:
                 if temperature == 0 and mode != modes[0]:
                     continue  # greedy drafts the top-k tokens in every mode
                 for mix in mixes:
@@ -233,17 +288,22 @@ def main() -> None:
     if comparison:
         print("\nsampled vs top-k candidates:\n" + table(comparison, list(comparison[0])))
     primary = [row for row in rows if row["serve_T"] == 0 or row["candidates"] == modes[0]]
-    best = winners(primary, args.kinds)
+    best = winners(primary, args.kinds, args.serve)
+    ratios = against_specialised(primary)
+    if ratios:
+        print("\nagainst the specialised draft:\n" + table(ratios, list(ratios[0])))
     matched = {key: best[key] == MATCHED[float(key.split("=")[1])] for key in best
                if float(key.split("=")[1]) in MATCHED}
     print("\nbest draft by tau (summed over mixes):", json.dumps(best, indent=1))
     print("matched draft wins its column:", json.dumps(matched, indent=1))
     path = write_json(f"temperature{suffix}.json", {
-        "target": TARGETS[args.target]["path"], "prompts_per_mix": args.prompts, "max_new_tokens": args.max_new_tokens,
+        "target": TARGETS[args.target]["path"], "split": args.split, "prompts_per_mix": args.prompts,
+        "max_new_tokens": args.max_new_tokens, "serving_temperatures": args.serve,
         "settings": {key: getattr(args, key) for key in ("steps", "lr", "train_prompts", "train_new_tokens",
                                                           "max_length", "pool_prompts", "warmup_steps", "threads",
-                                                          "train_threads", "candidates")},
-        "recipes": RECIPES, "cells": rows, "candidate_comparison": comparison, "winners": best,
+                                                          "train_threads", "candidates", "eagle_for")},
+        "recipes": {name: RECIPES[name] for name in args.recipes}, "cells": rows,
+        "against_specialised": ratios, "candidate_comparison": comparison, "winners": best,
         "matched_wins": matched,
         "training": training, "seconds": time.perf_counter() - started,
     }, HERE)
