@@ -12,7 +12,10 @@ from ..adapter import AdapterError
 from ..kind import DrafterKind, refuse_options
 from . import cli
 from .checkpoint import FORMATS
-from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, LAYOUTS, EagleConfig
+from .config import (
+    DEFAULT_BLOCK_TOP_K, DEFAULT_BLOCK_TOTAL_TOKENS, DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, LAYOUTS,
+    EagleConfig,
+)
 from .block import BlockDrafter
 from .drafter import EagleDrafter
 from .loss import EagleLoss
@@ -42,6 +45,8 @@ def make_config(num_layers: int | None = None, depth: int | None = None, top_k: 
     refuse_options("eagle", OPTIONS, others)
     shape = {name: value for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens))
              if value is not None}
+    if parallel_mode == "block" and parallel is not None and parallel > 1 and not shape:  # a tree over the block
+        shape = {"depth": parallel, "top_k": DEFAULT_BLOCK_TOP_K, "total_tokens": DEFAULT_BLOCK_TOTAL_TOKENS}
     return EagleConfig(num_layers=1 if num_layers is None else num_layers, feature_layers=feature_layers,
                        draft_vocab_size=draft_vocab_size, layout=layout or "native",
                        parallel=1 if parallel is None else parallel, sample=sample or "auto",
@@ -61,7 +66,7 @@ def build_heads(target, config: EagleConfig) -> EagleHeads:
 def build_drafter(spec, tree) -> EagleDrafter | ParallelEagleDrafter | SwitchingEagleDrafter:
     config = spec.config.with_tree(tree)
     if config.drafting == "parallel" and config.parallel_mode == "block":
-        return BlockDrafter(spec.heads, spec.target, config)
+        return BlockDrafter(spec.heads, spec.target, config, spec.accuracy)
     if config.drafting == "parallel":
         return ParallelEagleDrafter(spec.heads, spec.target, config, spec.accuracy)
     if config.drafting == "auto":

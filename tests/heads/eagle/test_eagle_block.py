@@ -183,3 +183,34 @@ def test_adapter_round_trip_and_export_refusal(trained, tmp_path):
     with pytest.raises(heads.AdapterError, match=r"parallel > 1"):
         interop.export_adapter(tmp_path / "block", "speculators", tmp_path / "out", model=spec.backbone)
     assert not (tmp_path / "out").exists()
+
+
+def test_static_trees_are_nested_best_first_and_auto_keeps_parity():
+    """Greedy steps draft the static tree of the accuracy table, best first: a smaller size is the
+    first nodes of a larger one (what ``speculate="auto"``'s acceptance model needs), each shape is
+    built once; auto sizing keeps greedy parity."""
+    model = build_model("llama", seed=5)
+    spec = heads.attach_heads(model, kind="eagle", parallel=4, parallel_mode="block")
+    assert (spec.config.depth, spec.config.top_k, spec.config.total_tokens) == (4, 3, 12)
+    _perturb(spec)
+    drafter = spec.drafter
+    assert drafter.nested and drafter.template.size == 13 and drafter.template.max_depth <= 4
+    prompt = random_prompt(7, 3)
+    with torch.no_grad():
+        features, _ = spec.target.forward(prompt, torch.arange(7)[None], None, None, "last")
+    batch = DraftBatch(features, prompt, torch.tensor([7]), prompt[:, -1])
+    drafter.reset(1)
+    large = drafter.propose(batch)
+    template = drafter.template
+    drafter.resize(5)
+    assert drafter.template.size == 6
+    drafter.reset(1)
+    small = drafter.propose(batch)
+    assert torch.equal(small.tokens[0], large.tokens[0, :6])
+    assert torch.equal(small.parents[0], large.parents[0, :6])
+    drafter.resize(None)
+    assert drafter.template is template  # built once per shape
+    for length in (2, 9):
+        prompt = random_prompt(length, length)
+        assert torch.equal(spec.generate(prompt, max_new_tokens=24, speculate="auto"),
+                           greedy_reference(model, prompt, 24))
