@@ -143,9 +143,11 @@ class BlockDrafter(EagleDrafter):
         nodes, ranks = self._first
         candidates = torch.topk(self.target.logits(block[:, 0], draft_rows), width, dim=-1).indices  # (R, k)
         tokens[:, nodes] = self.heads.target_ids(candidates[:, ranks])
+        head = self.heads.sequential_head
+        parts = head.feature_part(block[:, 1:]) if self._levels else None  # (R, K - 1, d): once per step
         for depth, (above, nodes, slots, ranks) in enumerate(self._levels, start=1):
             embeddings = self.target.input_embeddings(tokens[:, above])  # (R, P, d)
-            hidden = self.heads.refine(block[:, depth, None].expand(-1, above.numel(), -1), embeddings)
+            hidden = head.from_parts(block[:, depth, None], parts[:, depth - 1, None], embeddings)  # (R, P, d)
             candidates = torch.topk(self.target.logits(hidden, draft_rows), width, dim=-1).indices  # (R, P, k)
             tokens[:, nodes] = self.heads.target_ids(candidates[:, slots, ranks])
         trees = TreeBatch.from_template(template, tokens)

@@ -23,10 +23,10 @@ DEFAULT_TOTAL_TOKENS = 8
 DEFAULT_MIN_ACCEPTANCE = 0.5
 DEFAULT_SIBLINGS = 1
 # A block drafter's levels cost a small head, not a drafter forward, so its default is a tree: every
-# depth the block predicts, the 3 best children per node, the 12 best paths (attach_heads and
+# depth the block predicts, the 4 best children per node, the 16 best paths (attach_heads and
 # selfdraft train with --parallel-mode block, when no shape is given; CHANGELOG.md, 2026-12-06).
-DEFAULT_BLOCK_TOP_K = 3
-DEFAULT_BLOCK_TOTAL_TOKENS = 12
+DEFAULT_BLOCK_TOP_K = 4
+DEFAULT_BLOCK_TOTAL_TOKENS = 16
 _TREE_FIELDS = DYNAMIC_FIELDS
 LAYOUTS = tuple(EAGLE_LAYOUT_FAMILIES)
 DRAFTING_MODES = ("sequential", "parallel", "auto")

@@ -166,6 +166,19 @@ class SequentialHead(nn.Module):
         inner = self.inner(torch.cat([hidden, embeddings.to(hidden.dtype)], dim=-1))
         return hidden + self.outer(nn.functional.silu(inner))
 
+    def feature_part(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``W_in``'s feature half applied to ``hidden`` ``[..., d]``, with the bias: computed once per
+        feature when many tokens are refined from it (:meth:`from_parts`)."""
+        size = hidden.shape[-1]
+        return nn.functional.linear(hidden, self.inner.weight[:, :size], self.inner.bias)
+
+    def from_parts(self, hidden: torch.Tensor, part: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` of ``hidden`` ``[..., d]`` (broadcast against ``embeddings`` ``[..., d]``)
+        given its :meth:`feature_part` ``part``; equal to it to float rounding."""
+        size = hidden.shape[-1]
+        inner = part + nn.functional.linear(embeddings.to(hidden.dtype), self.inner.weight[:, size:])
+        return hidden + self.outer(nn.functional.silu(inner))
+
 
 class EagleHeads(nn.Module):
     """The trainable drafter: fusion (option), projection and decoder copy (``native``/``eagle1``

@@ -20,7 +20,7 @@ from tests.conftest import build_model, greedy_reference, left_pad, progression_
 from training.trainer import TrainConfig, make_trainer
 from tree_attention.decode import DraftBatch
 
-FAMILIES = ["llama", "llama-tied", "mistral", "gpt2", "gemma2", "qwen2", "phi3"]
+FAMILIES = ["llama", "llama-tied", "mistral", "gpt2", "gpt_neox", "gemma2", "qwen2", "phi3"]
 
 
 def _perturb(spec, scale: float = 0.3, seed: int = 4) -> None:
@@ -191,10 +191,10 @@ def test_static_trees_are_nested_best_first_and_auto_keeps_parity():
     built once; auto sizing keeps greedy parity."""
     model = build_model("llama", seed=5)
     spec = heads.attach_heads(model, kind="eagle", parallel=4, parallel_mode="block")
-    assert (spec.config.depth, spec.config.top_k, spec.config.total_tokens) == (4, 3, 12)
+    assert (spec.config.depth, spec.config.top_k, spec.config.total_tokens) == (4, 4, 16)
     _perturb(spec)
     drafter = spec.drafter
-    assert drafter.nested and drafter.template.size == 13 and drafter.template.max_depth <= 4
+    assert drafter.nested and drafter.template.size == 17 and drafter.template.max_depth <= 4
     prompt = random_prompt(7, 3)
     with torch.no_grad():
         features, _ = spec.target.forward(prompt, torch.arange(7)[None], None, None, "last")
