@@ -96,7 +96,7 @@ def train(kind: str, recipe: str, data: Path, args) -> tuple[Path, dict]:
     optional += ["--for", args.eagle_for] if kind == "eagle" else []
     prompts = len(TARGETS[args.target]["mixes"]) * args.train_prompts
     summary = adapter.parent / f"{adapter.name}.json"
-    flags = [*optional, *(RECIPES[recipe] or [repr(DEFAULT_RECIPE)])]  # a changed default recipe retrains
+    flags = [f"--steps={steps}", *optional, *(RECIPES[recipe] or [repr(DEFAULT_RECIPE)])]  # changed: retrained
     stale = not summary.is_file() or json.loads(summary.read_text()).get("recipe_flags") != flags
     if not (adapter / "adapter_config.json").is_file() or stale or args.retrain:
         started = time.perf_counter()
