@@ -18,25 +18,28 @@ per-depth, per-rank accuracy measured at training time (``tree_accuracy``: the r
 top-1 rate *given the tokens above it*, which is what the sequential head conditions on), so sizes
 are nested. Its tokens are filled one depth at a time for every row at once: one head call over the
 depth's parent nodes gives each parent's ranked children, with no per-row Python. Under lossless
-sampling the drafter grows :class:`EagleDrafter`'s sampled trees instead (children drawn from its
-warped distribution, q rows carried), the sequential head answering each level.
+sampling (``sample="auto"``) the same tree is filled with draws: each parent's children are drawn
+without replacement from the drafter's warped distribution q at that parent (in rank order), and
+each node carries the q it was drawn from (without its earlier siblings, renormalised) for the
+sampling rule; which nodes exist never depends on the drawn tokens. ``sample="never"`` keeps the
+top-k tokens (point masses).
 """
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import replace
 from typing import Sequence
 
+import torch
+
 from tree_attention.decode import DraftBatch
-from tree_attention.dynamic import advance_growth, grow_dynamic_tree
-from tree_attention.sampled import grow_sampled_tree
+from tree_attention.sampled import depleted, draw_without_replacement
 from tree_attention.tree import (
-    Tree, TreeBatch, TreeTemplate, best_first_choices, from_choices, prior_accuracy, truncate_batch,
+    TreeBatch, TreeTemplate, best_first_choices, from_choices, prior_accuracy, truncate_batch,
 )
 
 from ..backbone import Backbone
+from ..draft_vocab import full_vocabulary_logits
 from .config import EagleConfig
 from .drafter import EagleDrafter
 from .modules import EagleHeads
@@ -56,10 +59,11 @@ def block_template(config: EagleConfig, accuracy: Sequence[Sequence[float]] | No
 
 
 class BlockDrafter(EagleDrafter):
-    """A ``tree_attention.decode.Drafter`` for a ``block`` drafter: :class:`EagleDrafter`'s trees, with
-    every level below the first from the sequential head over the step's block features instead of
-    a drafter forward (module docstring). ``self.block`` ``[R, K, d]``: the features of depths 1..K
-    of the last step's rows."""
+    """A ``tree_attention.decode.Drafter`` for a ``block`` drafter: per step one drafter forward (the
+    new pairs and the mask queries) and the static tree filled depth by depth by the sequential head
+    (module docstring). It keeps :class:`EagleDrafter`'s cache bookkeeping, sampling binding
+    (:meth:`EagleDrafter.sample_with`) and position limits. ``self.block`` ``[R, K, d]``: the
+    features of depths 1..K of the last step's rows."""
 
     def __init__(self, heads: EagleHeads, target: Backbone, config: EagleConfig,
                  accuracy: Sequence[Sequence[float]] | None = None) -> None:
@@ -73,11 +77,10 @@ class BlockDrafter(EagleDrafter):
         self._shapes: dict = {}  # (depth, top_k, total_tokens) -> (template, depth-1 indices, deeper levels)
         self._set_template()
 
-    @property
-    def nested(self) -> bool:
-        """Greedy static trees list their paths best first (a smaller size keeps the first nodes);
-        sampled trees do not."""
-        return not self.sampling
+    nested = True
+    """Static trees list their paths best first: a smaller size's tree is the first nodes of a larger
+    one's (sampled: in distribution, each node's draw depending only on its ancestors and earlier
+    siblings)."""
 
     def resize(self, tree: int | None) -> None:
         """:meth:`EagleDrafter.resize`, and the static tree rebuilt for the new shape."""
@@ -113,25 +116,20 @@ class BlockDrafter(EagleDrafter):
     def _commit(self, batch: DraftBatch) -> torch.Tensor:
         """Append each row's pairs and run the mask queries behind them; keep the block's features and
         return depth 1's ``[R, d]``."""
-        if self.min_acceptance > 0:
-            self._learn(batch)
         self.block, self.committed = mask_query_forward(self.heads, self.target, self.cache, self.committed, batch,
                                                         self.parallel, self.position_limit)
         return self.block[:, 0]
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> TreeBatch:
-        """Greedy and typical calls: the static tree (:meth:`_static`); sampled calls: the sampled
-        trees of :class:`EagleDrafter`, levels from the sequential head."""
-        if self.sampling:
-            return super().propose(batch)
+        """One static tree per row of ``batch`` (top-k candidates, or draws when sampling)."""
         self._commit(batch)
         self.cache.compact()
         return self._static(batch.roots)
 
     def _static(self, roots: torch.Tensor) -> TreeBatch:
         """Every row's static tree, filled depth by depth from the block features (one head call and
-        one top-k per depth for all rows)."""
+        one top-k or one draw per depth for all rows); under sampling with the q rows it was drawn from."""
         template, block = self.template, self.block
         rows, device = block.shape[0], block.device
         tokens = torch.zeros(rows, template.size, dtype=torch.long, device=device)
@@ -140,50 +138,38 @@ class BlockDrafter(EagleDrafter):
             return TreeBatch.from_template(template, tokens)
         draft_rows = self.heads.draft_rows(self.target)
         width = template.max_rank + 1
+        probs = None
+        if self.sampling:  # (R, N, V) the q each node was drawn from (the root's row unused)
+            probs = block.new_zeros(rows, template.size, self.target.vocab_size, dtype=torch.float32)
         nodes, ranks = self._first
-        candidates = torch.topk(self.target.logits(block[:, 0], draft_rows), width, dim=-1).indices  # (R, k)
-        tokens[:, nodes] = self.heads.target_ids(candidates[:, ranks])
+        self._fill(tokens, probs, self.target.logits(block[:, :1], draft_rows), nodes,
+                   torch.zeros_like(nodes), ranks, width)
         head = self.heads.sequential_head
         parts = head.feature_part(block[:, 1:]) if self._levels else None  # (R, K - 1, d): once per step
         for depth, (above, nodes, slots, ranks) in enumerate(self._levels, start=1):
             embeddings = self.target.input_embeddings(tokens[:, above])  # (R, P, d)
             hidden = head.from_parts(block[:, depth, None], parts[:, depth - 1, None], embeddings)  # (R, P, d)
-            candidates = torch.topk(self.target.logits(hidden, draft_rows), width, dim=-1).indices  # (R, P, k)
-            tokens[:, nodes] = self.heads.target_ids(candidates[:, slots, ranks])
+            self._fill(tokens, probs, self.target.logits(hidden, draft_rows), nodes, slots, ranks, width)
         trees = TreeBatch.from_template(template, tokens)
+        if probs is not None:
+            trees = TreeBatch(trees.tokens, trees.parents, trees.depths, trees.visibility, trees.sizes, probs,
+                              uniform=True, depth=trees.depth)
         limits = self._row_depths()
         return trees if min(limits) >= template.max_depth else truncate_batch(trees, limits)
 
-    def _next_level(self, features: torch.Tensor, token: torch.Tensor, level: int, start: torch.Tensor,
-                    unmasked: bool) -> torch.Tensor:
-        """Depth ``level + 1``'s features ``[R, d]``: the block's, refined with the tokens ``[R]``
-        drafted at ``level``."""
-        return self.heads.refine(self.block[:, level], self.target.input_embeddings(token))
-
-    def _tree(self, roots: list[int], root_features: torch.Tensor, draft_rows) -> TreeBatch:
-        """One dynamic tree per row (EAGLE-2 growth, or sampled children); every expansion request of
-        every row answered by one sequential-head call over all requested nodes."""
-        child_tokens, child_log_probs = self._children(root_features, draft_rows)
-        count = len(roots)
-        depths = self._row_depths()
-        grow = grow_sampled_tree if self.sampling else grow_dynamic_tree
-        growths = [grow(root, (child_tokens[row], child_log_probs[row]), depths[row], self.top_k, self.total_tokens)
-                   for row, root in enumerate(roots)]
-        trees: list[Tree | None] = [None] * count
-        requests = [advance_growth(growth, None, trees, row) for row, growth in enumerate(growths)]
-        while any(request is not None for request in requests):
-            live = [row for row, request in enumerate(requests) if request is not None]
-            sizes = [requests[row].tokens.numel() for row in live]
-            rows = torch.tensor([row for row, size in zip(live, sizes) for _ in range(size)],
-                                device=root_features.device)  # (m,) each requested node's row
-            levels = torch.tensor([requests[row].depth for row, size in zip(live, sizes) for _ in range(size)],
-                                  device=root_features.device)  # (m,) each node's depth: its children's block index
-            tokens = torch.cat([requests[row].tokens for row in live]).to(root_features.device)  # (m,)
-            predicted = self.heads.refine(self.block[rows, levels], self.target.input_embeddings(tokens))  # (m, d)
-            flat_tokens, flat_log_probs = self._children(predicted, draft_rows)
-            start = 0
-            for row, size in zip(live, sizes):
-                children = (flat_tokens[start:start + size], flat_log_probs[start:start + size])
-                start += size
-                requests[row] = advance_growth(growths[row], children, trees, row)
-        return TreeBatch.from_trees(trees)
+    def _fill(self, tokens: torch.Tensor, probs: torch.Tensor | None, logits: torch.Tensor, nodes: torch.Tensor,
+              slots: torch.Tensor, ranks: torch.Tensor, width: int) -> None:
+        """Set ``tokens[:, nodes]`` (and ``probs[:, nodes]`` when sampling) from the drafter's logits
+        ``[R, P, V']`` at the ``P`` parent nodes of one depth: node ``i`` is child ``ranks[i]`` of parent
+        ``slots[i]``, the parent's top-``width`` candidates, or its draws without replacement from q."""
+        if probs is None:
+            candidates = torch.topk(logits, width, dim=-1).indices  # (R, P, k)
+            tokens[:, nodes] = self.heads.target_ids(candidates[:, slots, ranks])
+            return
+        logits = full_vocabulary_logits(logits.float(), self.heads.token_map, self.target.vocab_size)  # (R, P, V)
+        q = torch.softmax(self.warp(logits.reshape(-1, logits.shape[-1])), dim=-1).view_as(logits)
+        drawn = draw_without_replacement(logits, q, width, self.generator)  # (R, P, k) in draw order
+        chosen = drawn[:, slots, ranks]  # (R, C)
+        tokens[:, nodes] = chosen
+        before = torch.arange(width, device=ranks.device)[None, :] < ranks[:, None]  # (C, k) earlier siblings
+        probs[:, nodes] = depleted(q[:, slots], chosen, drawn[:, slots], before).to(probs.dtype)
