@@ -82,7 +82,7 @@ def test_each_kind_trains_with_each_acceptance_objective(dirs, tmp_path, kind, o
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["training"]["divergence"] == objective
     assert config["training"]["config"]["head_decay"] == (0.8 if kind == "draft" else 0.6)
-    entry = config["acceptance"]["prompts"]
+    entry = config["acceptance"]["prompts"][0]  # the default recipe: greedy, then T=0.7
     assert entry["split"] == "held-out" and entry["prefix_survival"] == entry["acceptance_by_position"]
     assert len(entry["conditional_acceptance"]) == len(entry["prefix_survival"])
 

@@ -74,7 +74,8 @@ def _check(workspace, model_dir: Path, report: Path) -> tuple[int, dict]:
 
 def test_train_records_the_acceptance_check_compares_with(workspace):
     config = json.loads((workspace["adapter"] / "adapter_config.json").read_text())
-    entry = config["acceptance"]["heldout"]
+    entry, sampled = config["acceptance"]["heldout"]  # the default recipe: measured greedy and at 0.7
+    assert sampled["temperature"] == 0.7 and config["training"]["serving"] == "any"
     assert entry["tau"] > 1.5 and entry["prompts"] == 4 and entry["max_new_tokens"] == 24
     assert "revision" in config["target"] and config["training"]["steps"] == 60
 
@@ -162,8 +163,8 @@ def test_hub_folder_and_model_card(workspace, tmp_path):
     assert front["license"] == "apache-2.0" and front["library_name"] == "selfdraft"
     assert "speculative-decoding" in front["tags"] and "base_model" not in front  # a local path is no hub id
     config = json.loads((hub / "adapter_config.json").read_text())
-    tau = config["acceptance"]["heldout"]["tau"]
-    assert f"| heldout | greedy | {tau:.3g} |" in card
+    greedy, sampled = config["acceptance"]["heldout"]
+    assert f"| heldout | greedy | {greedy['tau']:.3g} |" in card and f"| heldout | 0.7 | {sampled['tau']:.3g} |" in card
     assert config["target"]["weights_sha256"] in card and '"fkl"' in card
     assert "spec = heads.load_heads(model, snapshot_download('me/toy-medusa'))" in card
     loaded = heads.load_heads(workspace_model(workspace), hub)  # the hub folder is itself an adapter

@@ -158,7 +158,9 @@ def test_train_records_held_out_tau_and_its_split(deep_model_dir, tmp_path, caps
     argv[argv.index("--eval-prompts") + 1] = "4"
     assert main(argv + ["--eval-max-new-tokens", "4"]) == 0
     config = json.loads((adapter / "adapter_config.json").read_text())
-    entry = config["acceptance"]["prompts"]
+    greedy, sampled = config["acceptance"]["prompts"]  # the default recipe: measured greedy and at 0.7
+    assert sampled["temperature"] == 0.7 and sampled["split"] == "held-out" and sampled["prompts"] == 2
+    entry = greedy
     assert entry["split"] == "held-out" and entry["prompts"] == 2  # ceil(10% of 20)
     assert config["training"]["prompts"] == 18 and config["training"]["held_out_prompts"] == 2
 
