@@ -41,7 +41,10 @@ def make_config(num_layers: int | None = None, depth: int | None = None, top_k: 
                 head_input: str | None = None, **others) -> EagleConfig:
     """The config ``attach_heads(kind="eagle", ...)`` builds; a lone ``total_tokens`` lowers the
     default depth to fit it; ``parallel_mode`` defaults to ``heads``
-    and ``head_input`` to ``prediction``."""
+    and ``head_input`` to ``prediction``. A block drafter (``parallel_mode="block"``) defaults to
+    its static tree (:data:`DEFAULT_BLOCK_TOP_K`, :data:`DEFAULT_BLOCK_TOTAL_TOKENS`, ``parallel``
+    deep) and to top-k candidates under sampling (``sample="never"``: drawing the tree's children
+    costs it more than their extra acceptance earns; ``sample="auto"`` draws them)."""
     refuse_options("eagle", OPTIONS, others)
     shape = {name: value for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens))
              if value is not None}
@@ -49,7 +52,8 @@ def make_config(num_layers: int | None = None, depth: int | None = None, top_k: 
         shape = {"depth": parallel, "top_k": DEFAULT_BLOCK_TOP_K, "total_tokens": DEFAULT_BLOCK_TOTAL_TOKENS}
     return EagleConfig(num_layers=1 if num_layers is None else num_layers, feature_layers=feature_layers,
                        draft_vocab_size=draft_vocab_size, layout=layout or "native",
-                       parallel=1 if parallel is None else parallel, sample=sample or "auto",
+                       parallel=1 if parallel is None else parallel,
+                       sample=sample or ("never" if parallel_mode == "block" else "auto"),
                        confidence=0.0 if confidence is None else confidence,
                        min_acceptance=EagleConfig.min_acceptance if min_acceptance is None else min_acceptance,
                        drafting=drafting,

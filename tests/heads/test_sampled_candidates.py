@@ -72,7 +72,7 @@ def block(model):
     """A block drafter (EAGLE ``parallel_mode="block"``): its children come from the sequential head."""
     torch.manual_seed(3)
     return trained(heads.attach_heads(model, kind="eagle", parallel=3, parallel_mode="block", depth=3, top_k=2,
-                                      total_tokens=4), 60, 3e-3, 8)
+                                      total_tokens=4, sample="auto"), 60, 3e-3, 8)
 
 
 def configure(spec, shape):

@@ -16,7 +16,9 @@ import heads
 from heads import interop
 from heads.eagle import BlockDrafter, EagleConfig
 from heads.eagle import cli as eagle_cli
-from tests.conftest import build_model, greedy_reference, left_pad, progression_batch, random_prompt
+from tests.conftest import (
+    build_model, greedy_reference, left_pad, progression_batch, random_prompt, train_toy_target,
+)
 from training.trainer import TrainConfig, make_trainer
 from tree_attention.decode import DraftBatch
 
@@ -214,3 +216,30 @@ def test_static_trees_are_nested_best_first_and_auto_keeps_parity():
         prompt = random_prompt(length, length)
         assert torch.equal(spec.generate(prompt, max_new_tokens=24, speculate="auto"),
                            greedy_reference(model, prompt, 24))
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["rule", "no-residual"])
+def test_default_top_k_candidates_under_sampling_keep_the_target_law(wrong, monkeypatch):
+    """By default a block drafter offers its top-k tokens (point masses) to the lossless sampling
+    rule: the first three sampled tokens still follow the target's law, batched and padded; a rule
+    without the residual is caught by the same test."""
+    from tests.heads.test_sampling import VOCAB, batched_samples, exact_joint
+    from tests.stats import FALSE_ALARM, chi_square_pvalue
+    from tree_attention.verify import SamplingRule
+
+    model = train_toy_target(vocab=VOCAB, noise=0.2)
+    torch.manual_seed(3)
+    spec = heads.attach_heads(model, kind="eagle", parallel=3, parallel_mode="block", depth=3, top_k=2, total_tokens=4)
+    assert spec.config.sample == "never"
+    generator = torch.Generator().manual_seed(8)
+    sequences = [progression_batch(1, 24, generator, VOCAB, 0.2)[0] for _ in range(64)]
+    make_trainer(spec, sequences, TrainConfig(steps=60, batch_size=8, learning_rate=3e-3, warmup_steps=5),
+                 progress=False).train()
+    if wrong:
+        original = SamplingRule.__init__
+        monkeypatch.setattr(SamplingRule, "__init__", lambda self, warp, generator=None, use_residual=True:
+                            original(self, warp, generator, use_residual=False))
+    settings = dict(temperature=0.8, top_k=0)
+    pvalue = chi_square_pvalue(batched_samples(spec, runs=2000, **settings), exact_joint(model, **settings))
+    assert not spec.drafter.sampling  # point masses
+    assert (pvalue < FALSE_ALARM) if wrong else (pvalue > FALSE_ALARM), pvalue
