@@ -1,21 +1,28 @@
-"""Which draft wins at which serving temperature (DistillSpec's question, on either shipped target).
+"""Which draft wins at which serving temperature (DistillSpec's question, on either shipped target),
+and whether the CLI's default recipe serves both greedy and sampled traffic.
 
-Medusa heads and the EAGLE drafter are each distilled three ways on the same step budget per kind
-(``--steps``; EAGLE steps cost less here, so it gets more):
+Medusa heads and the EAGLE drafter (``--eagle-for``, default ``hf``: the native layout) are each
+distilled several ways (``--recipes``, :data:`RECIPES`) on the same step budget per kind
+(``--steps``):
 
 - ``greedy-off``: the target's greedy continuations (off-policy), divergence at T=1;
 - ``T0.7-on``: divergence at T=0.7 on the target's samples at 0.7, half of each batch on-policy
   (sequences speculative generation with the current drafter samples at 0.7, refreshed 4 times);
-- ``T1.0-on``: the same at T=1.0.
+- ``T1.0-on``: the same at T=1.0;
+- ``default``: no recipe flag, the CLI's default recipe (:data:`training.recipe.DEFAULT_RECIPE`);
+- ``mix-*``: candidates that were tuned against it.
 
-Each is served at T in {0, 0.5, 0.7, 1.0} on held-out prompts of each mix (code, prose):
-speculative and plain generation alternate prompt by prompt in one process at the same temperature
-(``training.evaluate.measure``; medians over prompts). Reports tau (tokens per target forward,
-bonus included), tokens/s each way and speedup per cell, per mix; writes
-``temperature.json`` and ``temperature.png`` beside this script (``--target stories260K``:
-``temperature_stories260K.json`` / ``.png``, one mix, training prompts from ``stories_train.jsonl``,
-and by default the CLI's own step budget and learning rate, as the shipped adapters). Adapters are
-cached under ``benchmarks/results/adapters`` (``--retrain`` to redo them).
+Each is served at T in ``--serve`` on ``--prompts`` prompts of the ``--split`` of each mix (code,
+prose; default the check split, odd lines): speculative and plain generation alternate prompt by
+prompt in one process at the same temperature (``training.evaluate.measure``; medians over prompts).
+Reports tau (tokens per target forward, bonus included), acceptance by depth, tokens/s each way and
+speedup per cell, per mix, and every recipe's tau and speedup over the specialised draft of the
+serving temperature (:data:`MATCHED`); writes ``temperature.json`` and ``temperature.png`` beside
+this script (``--target stories260K``: ``temperature_stories260K.json`` / ``.png``, one mix,
+training prompts from ``stories_train.jsonl``, and by default the CLI's own step budget and learning
+rate, as the shipped adapters; ``--split tuning`` adds ``_tuning``). Adapters are cached under
+``benchmarks/results/adapters`` keyed by their steps and flags (``--retrain`` to redo them);
+``--train-only`` trains and stops, so that training and timing can run pinned to different cores.
 
 Candidates under sampling (``--candidates``): ``sampled`` (the kinds' default ``sample="auto"``:
 each node's children drawn from the drafter's warped distribution, accepted with min(1, p/q)),
