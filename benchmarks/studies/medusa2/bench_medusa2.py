@@ -104,7 +104,9 @@ def train(target: str, variant: str, args) -> dict:
             "--out", str(adapter), "--steps", str(steps), "--batch-size", "8", "--lr", str(args.lr),
             "--max-new-tokens", str(settings["max_new_tokens"]), "--max-length", str(settings["max_length"]),
             "--max-prompts", str(settings["max_prompts"]), "--cache-dir", str(args.cache_dir), "--seed", "0",
-            "--eval-prompts", "0", "--json", str(summary), "--no-progress", *{**VARIANTS, **SWEEP}[variant]])
+            "--eval-prompts", "0", "--json", str(summary), "--no-progress",
+            "--data-temperature", "0",  # greedy data, as these results were measured (not the mixed default)
+            *{**VARIANTS, **SWEEP}[variant]])
         if code:
             raise SystemExit(f"selfdraft train failed for {target}/{variant} (exit {code})")
         payload = json.loads(summary.read_text())
