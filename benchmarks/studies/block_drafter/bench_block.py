@@ -32,6 +32,7 @@ KINDS = {
     "eagle-hf": ["--kind", "eagle", "--for", "hf"],
     "eagle": ["--kind", "eagle"],
     "block": ["--kind", "eagle", "--for", "hf", "--parallel-mode", "block"],
+    "block-k8": ["--kind", "eagle", "--for", "hf", "--parallel-mode", "block", "--parallel", "8"],
 }
 TARGETS = {"stories260K": ("stories",), "demo-llama": ("code", "prose")}
 STEPS = {"stories260K": 300, "demo-llama": 150}
@@ -67,7 +68,8 @@ SERVING = {"stories260K": {"temperatures": [0.0, 0.7], "prompts": 20, "max_new_t
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", nargs="+", choices=sorted(TARGETS), default=sorted(TARGETS))
-    parser.add_argument("--kinds", nargs="+", choices=sorted(KINDS), default=["medusa", "eagle-hf", "block"])
+    parser.add_argument("--kinds", nargs="+", choices=sorted(KINDS), default=["medusa", "eagle-hf", "block"],
+                        help="default: medusa eagle-hf block (the README's demo-llama runs add block-k8)")
     parser.add_argument("--steps", type=int, default=None, help="training steps, every kind alike (default: STEPS)")
     parser.add_argument("--per-mix", type=int, default=92, help="demo-llama training prompts per mix")
     parser.add_argument("--split", choices=("tuning", "check"), default="check")
