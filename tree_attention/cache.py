@@ -59,6 +59,11 @@ class GrowingLayer(DynamicLayer):
                 and self.values.data_ptr() == values.data_ptr() and self.values.stride() == values.stride())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            # training through the cache (unrolled drafting steps): autograd keeps the history it read,
+            # so it is concatenated into new tensors, never written over in place
+            self._buffers = None
+            return super().update(key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.keys.shape[-2] if self.keys.numel() else 0
