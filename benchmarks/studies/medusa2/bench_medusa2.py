@@ -9,6 +9,10 @@ prompts, seed, batch and steps:
 - with ``--sweep TARGET``, more joint settings on that target (``SWEEP``: lambda 0.05 and 1, the
   LoRA on every linear layer, and that with on-policy data), to show the trade-off between tau and drift.
 
+``--divergence`` names the heads' objective for every variant of a run (``selfdraft train
+--divergence``: ``fkl``, the default, or an acceptance objective such as ``tvd`` or ``lk_hybrid``);
+the tuned backbone's self-distillation term stays KL(original || tuned) whichever it is.
+
 Each is then loaded on a fresh copy of the target (``heads.load_heads``: the Medusa-2 adapter merges
 its LoRA into that copy) and measured on held-out prompts per mix, speculative and plain generation
 alternating in one process (``training.evaluate.measure``: greedy, ``max_new_tokens`` per prompt,
@@ -25,7 +29,7 @@ length of the identical prefix).
 
 Writes ``medusa2.json`` and ``medusa2.png`` beside this script
 (``python -m benchmarks.studies.medusa2.bench_medusa2``). Adapters are cached under
-``benchmarks/results/adapters/medusa2-<target>-<variant>`` (``--retrain`` to redo them;
+``benchmarks/results/adapters/medusa2-<target>-<variant>[-lr<heads lr>][-<divergence>]`` (``--retrain`` to redo them;
 ``--train-only`` to distil without measuring, e.g. in the background).
 """
 
@@ -40,6 +44,7 @@ import torch
 
 from benchmarks.studies.common import (ACCEPTANCE_DEFINITION, RESULTS, ROOT, TAU_DEFINITION, mixed_training_file, table,
                                        write_json)
+from training.config import DIVERGENCES
 
 HERE = Path(__file__).resolve().parent
 MIXED = RESULTS / "cache" / "train_mixed.jsonl"
@@ -67,7 +72,7 @@ SWEEP = {"medusa2-lambda0.05": [*JOINT, "--joint-lambda", "0.05"], "medusa2-lamb
          "medusa2-all-linear-lambda0.05": [*JOINT[:-1], ALL_LINEAR, "--joint-lambda", "0.05"],
          "medusa2-all-linear-r64-lambda0.05": [*WIDE[:-2], "--joint-lambda", "0.05"],
          **{f"medusa2-all-linear-r64-lambda{value}-lora-lr1e-3": [*WIDE, "--joint-lambda", value]
-            for value in ("0.015", "0.03", "0.1", "0.3")},
+            for value in ("0.015", "0.03", "0.1", "0.3", "1")},
          "medusa2-all-linear-on-policy": [*JOINT[:-1], ALL_LINEAR, "--on-policy", "--on-policy-temperature", "0",
                                           "--on-policy-refresh", "60", "--on-policy-prompts", "16"]}
 """More joint settings (``--sweep``, on the small target): the trade-off between tau and drift. The
@@ -76,15 +81,17 @@ on-policy variant trains half of each batch on the *tuned* backbone's own greedy
 COLUMNS = ["target", "variant", "mix", "tau", "accept", "tok/s plain", "tok/s spec", "speedup", "identical"]
 
 
-def group(target: str, lr: float = 1e-3) -> str:
-    """The name under which one target's run at heads' learning rate ``lr`` is kept in the JSON
-    (runs at other learning rates keep theirs)."""
-    return target if lr == 1e-3 else f"{target}@lr{lr:g}"
+def group(target: str, lr: float = 1e-3, divergence: str = "fkl") -> str:
+    """The name under which one target's run at heads' learning rate ``lr`` and heads' objective
+    ``divergence`` is kept in the JSON (runs at other learning rates or objectives keep theirs)."""
+    return target + ("" if lr == 1e-3 else f"@lr{lr:g}") + ("" if divergence == "fkl" else f"@{divergence}")
 
 
-def adapter_path(target: str, variant: str, lr: float = 1e-3) -> Path:
-    """The cached adapter of ``target`` x ``variant`` trained at heads' learning rate ``lr``."""
-    return RESULTS / "adapters" / (f"medusa2-{target}-{variant}" + ("" if lr == 1e-3 else f"-lr{lr:g}"))
+def adapter_path(target: str, variant: str, lr: float = 1e-3, divergence: str = "fkl") -> Path:
+    """The cached adapter of ``target`` x ``variant`` trained at heads' learning rate ``lr`` with the
+    heads' objective ``divergence``."""
+    return RESULTS / "adapters" / (f"medusa2-{target}-{variant}" + ("" if lr == 1e-3 else f"-lr{lr:g}")
+                                   + ("" if divergence == "fkl" else f"-{divergence}"))
 
 
 def train(target: str, variant: str, args) -> dict:
@@ -92,7 +99,7 @@ def train(target: str, variant: str, args) -> dict:
     from training.cli import main as selfdraft
 
     settings = TARGETS[target]
-    adapter = adapter_path(target, variant, args.lr)
+    adapter = adapter_path(target, variant, args.lr, args.divergence)
     summary = adapter.parent / f"{adapter.name}.json"
     steps = args.steps.get(target, settings["steps"])
     if not settings["data"].is_file():
@@ -104,7 +111,7 @@ def train(target: str, variant: str, args) -> dict:
             "--out", str(adapter), "--steps", str(steps), "--batch-size", "8", "--lr", str(args.lr),
             "--max-new-tokens", str(settings["max_new_tokens"]), "--max-length", str(settings["max_length"]),
             "--max-prompts", str(settings["max_prompts"]), "--cache-dir", str(args.cache_dir), "--seed", "0",
-            "--eval-prompts", "0", "--json", str(summary), "--no-progress",
+            "--eval-prompts", "0", "--json", str(summary), "--no-progress", "--divergence", args.divergence,
             "--data-temperature", "0",  # greedy data, as these results were measured (not the mixed default)
             *{**VARIANTS, **SWEEP}[variant]])
         if code:
@@ -155,19 +162,19 @@ def measure_target(target: str, variants: list[str], args) -> tuple[list[dict], 
 
     settings = TARGETS[target]
     original, tokenizer = load_model(str(settings["model"]))
-    specs = {"medusa1": heads.load_heads(original, adapter_path(target, "medusa1", args.lr))}
+    specs = {"medusa1": heads.load_heads(original, adapter_path(target, "medusa1", args.lr, args.divergence))}
     for variant in variants:  # each Medusa-2 adapter merges its LoRA into a fresh copy of the target
         if variant != "medusa1":
             specs[variant] = heads.load_heads(load_model(str(settings["model"]))[0],
-                                             adapter_path(target, variant, args.lr))
+                                             adapter_path(target, variant, args.lr, args.divergence))
     rows = []
     texts, agreement_prompts = [], []
     for mix, path in settings["mixes"].items():
         prompts = encode_prompts(tokenizer, load_prompts(path), args.prompts)
         for variant in variants:
             report = measure(specs[variant], prompts, args.max_new_tokens)
-            rows.append({"target": target, "group": group(target, args.lr), "variant": variant, "mix": mix,
-                         "heads_lr": args.lr, "tau": report.tau,
+            rows.append({"target": target, "group": group(target, args.lr, args.divergence), "variant": variant,
+                         "mix": mix, "heads_lr": args.lr, "divergence": args.divergence, "tau": report.tau,
                          "acceptance_by_depth": list(report.acceptance_by_position),
                          "accept": " ".join(f"{a:.2f}" for a in report.acceptance_by_position[:5]),
                          "tok/s plain": report.tokens_per_s_plain, "tok/s spec": report.tokens_per_s_spec,
@@ -199,27 +206,32 @@ def plot(rows: list[dict], drifts: dict, path: Path) -> None:
 
     cells = sorted({cell_of(r) for r in rows}, key=lambda c: (list(TARGETS).index(c[0].split("@")[0]), c))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    figure, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    width = 0.8 / len(variants)
-    for index, variant in enumerate(variants):
-        values = [next((r["tau"] for r in rows if (*cell_of(r), r["variant"]) == (*cell, variant)), 0.0)
-                  for cell in cells]
-        axes[0].bar([i + (index - (len(variants) - 1) / 2) * width for i in range(len(cells))], values, width,
-                    label=variant)
-    axes[0].set_xticks(range(len(cells)), [f"{t}\n{m}" for t, m in cells])
+    figure, axes = plt.subplots(1, 2, figsize=(14, 5.2))
+    for index, cell in enumerate(cells):  # Medusa-1 as a bar, each Medusa-2 variant as a dot above it
+        taus = {r["variant"]: r["tau"] for r in rows if cell_of(r) == cell}
+        axes[0].bar(index, taus["medusa1"], 0.6, color="lightgray", edgecolor="gray")
+        others = [taus[v] for v in variants[1:] if v in taus]
+        axes[0].scatter([index] * len(others), others, color=f"C{index}", s=14, zorder=3)
+    axes[0].set_xticks(range(len(cells)), [f"{t.replace('@', chr(10))}\n{m}" for t, m in cells], fontsize=7)
     axes[0].set_ylabel("tau (tokens / target forward)")
-    axes[0].set_title("tau on held-out prompts, same step budget")
+    axes[0].set_title("held-out tau: Medusa-1 (bar), Medusa-2 settings (dots), same budget", fontsize=9)
     axes[0].set_ylim(bottom=1.0)
-    axes[0].legend(fontsize=7, loc="lower right")
-    for index, cell in enumerate(cells):
+    clip = 15.0  # % drift; farther points are drawn at the edge
+    for index, cell in enumerate(cells):  # one curve per target/mix, heads' lr and objective
         base = next(r["tau"] for r in rows if (*cell_of(r), r["variant"]) == (*cell, "medusa1"))
+        points = []
         for variant in variants[1:]:
             row = next((r for r in rows if (*cell_of(r), r["variant"]) == (*cell, variant)), None)
-            if row is None:
-                continue
-            change = 100 * drifts[f"{cell[0]}/{variant}"]["perplexity_change"]
-            axes[1].scatter(change, row["tau"] - base, color=f"C{index}")
-            axes[1].annotate(f"{variant} ({cell[1]})", (change, row["tau"] - base), fontsize=6)
+            if row is not None:
+                change = 100 * drifts[f"{cell[0]}/{variant}"]["perplexity_change"]
+                name = variant + (f" ({change:.0f}%)" if change > clip else "")
+                points.append((min(change, clip), row["tau"] - base, name))
+        points.sort()
+        axes[1].plot([x for x, _, _ in points], [y for _, y, _ in points], marker="o", color=f"C{index}",
+                     linewidth=0.8, label=f"{cell[0]} / {cell[1]}")
+        for change, gain, variant in points:
+            axes[1].annotate(variant.removeprefix("medusa2-").replace("-lora-lr1e-3", ""), (change, gain), fontsize=5)
+    axes[1].legend(fontsize=6)
     axes[1].axhline(0.3, color="gray", linestyle="--", linewidth=1)
     axes[1].axvline(2.0, color="gray", linestyle="--", linewidth=1)
     axes[1].set_xlabel("held-out perplexity change of the tuned backbone (%)")
@@ -238,6 +250,8 @@ def main() -> None:
                         help="targets on which the --variants are joined by every setting of SWEEP")
     parser.add_argument("--steps", type=json.loads, default={}, help='per-target steps, e.g. {"demo-llama": 100}')
     parser.add_argument("--lr", type=float, default=1e-3, help="heads' learning rate (every variant)")
+    parser.add_argument("--divergence", default="fkl", choices=DIVERGENCES,
+                        help="heads' objective (every variant; the backbone's self-distillation stays KL)")
     parser.add_argument("--cache-dir", default=str(RESULTS / "cache"), help="distillation data cache")
     parser.add_argument("--prompts", type=int, default=12, help="held-out prompts per mix for speed and tau")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -260,7 +274,7 @@ def main() -> None:
     training = {}
     for target, variants in chosen.items():
         for variant in variants:
-            training[f"{group(target, args.lr)}/{variant}"] = summary = train(target, variant, args)
+            training[f"{group(target, args.lr, args.divergence)}/{variant}"] = summary = train(target, variant, args)
             print(f"{target}/{variant}: {json.dumps(summary)}", flush=True)
     if args.train_only:
         return
@@ -268,10 +282,11 @@ def main() -> None:
     for target, variants in chosen.items():
         target_rows, target_drifts = measure_target(target, variants, args)
         rows += target_rows
-        drifts.update({f"{group(target, args.lr)}/{variant}": value for variant, value in target_drifts.items()})
+        name = group(target, args.lr, args.divergence)
+        drifts.update({f"{name}/{variant}": value for variant, value in target_drifts.items()})
     previous = HERE / "medusa2.json"
     kept = json.loads(previous.read_text()) if previous.is_file() and not args.fresh else {}
-    groups = {group(target, args.lr) for target in chosen}
+    groups = {group(target, args.lr, args.divergence) for target in chosen}
     if kept:  # targets (at a heads' lr) not measured in this run keep their earlier figures (each from one run)
         rows = [r for r in kept.get("cells", []) if r.get("group", r["target"]) not in groups] + rows
         drifts = {**{k: v for k, v in kept.get("drift", {}).items() if k.split("/")[0] not in groups}, **drifts}
@@ -290,9 +305,9 @@ def main() -> None:
             "met": row["tau"] - base >= 0.3 and change <= 0.02}
     print("goal (tau +0.3 at <= 2% held-out perplexity):", json.dumps(goal, indent=1))
     path = write_json("medusa2.json", {
-        "settings": {key: getattr(args, key) for key in ("steps", "lr", "prompts", "max_new_tokens", "drift_texts",
-                                                          "max_text_tokens", "agreement_prompts", "agreement_tokens",
-                                                          "threads")},
+        "settings": {key: getattr(args, key) for key in ("steps", "lr", "divergence", "prompts", "max_new_tokens",
+                                                          "drift_texts", "max_text_tokens", "agreement_prompts",
+                                                          "agreement_tokens", "threads")},
         "variants": {**VARIANTS, **SWEEP},
         "targets": {name: {key: str(value) if isinstance(value, Path) else
                            ({k: str(v) for k, v in value.items()} if isinstance(value, dict) else value)
