@@ -74,7 +74,7 @@ class BlockDrafter(EagleDrafter):
         self.parallel = config.parallel
         self.accuracy = accuracy
         self.block: torch.Tensor | None = None
-        self._shapes: dict = {}  # (depth, top_k, total_tokens) -> (template, depth-1 indices, deeper levels)
+        self._shapes: dict = {}  # (depth, top_k, total_tokens) -> (template, depth 1's fill indices, deeper levels)
         self._set_template()
 
     nested = True
@@ -103,9 +103,9 @@ class BlockDrafter(EagleDrafter):
                 above = sorted({parents[node] for node in nodes})
                 levels.append(tuple(torch.tensor(values, device=device) for values in (
                     above, nodes, [above.index(parents[node]) for node in nodes], [ranks[node] for node in nodes])))
-            first = [node for node in range(template.size) if depths[node] == 1]
-            first_index = (torch.tensor(first, device=device), torch.tensor([ranks[node] for node in first],
-                                                                             device=device))
+            first = [node for node in range(template.size) if depths[node] == 1]  # all children of the root
+            first_index = tuple(torch.tensor(values, device=device) for values in (
+                first, [0] * len(first), [ranks[node] for node in first]))
             self._shapes[shape] = (template, first_index, levels)
         self.template, self._first, self._levels = self._shapes[shape]
 
@@ -141,9 +141,7 @@ class BlockDrafter(EagleDrafter):
         probs = None
         if self.sampling:  # (R, N, V) the q each node was drawn from (the root's row unused)
             probs = block.new_zeros(rows, template.size, self.target.vocab_size, dtype=torch.float32)
-        nodes, ranks = self._first
-        self._fill(tokens, probs, self.target.logits(block[:, :1], draft_rows), nodes,
-                   torch.zeros_like(nodes), ranks, width)
+        self._fill(tokens, probs, self.target.logits(block[:, :1], draft_rows), *self._first, width)
         head = self.heads.sequential_head
         parts = head.feature_part(block[:, 1:]) if self._levels else None  # (R, K - 1, d): once per step
         for depth, (above, nodes, slots, ranks) in enumerate(self._levels, start=1):
