@@ -123,7 +123,7 @@ class DraftModelDrafter:
         visible = causal_visibility(width, device) & (valid[:, None, :] | torch.eye(width, dtype=torch.bool,
                                                                                      device=device)[None])
         mask = self.cache.mask(positions, visible, self.draft.layout, self.draft.dtype)
-        features, logits = self.draft.forward(query, positions, mask, self.cache.cache, "last")
+        features, logits = self.heads.decode(query, positions, mask, self.cache.cache, "last")
         if self.started and self.plain_steps and not self.sampling:
             self._replay(features[:, width - 1 - self.plain_steps:width - 1], query[:, width - self.plain_steps:])
         self.cache.extend(valid, positions)
@@ -245,7 +245,7 @@ class DraftModelDrafter:
         keys = start[:, None] + torch.arange(1, level + 1, device=device)[None, :]  # this step's chain slots
         visible = torch.ones(rows, 1, level, dtype=torch.bool, device=device)
         mask = self.cache.mask(positions, visible, self.draft.layout, self.draft.dtype, keys)
-        _, logits = self.draft.forward(token[:, None], positions, mask, self.cache.cache, "last")
+        _, logits = self.heads.decode(token[:, None], positions, mask, self.cache.cache, "last")
         return logits[:, -1]
 
     def _adaptive_chain(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
@@ -315,7 +315,7 @@ class DraftModelDrafter:
                 visible[row, :size, torch.tensor(columns[row], device=device)] = request.ancestors
             keys = torch.cat([expansion_positions, positions], dim=1)
             mask = self.cache.mask(positions, visible, self.draft.layout, self.draft.dtype, keys)
-            _, logits = self.draft.forward(query, positions, mask, self.cache.cache, "all")  # (R, m, V)
+            _, logits = self.heads.decode(query, positions, mask, self.cache.cache, "all")  # (R, m, V)
             expansion_positions = keys
             sizes = [request.tokens.numel() if request is not None else 0 for request in requests]
             flat_tokens, flat_scores = self._children(
