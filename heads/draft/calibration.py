@@ -80,6 +80,8 @@ class ChainCalibration:
         self.counts = {mode: {"accepted": _table(), "seen": _table(),
                               "children": [[[0.0] * BINS for _ in range(BINS)] for _ in range(DEPTHS)]}
                        for mode in MODES}  # children[depth bucket][parent bin][child bin]
+        # a chain node's alternatives (greedy): [depth bucket][bin of their own probability]
+        self.alternatives = {"accepted": _table(), "seen": _table()}
         self.prior = {}
         for mode in MODES:
             recorded = prior.get("modes", {}).get(mode) if prior is not None else None
@@ -113,6 +115,24 @@ class ChainCalibration:
                 row.append((expected + PRIOR_WEIGHT * bases[depth][parent]) / (sum(children) + PRIOR_WEIGHT))
             following.append(row)
         return rates, following
+
+    def alternative_rates(self) -> list[list[float]]:
+        """``[DEPTHS][BINS]``: the calibrated chance, under greedy decoding, that one of the draft's
+        next-best tokens at a level (binned by its own draft probability) is the target's, given
+        the parent accepted. Learned while serving only (an adapter records none); seeded like
+        the chain's own rates: optimistic at depth 1, the rate one depth up below it."""
+        counts, rates = self.alternatives, []
+        above = [0.5 + (b + 0.5) / BINS / 2 for b in range(BINS)]
+        for depth in range(DEPTHS):
+            above = [(a + PRIOR_WEIGHT * p) / (n + PRIOR_WEIGHT)
+                     for a, n, p in zip(counts["accepted"][depth], counts["seen"][depth], above)]
+            rates.append(above)
+        return rates
+
+    def observe_alternative(self, depth: int, bin_index: int, accepted: bool) -> None:
+        """A verified alternative at ``depth`` whose parent was accepted (greedy)."""
+        self.alternatives["seen"][depth_bucket(depth)][bin_index] += 1
+        self.alternatives["accepted"][depth_bucket(depth)][bin_index] += float(accepted)
 
     def rates(self, mode: str) -> torch.Tensor:
         """``[DEPTHS, BINS]`` calibrated acceptance given the parent accepted."""

@@ -15,6 +15,10 @@ from .calibration import check_calibration
 DEFAULT_DEPTH = 8
 DEFAULT_TOP_K = 1
 DEFAULT_TOTAL_TOKENS = 8
+# Greedy adaptive chains also verify up to 3 of the draft's next-best tokens beside a chain node
+# where their calibrated acceptance pays for a verified node (on demo-llama's prose the draft's
+# second and third tokens are the target's in 15% and 12% of positions: docs/draft.md).
+DEFAULT_SIBLINGS = 3
 SAMPLE_MODES = ("auto", "never", "always")
 _TREE_FIELDS = DYNAMIC_FIELDS
 
@@ -52,6 +56,12 @@ class DraftConfig:
     position calibrated against what the target accepted, and the measured seconds of a draft
     forward and of a verified node (:mod:`heads.draft.calibration`); False drafts ``depth`` tokens
     every step (or fewer, with ``confidence``)."""
+    siblings: int = DEFAULT_SIBLINGS
+    """Adaptive chains under greedy decoding: at most this many of the draft's next-best tokens per
+    level, verified as leaves beside the chain node there, each kept while its calibrated
+    acceptance (by its own draft probability) times the chance that its parent is accepted pays
+    for one more verified node; 0: plain chains. They count in ``total_tokens`` (shallower
+    first); sampled chains never carry them."""
     calibration: dict | None = field(default=None, repr=False, compare=False)
     """The calibrated acceptance an adapter recorded (``ChainCalibration.to_dict``), the prior of
     the online calibration; None: the draft's confidence itself."""
@@ -62,6 +72,7 @@ class DraftConfig:
         _positive_int(self.depth, "depth")
         _positive_int(self.top_k, "top_k")
         _positive_int(self.total_tokens, "total_tokens", low=0)
+        _positive_int(self.siblings, "siblings", low=0)
         check_dynamic_size(self.depth, self.top_k, self.total_tokens, "DraftConfig")
         if 0 < self.total_tokens < self.depth:
             raise ValueError(f"DraftConfig.total_tokens ({self.total_tokens}) must be >= depth ({self.depth}): a "
@@ -95,4 +106,4 @@ class DraftConfig:
 
     def to_dict(self) -> dict:
         """The hyper-parameters (the draft model itself is not recorded)."""
-        return {name: getattr(self, name) for name in (*_TREE_FIELDS, "sample", "confidence", "adaptive")}
+        return {name: getattr(self, name) for name in (*_TREE_FIELDS, "sample", "confidence", "adaptive", "siblings")}

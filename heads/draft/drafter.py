@@ -11,7 +11,7 @@ from tree_attention import cache as cache_ops
 from tree_attention.decode import DraftBatch
 from tree_attention.dynamic import advance_growth, grow_dynamic_tree
 from tree_attention.mask import causal_visibility
-from tree_attention.tree import Tree, TreeBatch, chain_batch
+from tree_attention.tree import Tree, TreeBatch, chain_batch, chain_with_siblings
 
 from .calibration import confidence_bin, confidence_bins, depth_bucket
 from .config import DraftConfig
@@ -81,7 +81,9 @@ class DraftModelDrafter:
         self.cache = cache_ops.RaggedCache(batch_size, device)
         self.committed = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.started = False  # after the first propose, each batch's first token is the root already fed
-        self.chains = None  # the last adaptive chains, per row: (tokens roots first, size, confidence bins), mode
+        # the last adaptive chains: per row its tokens (root first), size, confidence bins and
+        # alternatives verified ((level, rank, token, probability bin) each); the mode
+        self.chains = None
         self.proposed_at = None  # perf_counter when the last propose of this call returned
         self.pending: DraftBatch | None = None  # committed entries of plain steps, not fed to the draft yet
         self.plain_steps = 0  # plain steps in pending (each committed one token)
@@ -96,9 +98,10 @@ class DraftModelDrafter:
         self.cache.select_rows(keep)
         self.committed = self.committed[keep]
         if self.chains is not None:
-            tokens, sizes, bins, mode = self.chains
+            tokens, sizes, bins, mode, others = self.chains
             rows = keep.tolist()
-            self.chains = ([tokens[r] for r in rows], [sizes[r] for r in rows], [bins[r] for r in rows], mode)
+            self.chains = ([tokens[r] for r in rows], [sizes[r] for r in rows], [bins[r] for r in rows], mode,
+                           [others[r] for r in rows])
         if self.pending is not None and keep.numel():
             pending, keep = self.pending, keep.to(self.pending.lengths.device)
             self.pending = DraftBatch(pending.features[keep], pending.tokens[keep], pending.lengths[keep],
@@ -135,12 +138,17 @@ class DraftModelDrafter:
         """Greedy: what drafting would have gained at the plain steps just caught up on, for free
         from the catch-up forward: the draft's first token at each plain step's root (features
         ``[R, p, F]``) against the token the target committed after it (``following`` ``[R, p]``),
-        counted as depth-1 verdicts of the calibration and as one-token drafted steps of the costs."""
+        counted as depth-1 verdicts of the calibration (the next-best tokens' as alternatives' verdicts)
+        and as one-token drafted steps of the costs."""
         probabilities = torch.softmax(self.draft.logits(features).float(), dim=-1)  # (R, p, V)
-        confidence, guess = probabilities.max(dim=-1)
+        best = probabilities.topk(1 + self.config.siblings, dim=-1)  # (R, p, 1 + s)
+        confidence, guess = best.values[..., 0], best.indices[..., 0]
         kept = guess == following  # (R, p)
         for index, verdict in zip(confidence_bins(confidence).view(-1).tolist(), kept.view(-1).tolist()):
             self.calibration.observe("greedy", 1, index, verdict)
+        others = best.indices[..., 1:] == following[..., None]  # (R, p, s)
+        for index, verdict in zip(confidence_bins(best.values[..., 1:]).view(-1).tolist(), others.view(-1).tolist()):
+            self.calibration.observe_alternative(1, index, verdict)
         for gain in kept.float().mean(dim=0).tolist():
             self.costs.add_replayed(gain)
 
@@ -200,18 +208,30 @@ class DraftModelDrafter:
             self.costs.add_step(self.width, verify, verify + self.propose_seconds, sum(lengths) / len(lengths))
         if self.chains is None:
             return
-        chain, sizes, bins, mode = self.chains
+        chain, sizes, bins, mode, alternatives = self.chains
         self.chains = None
         committed = batch.tokens[:, :len(chain[0])].tolist()
         kept = []
-        for row, (nodes, size, row_bins, path, root, length) in enumerate(
-                zip(chain, sizes, bins, committed, batch.roots.tolist(), lengths)):
-            accepted = length - 1  # drafted tokens kept
-            if accepted >= size or path[1:length] != nodes[1:length]:
+        for nodes, size, row_bins, others, path, root, length in zip(chain, sizes, bins, alternatives, committed,
+                                                                      batch.roots.tolist(), lengths):
+            drafted = length - 1  # drafted tokens kept
+            targets = path[1:length] + [root]  # the target's token at depths 1 .. length
+            if path[1:length] == nodes[1:length]:
+                accepted = drafted  # chain nodes kept
+            elif drafted and path[1:drafted] == nodes[1:drafted] and any(
+                    level == drafted and token == path[drafted] for level, _, token, _ in others):
+                accepted = drafted - 1  # the last token kept is an alternative
+            else:
                 continue
-            kept.append(accepted)
+            if accepted >= size:
+                continue
+            kept.append(drafted)
             for depth in range(1, min(accepted + 1, size - 1) + 1):
-                self.calibration.observe(mode, depth, row_bins[depth - 1], depth <= accepted or nodes[depth] == root)
+                self.calibration.observe(mode, depth, row_bins[depth - 1],
+                                         depth <= accepted or nodes[depth] == targets[depth - 1])
+            for level, _, token, index in others:
+                if level <= accepted + 1:
+                    self.calibration.observe_alternative(level, index, token == targets[level - 1])
         if kept:
             self.costs.add_drafted(sum(kept) / len(kept), self.propose_seconds, self.width,
                                    feed_seconds=self.feed_seconds, caught_up=self.caught_up, first=self.first)
@@ -250,19 +270,31 @@ class DraftModelDrafter:
 
     def _adaptive_chain(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
         """Every row's chain of the length its calibrated acceptance pays for (at most ``depth``),
-        one draft forward per level for the rows still growing (others ride along). The decisions
-        are host arithmetic on each row's confidence (one transfer per level, where the loop
-        synchronises anyway)."""
+        one draft forward per level for the rows still growing (others ride along); under greedy
+        decoding, beside each chain node up to ``siblings`` of the draft's next-best tokens there,
+        each kept while the chance that its parent is accepted times its calibrated acceptance pays
+        for a verified node (leaves: they cost no draft forward). The decisions are host arithmetic
+        on each row's draft probabilities (one transfer per level, where the loop synchronises
+        anyway)."""
         rows, device = roots.shape[0], roots.device
         mode = "sampled" if self.sampling else "greedy"
         rates, next_rates = self.calibration.rate_lists(mode)
+        side = 0 if self.sampling else self.config.siblings
+        other_rates = self.calibration.alternative_rates() if side else None
         draft_price, node_price = self.costs.prices()  # tokens
-        tokens, draws = [roots], []
+        tokens, draws, side_tokens = [roots], [], []
         sizes, growing, chance = [1] * rows, [True] * rows, [1.0] * rows  # chance: the target accepts all so far
         bins: list[list[int]] = [[] for _ in range(rows)]
+        alternatives: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rows)]
         start = self.committed - 1  # (R,) the roots' positions
         for level in range(1, self.depth + 1):
-            token, confidence, q = self._next(logits)
+            if side:
+                best = torch.softmax(logits.float(), dim=-1).topk(1 + side, dim=-1)  # (R, 1 + s)
+                token, confidence, q = best.indices[:, 0], best.values[:, 0], None
+                side_tokens.append(best.indices[:, 1:])
+                other_tokens, other_probabilities = best.indices[:, 1:].tolist(), best.values[:, 1:].tolist()
+            else:
+                token, confidence, q = self._next(logits)
             tokens.append(token)
             draws.append(q)
             wanted = False
@@ -272,9 +304,15 @@ class DraftModelDrafter:
                 if level > 1 and growing[row]:  # what the forward bought the rows it ran for
                     self.calibration.observe_following(mode, level, bins[row][-1], index)
                 bins[row].append(index)
+                reach = chance[row]  # the chance that this level's parent is accepted
                 chance[row] *= acceptance
                 keep = growing[row] and chance[row] > node_price
                 sizes[row] += keep
+                if keep and side:
+                    for rank, (other, probability) in enumerate(zip(other_tokens[row], other_probabilities[row])):
+                        other_bin = confidence_bin(probability)
+                        if reach * other_rates[depth_bucket(level)][other_bin] > node_price:
+                            alternatives[row].append((level, rank, other, other_bin))
                 gain = chance[row] * next_rates[depth_bucket(level + 1)][index]  # expected from one more level
                 growing[row] = keep and sure >= self.config.confidence and gain > node_price
                 wanted = wanted or (growing[row] and gain > draft_price + node_price)
@@ -284,7 +322,16 @@ class DraftModelDrafter:
             logits = self._chain_level(token, start, level)
             self.costs.add_draft(time.perf_counter() - began)
         chain = torch.stack(tokens, dim=1)  # (R, W)
-        self.chains = (chain.tolist(), sizes, bins, mode)
+        for row, others in enumerate(alternatives):  # the budget counts them too, shallower first
+            del others[max(0, self.total_tokens - (sizes[row] - 1)):]
+        self.chains = (chain.tolist(), sizes, bins, mode, alternatives)
+        if any(alternatives):
+            real = torch.zeros(rows, (chain.shape[1] - 1) * side, dtype=torch.bool)
+            for row, others in enumerate(alternatives):
+                for level, rank, _, _ in others:
+                    real[row, (level - 1) * side + rank] = True
+            return chain_with_siblings(chain, torch.tensor(sizes, device=device), torch.cat(side_tokens, dim=1),
+                                       real.to(device))
         return chain_batch(chain, torch.tensor(sizes, device=device), draws if self.sampling else None)
 
     def _tree(self, roots: list[int], root_logits: torch.Tensor) -> TreeBatch:

@@ -12,7 +12,7 @@ from ..kind import DrafterKind, refuse_options
 from . import cli
 from .adapter import ADAPTER_FILES, check_drafter, load_adapter, save_adapter
 from .calibration import ChainCalibration
-from .config import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, SAMPLE_MODES, DraftConfig
+from .config import DEFAULT_DEPTH, DEFAULT_SIBLINGS, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, SAMPLE_MODES, DraftConfig
 from .drafter import DraftModelDrafter
 from .loss import DraftLoss
 from .modules import (
@@ -23,13 +23,14 @@ __all__ = ["KIND", "DraftConfig", "DraftModel", "DraftModelDrafter", "DraftLoss"
            "check_draft_model", "check_special_ids", "check_tokenizers", "load_draft_model",
            "DEFAULT_DEPTH", "DEFAULT_TOP_K", "DEFAULT_TOTAL_TOKENS", "SAMPLE_MODES"]
 
-OPTIONS = ("draft_model", "depth", "top_k", "total_tokens", "sample", "confidence", "adaptive", "tokenizer",
-           "draft_tokenizer")
+OPTIONS = ("draft_model", "depth", "top_k", "total_tokens", "sample", "confidence", "adaptive", "siblings",
+           "tokenizer", "draft_tokenizer")
 
 
 def make_config(draft_model=None, depth: int | None = None, top_k: int | None = None,
                 total_tokens: int | None = None, sample: str | None = None, confidence: float | None = None,
-                adaptive: bool | None = None, tokenizer=None, draft_tokenizer=None, **others) -> DraftConfig:
+                adaptive: bool | None = None, siblings: int | None = None, tokenizer=None, draft_tokenizer=None,
+                **others) -> DraftConfig:
     """The config ``attach_heads(kind="draft", ...)`` builds; ``draft_model`` is required (a
     ``PreTrainedModel`` or the directory of one, loaded when the spec is built), a lone
     ``total_tokens`` lowers the default depth to fit it, and ``tokenizer``/``draft_tokenizer``
@@ -45,6 +46,7 @@ def make_config(draft_model=None, depth: int | None = None, top_k: int | None = 
              if value is not None}
     return DraftConfig(sample=sample or "auto", confidence=0.0 if confidence is None else confidence,
                        adaptive=True if adaptive is None else adaptive, draft_model=draft_model,
+                       siblings=DEFAULT_SIBLINGS if siblings is None else siblings,
                        **DraftConfig().with_tree(shape).tree)
 
 

@@ -24,7 +24,7 @@ from heads.draft.calibration import BINS, DEPTHS, MAX_PROBE_INTERVAL, ChainCalib
 from heads.generation import acceptance_rule
 from tests.conftest import ARCHITECTURES, build_model, left_pad, random_prompt
 from tests.heads.draft.test_draft_kind import (  # noqa: F401  (toy_pair: a fixture)
-    RUNS, SAMPLED, Recorder, exact_joint, noisy_copy, reference, sample_runs, toy_pair,
+    PROMPT, RUNS, SAMPLED, Recorder, exact_joint, noisy_copy, reference, sample_runs, toy_pair,
 )
 from tests.stats import FALSE_ALARM, chi_square_pvalue
 from tree_attention.decode import speculative_generate
@@ -311,3 +311,75 @@ def test_a_slow_first_step_does_not_stop_drafting(monkeypatch):
         assert plain <= 2, (call, recorder.sizes)  # at most a step or two while the costs are first measured
     costs = spec.heads.costs  # a steady drafted step: at most 8 draft forwards and 8 nodes, ~10 ms
     assert costs.pays() and costs.draft_step < 0.015, costs.draft_step
+
+
+class TreeRecorder(Recorder):
+    """A drafter that records the first row of every tree it proposes."""
+
+    def __init__(self, drafter) -> None:
+        super().__init__(drafter)
+        self.trees = []
+
+    def propose(self, batch):
+        trees = super().propose(batch)
+        self.trees.append(trees.row(0))
+        return trees
+
+
+def test_alternatives_beside_the_chain_are_verified_and_counted():
+    """Greedy: the draft's next-best tokens ride beside a short chain as leaves; the output stays
+    ``model.generate``'s, some alternatives are accepted, and the alternatives' calibration counts
+    exactly those whose parent the target kept (seen) and those that were the target's token
+    (accepted), recomputed here from the recorded trees and the reference output."""
+    model = build_model("llama", seed=2)
+    prompt = random_prompt(9, seed=3)
+    expected = reference(model, prompt, torch.ones_like(prompt), 60)[0].tolist()
+    spec = heads.attach_heads(model, kind="draft", draft_model=noisy_copy(model, 0.3), depth=2, total_tokens=8)
+    assert spec.config.siblings == 3
+    force(spec, prices=(0.0, 0.0), plain_every=None)  # every alternative pays
+    recorder = TreeRecorder(spec.drafter)
+    output, stats = speculative_generate(spec.target, recorder, prompt, 60, (), None, None, spec.pad_token_id)
+    assert output[0].tolist() == expected
+    root, seen, accepted, ended_on_alternative = prompt.shape[1], 0, 0, 0
+    for tree, kept in list(zip(recorder.trees, stats.accepted_lengths))[:-1]:
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        chain = 1
+        while chain < len(parents) and parents[chain] == chain - 1 and chain <= 2:
+            chain += 1
+        depth = [0] * len(parents)
+        on_path = [True] + [False] * (len(parents) - 1)  # the node is the target's token and so are its ancestors
+        for node in range(1, len(parents)):
+            depth[node] = depth[parents[node]] + 1
+            on_path[node] = on_path[parents[node]] and tokens[node] == expected[root + depth[node]]
+            if node >= chain and on_path[parents[node]]:
+                seen += 1
+                accepted += on_path[node]
+        ended_on_alternative += any(on_path[chain:])
+        assert kept == max(depth[node] for node in range(len(parents)) if on_path[node])
+        assert len(parents) <= 1 + 8
+        root += kept + 1
+    alternatives = spec.heads.calibration.alternatives
+    assert (sum(map(sum, alternatives["seen"])), sum(map(sum, alternatives["accepted"]))) == (seen, accepted)
+    assert seen > 0 and ended_on_alternative > 0
+    assert spec.heads.calibration.alternative_rates()[0] != ChainCalibration().alternative_rates()[0]
+
+
+def test_no_alternatives_without_siblings_or_under_sampling(toy_pair):
+    """``siblings=0`` drafts plain chains; sampled chains never carry alternatives."""
+    model = build_model("llama", seed=2)
+    prompt = random_prompt(9, seed=3)
+    spec = heads.attach_heads(model, kind="draft", draft_model=noisy_copy(model, 0.3), depth=2, total_tokens=8,
+                              siblings=0)
+    force(spec, prices=(0.0, 0.0), plain_every=None)
+    recorder = TreeRecorder(spec.drafter)
+    speculative_generate(spec.target, recorder, prompt, 30, (), None, None, spec.pad_token_id)
+    assert max(recorder.sizes) <= 3 and sum(map(sum, spec.heads.calibration.alternatives["seen"])) == 0
+    target, draft = toy_pair
+    spec = heads.attach_heads(target, kind="draft", draft_model=draft, depth=2, total_tokens=8)
+    force(spec, prices=(0.0, 0.0), plain_every=None)
+    rule = acceptance_rule(target.generation_config, True, generator=torch.Generator().manual_seed(0), **SETTINGS)
+    drafter = bind_rule(spec.drafter_for(None), rule)
+    assert drafter.sampling
+    recorder = TreeRecorder(drafter)
+    speculative_generate(spec.target, recorder, PROMPT, 30, (), rule, None, spec.pad_token_id)
+    assert max(recorder.sizes) == 3 and sum(map(sum, spec.heads.calibration.alternatives["seen"])) == 0
