@@ -49,6 +49,13 @@ def layer_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices such as 2,6,11; got {text!r}")
 
 
+ENGINE_UNROLL_STEPS = 2
+"""``--unroll-steps`` when not given for an engine layout: an exported drafter drafts sequentially,
+each depth after the first from its own predicted features, so training unrolls one such step (the
+training-time test of EAGLE-3; measured in CHANGELOG.md, 2026-12-06). ``--for hf`` drafts depths in
+parallel by default, which sequential unrolling does not train, and keeps 1."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("EAGLE drafter (--kind eagle)")
     group.add_argument("--num-layers", type=int, default=None, help="decoder layers of the EAGLE drafter (default 1)")
@@ -106,16 +113,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"weight of the token divergence to the target (default {TOKEN_WEIGHT:g}; EAGLE-1: 0.1)")
     group.add_argument("--feature-noise", type=float, default=0.1,
                        help="half-width of the uniform noise added to input features (default 0.1)")
-    group.add_argument("--unroll-steps", type=int, default=1,
+    group.add_argument("--unroll-steps", type=int, default=None,
                        help="drafting steps unrolled on the drafter's own features in training (training-time "
-                            "test; default 1)")
+                            f"test; default {ENGINE_UNROLL_STEPS} for the engine layouts of --for any/vllm/sglang, "
+                            "1 with --for hf)")
 
 
 def default_parallel(args: argparse.Namespace) -> bool:
     """Whether ``--parallel`` defaults to :data:`PARALLEL`: not where another flag asks for what parallel
     drafting cannot do (``--unroll-steps`` > 1 trains sequential steps; the ``eagle1``/``eagle3``
     layouts are for export to formats without parallel depths; ``--drafting sequential``)."""
-    return (args.unroll_steps == 1 and args.eagle_layout in (None, "native")
+    return (args.unroll_steps in (None, 1) and args.eagle_layout in (None, "native")
             and getattr(args, "drafting", None) in (None, "auto", "parallel"))
 
 
@@ -140,7 +148,7 @@ def options(args: argparse.Namespace) -> dict:
 def train_options(args: argparse.Namespace) -> dict:
     """The ``TrainConfig`` fields EAGLE's flags set."""
     return {"feature_weight": args.feature_weight, "token_weight": args.token_weight,
-            "feature_noise": args.feature_noise, "unroll_steps": args.unroll_steps,
+            "feature_noise": args.feature_noise, "unroll_steps": args.unroll_steps or 1,
             "mask_query_weight": (args.mask_query_weight if args.mask_query_weight is not None
                                   else MASK_QUERY_WEIGHT["block" if getattr(args, "parallel_mode", None) == "block" else "mask"])}
 
@@ -160,7 +168,6 @@ ENGINE_FORMATS = {"vllm": ("speculators", "eagle3", "eagle"), "sglang": ("eagle3
 ENGINE_LAYOUT = "eagle3"
 """The layout ``selfdraft train --for vllm|sglang|any`` trains unless ``--eagle-layout eagle1`` is given:
 EAGLE-3's midlayer, which exports to ``eagle3`` (vLLM, SGLang) and ``speculators`` (vLLM)."""
-
 
 def default_feature_layers(num_layers: int) -> list[int]:
     """The three target layers an engine-bound EAGLE-3 drafter fuses (``feature_layers``: hidden-state
@@ -227,6 +234,8 @@ def deploy(args: argparse.Namespace, engine: str | None, model_config) -> str:
                          "eagle3 layout; drop these flags, or use --for hf for selfdraft-only drafting")
     args.eagle_layout = args.eagle_layout or ENGINE_LAYOUT
     args.parallel = 1
+    if args.unroll_steps is None:
+        args.unroll_steps = ENGINE_UNROLL_STEPS
     if args.eagle_layout == ENGINE_LAYOUT and args.feature_layers is None:
         args.feature_layers = default_feature_layers(layers)
     return engine or "any"

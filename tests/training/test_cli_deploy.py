@@ -89,6 +89,21 @@ def test_default_and_engines_resolve_before_loading(deep_model_dir, tmp_path, no
     assert engine == expected[0] and expected[1] in line, line
 
 
+@pytest.mark.parametrize("extra, unroll", [
+    ([], 2),  # --for any (default): the engine layout drafts sequentially, so training unrolls a step
+    (["--for", "vllm"], 2),
+    (["--eagle-layout", "eagle1"], 2),
+    (["--for", "sglang", "--unroll-steps", "1"], 1),  # given: kept
+    (["--for", "hf"], 1),  # parallel depths: nothing sequential to unroll
+    (["--parallel", "4"], 1),  # resolves to hf
+    (["--for", "hf", "--unroll-steps", "3"], 3),
+])
+def test_unroll_steps_default_follows_the_layout(deep_model_dir, tmp_path, no_model_loading, extra, unroll):
+    data = _write_prompts(tmp_path / "prompts.jsonl", 4, seed=1)
+    _, (config, _, _) = _checked(_args(deep_model_dir, data, tmp_path / "a", *extra))
+    assert config.unroll_steps == unroll, extra
+
+
 def test_default_on_a_target_too_shallow_for_eagle3_is_the_eagle1_layout(shallow_model_dir, tmp_path,
                                                                          no_model_loading):
     data = _write_prompts(tmp_path / "prompts.jsonl", 4, seed=1)
