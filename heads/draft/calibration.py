@@ -80,8 +80,10 @@ class ChainCalibration:
         self.counts = {mode: {"accepted": _table(), "seen": _table(),
                               "children": [[[0.0] * BINS for _ in range(BINS)] for _ in range(DEPTHS)]}
                        for mode in MODES}  # children[depth bucket][parent bin][child bin]
-        # a chain node's alternatives (greedy): [depth bucket][bin of their own probability]
-        self.alternatives = {"accepted": _table(), "seen": _table()}
+        # a chain node's alternatives (greedy), per depth bucket: how many were observed, how many
+        # were the target's token, and the sum of their draft probabilities (what a calibrated
+        # draft would expect)
+        self.alternatives = {"seen": [0.0] * DEPTHS, "accepted": [0.0] * DEPTHS, "mass": [0.0] * DEPTHS}
         self.prior = {}
         for mode in MODES:
             recorded = prior.get("modes", {}).get(mode) if prior is not None else None
@@ -116,23 +118,27 @@ class ChainCalibration:
             following.append(row)
         return rates, following
 
-    def alternative_rates(self) -> list[list[float]]:
-        """``[DEPTHS][BINS]``: the calibrated chance, under greedy decoding, that one of the draft's
-        next-best tokens at a level (binned by its own draft probability) is the target's, given
-        the parent accepted. Learned while serving only (an adapter records none); seeded like
-        the chain's own rates: optimistic at depth 1, the rate one depth up below it."""
-        counts, rates = self.alternatives, []
-        above = [0.5 + (b + 0.5) / BINS / 2 for b in range(BINS)]
+    def alternative_scales(self) -> list[float]:
+        """Per depth bucket, the factor that turns the draft probability ``p`` of one of its
+        next-best tokens at a level into the chance, under greedy decoding, that the target picks
+        it there given the parent accepted: ``min(1, scale * p)``, the ratio of the alternatives
+        the target picked to the probability the draft gave them. Most such tokens have a small
+        ``p``, so a ratio over all of them resolves small probabilities that confidence bins
+        would lump together. Learned while serving only (an adapter records none); seeded with
+        the draft taken at its word (1, :data:`PRIOR_WEIGHT` tokens' worth) at depth 1 and the
+        factor one depth up below it."""
+        counts, scales, above = self.alternatives, [], 1.0
         for depth in range(DEPTHS):
-            above = [(a + PRIOR_WEIGHT * p) / (n + PRIOR_WEIGHT)
-                     for a, n, p in zip(counts["accepted"][depth], counts["seen"][depth], above)]
-            rates.append(above)
-        return rates
+            above = (counts["accepted"][depth] + PRIOR_WEIGHT * above) / (counts["mass"][depth] + PRIOR_WEIGHT)
+            scales.append(above)
+        return scales
 
-    def observe_alternative(self, depth: int, bin_index: int, accepted: bool) -> None:
-        """A verified alternative at ``depth`` whose parent was accepted (greedy)."""
-        self.alternatives["seen"][depth_bucket(depth)][bin_index] += 1
-        self.alternatives["accepted"][depth_bucket(depth)][bin_index] += float(accepted)
+    def observe_alternative(self, depth: int, probability: float, accepted: bool) -> None:
+        """An alternative of draft probability ``probability`` at ``depth`` whose parent the target
+        accepted, and whether the target picked it (greedy: known whether or not it was verified)."""
+        self.alternatives["seen"][depth_bucket(depth)] += 1
+        self.alternatives["mass"][depth_bucket(depth)] += probability
+        self.alternatives["accepted"][depth_bucket(depth)] += float(accepted)
 
     def rates(self, mode: str) -> torch.Tensor:
         """``[DEPTHS, BINS]`` calibrated acceptance given the parent accepted."""

@@ -82,7 +82,7 @@ class DraftModelDrafter:
         self.committed = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.started = False  # after the first propose, each batch's first token is the root already fed
         # the last adaptive chains: per row its tokens (root first), size, confidence bins and
-        # alternatives verified ((level, rank, token, probability bin) each); the mode
+        # alternatives ((level, rank, token, draft probability, verified) each); the mode
         self.chains = None
         self.proposed_at = None  # perf_counter when the last propose of this call returned
         self.pending: DraftBatch | None = None  # committed entries of plain steps, not fed to the draft yet
@@ -147,8 +147,8 @@ class DraftModelDrafter:
         for index, verdict in zip(confidence_bins(confidence).view(-1).tolist(), kept.view(-1).tolist()):
             self.calibration.observe("greedy", 1, index, verdict)
         others = best.indices[..., 1:] == following[..., None]  # (R, p, s)
-        for index, verdict in zip(confidence_bins(best.values[..., 1:]).view(-1).tolist(), others.view(-1).tolist()):
-            self.calibration.observe_alternative(1, index, verdict)
+        for probability, verdict in zip(best.values[..., 1:].reshape(-1).tolist(), others.view(-1).tolist()):
+            self.calibration.observe_alternative(1, probability, verdict)
         for gain in kept.float().mean(dim=0).tolist():
             self.costs.add_replayed(gain)
 
@@ -219,7 +219,7 @@ class DraftModelDrafter:
             if path[1:length] == nodes[1:length]:
                 accepted = drafted  # chain nodes kept
             elif drafted and path[1:drafted] == nodes[1:drafted] and any(
-                    level == drafted and token == path[drafted] for level, _, token, _ in others):
+                    verified and level == drafted and token == path[drafted] for level, _, token, _, verified in others):
                 accepted = drafted - 1  # the last token kept is an alternative
             else:
                 continue
@@ -229,9 +229,9 @@ class DraftModelDrafter:
             for depth in range(1, min(accepted + 1, size - 1) + 1):
                 self.calibration.observe(mode, depth, row_bins[depth - 1],
                                          depth <= accepted or nodes[depth] == targets[depth - 1])
-            for level, _, token, index in others:
+            for level, _, token, probability, _ in others:  # verified or not: greedy knows the target's token
                 if level <= accepted + 1:
-                    self.calibration.observe_alternative(level, index, token == targets[level - 1])
+                    self.calibration.observe_alternative(level, probability, token == targets[level - 1])
         if kept:
             self.costs.add_drafted(sum(kept) / len(kept), self.propose_seconds, self.width,
                                    feed_seconds=self.feed_seconds, caught_up=self.caught_up, first=self.first)
@@ -280,12 +280,12 @@ class DraftModelDrafter:
         mode = "sampled" if self.sampling else "greedy"
         rates, next_rates = self.calibration.rate_lists(mode)
         side = 0 if self.sampling else self.config.siblings
-        other_rates = self.calibration.alternative_rates() if side else None
+        scales = self.calibration.alternative_scales() if side else None
         draft_price, node_price = self.costs.prices()  # tokens
         tokens, draws, side_tokens = [roots], [], []
         sizes, growing, chance = [1] * rows, [True] * rows, [1.0] * rows  # chance: the target accepts all so far
         bins: list[list[int]] = [[] for _ in range(rows)]
-        alternatives: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rows)]
+        alternatives: list[list[tuple[int, int, int, float, bool]]] = [[] for _ in range(rows)]
         start = self.committed - 1  # (R,) the roots' positions
         for level in range(1, self.depth + 1):
             if side:
@@ -308,11 +308,11 @@ class DraftModelDrafter:
                 chance[row] *= acceptance
                 keep = growing[row] and chance[row] > node_price
                 sizes[row] += keep
-                if keep and side:
+                if growing[row] and side:  # this level has a parent: its alternatives are known after the step
+                    scale = scales[depth_bucket(level)]
                     for rank, (other, probability) in enumerate(zip(other_tokens[row], other_probabilities[row])):
-                        other_bin = confidence_bin(probability)
-                        if reach * other_rates[depth_bucket(level)][other_bin] > node_price:
-                            alternatives[row].append((level, rank, other, other_bin))
+                        verified = keep and reach * min(1.0, scale * probability) > node_price
+                        alternatives[row].append((level, rank, other, probability, verified))
                 gain = chance[row] * next_rates[depth_bucket(level + 1)][index]  # expected from one more level
                 growing[row] = keep and sure >= self.config.confidence and gain > node_price
                 wanted = wanted or (growing[row] and gain > draft_price + node_price)
@@ -322,14 +322,19 @@ class DraftModelDrafter:
             logits = self._chain_level(token, start, level)
             self.costs.add_draft(time.perf_counter() - began)
         chain = torch.stack(tokens, dim=1)  # (R, W)
+        real = None
         for row, others in enumerate(alternatives):  # the budget counts them too, shallower first
-            del others[max(0, self.total_tokens - (sizes[row] - 1)):]
-        self.chains = (chain.tolist(), sizes, bins, mode, alternatives)
-        if any(alternatives):
-            real = torch.zeros(rows, (chain.shape[1] - 1) * side, dtype=torch.bool)
-            for row, others in enumerate(alternatives):
-                for level, rank, _, _ in others:
+            room = self.total_tokens - (sizes[row] - 1)
+            for index, (level, rank, token, probability, verified) in enumerate(others):
+                if verified and room > 0:
+                    room -= 1
+                    if real is None:
+                        real = torch.zeros(rows, (chain.shape[1] - 1) * side, dtype=torch.bool)
                     real[row, (level - 1) * side + rank] = True
+                elif verified:
+                    others[index] = (level, rank, token, probability, False)
+        self.chains = (chain.tolist(), sizes, bins, mode, alternatives)
+        if real is not None:
             return chain_with_siblings(chain, torch.tensor(sizes, device=device), torch.cat(side_tokens, dim=1),
                                        real.to(device))
         return chain_batch(chain, torch.tensor(sizes, device=device), draws if self.sampling else None)
