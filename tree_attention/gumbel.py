@@ -90,12 +90,47 @@ _WORDS = {name: np.uint64(value % (1 << 64)) for name, value in
 
 
 def _mix_host(values: np.ndarray) -> np.ndarray:
-    """:func:`mix` on uint64 numpy ``values``, in place (the same bits: both wrap modulo ``2**64``)."""
+    """:func:`mix` on uint64 numpy ``values``, in place (the same bits: both wrap modulo ``2**64``),
+    with one scratch array for the shifts (a vocabulary's words are re-read from memory per pass:
+    fewer fresh arrays, fewer cache misses)."""
+    scratch = np.empty_like(values)
     for bits, factor in ((30, _WORDS["mix_1"]), (27, _WORDS["mix_2"])):
-        values ^= values >> np.uint64(bits)
+        values ^= np.right_shift(values, np.uint64(bits), out=scratch)
         values *= factor
-    values ^= values >> np.uint64(31)
+    values ^= np.right_shift(values, np.uint64(31), out=scratch)
     return values
+
+
+_TOKEN_WORDS: dict[int, np.ndarray] = {}
+"""Vocabulary size -> ``(v + 1) * golden`` for every token ``v`` (uint64, read-only): the per-token
+term of a full-vocabulary draw, computed once."""
+
+
+def _vocabulary_words(vocab: int) -> np.ndarray:
+    table = _TOKEN_WORDS.get(vocab)
+    if table is None:
+        with np.errstate(over="ignore"):
+            table = np.arange(1, vocab + 1, dtype=np.uint64) * _WORDS["golden"]
+        table.flags.writeable = False
+        table = _TOKEN_WORDS.setdefault(vocab, table)
+    return table
+
+
+def _host_noise(keys: torch.Tensor, positions: torch.Tensor, token_words: np.ndarray) -> torch.Tensor:
+    """:func:`gumbel_noise` on the host from the tokens' words ``(token + 1) * golden`` (uint64,
+    ``[..., K]`` or ``[K]``, not modified): the integer hashing in numpy, in place after one copy."""
+    with np.errstate(over="ignore"):  # (multiplication wraps, by design)
+        key = keys.long().numpy().astype(np.uint64)
+        stream = _mix_host(key ^ _mix_host(positions.long().numpy().astype(np.uint64) + _WORDS["position"]))
+        words = _mix_host(token_words + stream[..., None])
+        np.right_shift(words, np.uint64(11), out=words)
+    return _gumbel_of_words(torch.from_numpy(words.astype(np.float64)))
+
+
+def _gumbel_of_words(uniform: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise from 53-bit words as float64, in place: ``-log(-log u)``, ``u`` in (0, 1)."""
+    uniform = uniform.add_(0.5).mul_(2.0 ** -53)  # (0, 1): never log(0)
+    return uniform.log_().neg_().log_().neg_()
 
 
 def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -105,18 +140,12 @@ def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tens
     operations an entry, where torch's per-operation cost dominates a small step), bit for bit the
     words of the tensor path."""
     if keys.device.type == "cpu" and positions.device.type == "cpu" and tokens.device.type == "cpu":
-        with np.errstate(over="ignore"):  # (multiplication wraps, by design)
-            key = keys.long().numpy().astype(np.uint64)
-            stream = _mix_host(key ^ _mix_host(positions.long().numpy().astype(np.uint64) + _WORDS["position"]))
-            words = (tokens.long().numpy().astype(np.uint64) + np.uint64(1)) * _WORDS["golden"]
-            words = _mix_host(words + stream[..., None])
-        uniform = torch.from_numpy((words >> np.uint64(11)).astype(np.float64))
-    else:
-        stream = mix(keys.long() ^ mix(positions.long() + _POSITION))[..., None]  # (..., 1)
-        words = mix(stream + (tokens.long() + 1) * GOLDEN)  # (..., K) splitmix64's sequence from `stream`
-        uniform = _shift(words, 11).double()
-    uniform = uniform.add_(0.5).mul_(2.0 ** -53)  # (0, 1): never log(0)
-    return uniform.log_().neg_().log_().neg_()
+        with np.errstate(over="ignore"):
+            token_words = (tokens.long().numpy().astype(np.uint64) + np.uint64(1)) * _WORDS["golden"]
+        return _host_noise(keys, positions, token_words)
+    stream = mix(keys.long() ^ mix(positions.long() + _POSITION))[..., None]  # (..., 1)
+    words = mix(stream + (tokens.long() + 1) * GOLDEN)  # (..., K) splitmix64's sequence from `stream`
+    return _gumbel_of_words(_shift(words, 11).double())
 
 
 SUPPORT_SHARE = 4
@@ -152,8 +181,11 @@ def perturbed_top_k(warped: torch.Tensor, keys: torch.Tensor, positions: torch.T
         values, tokens = torch.topk(scores, max(support, count), dim=-1)  # every finite entry of every row
         best = torch.topk(values + gumbel_noise(keys, positions, tokens), count, dim=-1).indices
         return tokens.gather(-1, best)
-    tokens = torch.arange(vocab, device=warped.device)
-    return torch.topk(scores + gumbel_noise(keys, positions, tokens), count, dim=-1).indices
+    if warped.device.type == "cpu" and keys.device.type == "cpu" and positions.device.type == "cpu":
+        noise = _host_noise(keys, positions, _vocabulary_words(vocab))  # the per-token words cached
+    else:
+        noise = gumbel_noise(keys, positions, torch.arange(vocab, device=warped.device))
+    return torch.topk(scores.add_(noise) if scores is not warped else scores + noise, count, dim=-1).indices
 
 
 LAZY_ELEMENTS = 1 << 16
