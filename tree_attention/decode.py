@@ -52,12 +52,26 @@ class DraftBatch:
         tokens: ``[R, n]`` the tokens at those positions (padding 0).
         lengths: ``[R]`` long, valid entries per row (>= 1).
         roots: ``[R]`` long, the token the target committed after them: each tree's node 0.
+        positions: ``[R]`` long, the roots' position ids (prompt padding excluded): a node at depth
+            ``d`` sits at ``positions + d``; None where the loop did not say.
+        batch_rows: each row's index in the call's batch (as the acceptance rule sees it); None
+            where the loop did not say. With ``positions``, what a drafter coupled to a seeded rule
+            reads the rule's noise with (:meth:`tree_attention.gumbel.GumbelRule.coupled_candidates`).
     """
 
     features: torch.Tensor
     tokens: torch.Tensor
     lengths: torch.Tensor
     roots: torch.Tensor
+    positions: torch.Tensor | None = None
+    batch_rows: tuple[int, ...] | None = None
+
+    def select(self, index: torch.Tensor) -> "DraftBatch":
+        """The rows ``index`` ``[R']`` (long) of this batch, in that order."""
+        index = index.to(self.lengths.device)
+        rows = None if self.batch_rows is None else tuple(self.batch_rows[i] for i in index.tolist())
+        return DraftBatch(self.features[index], self.tokens[index], self.lengths[index], self.roots[index],
+                          None if self.positions is None else self.positions[index.to(self.positions.device)], rows)
 
     @property
     def rows(self) -> int:
@@ -84,7 +98,8 @@ class DraftBatch:
         if self.full() and all(batch.full() for batch in later):  # no padding (batch 1): one concatenation
             return DraftBatch(torch.cat([self.features, *(batch.features.to(self.features.dtype) for batch in later)], 1),
                               torch.cat([self.tokens, *(batch.tokens for batch in later)], 1),
-                              self.lengths + sum(batch.lengths for batch in later), later[-1].roots)
+                              self.lengths + sum(batch.lengths for batch in later), later[-1].roots,
+                              later[-1].positions, later[-1].batch_rows)
         joined = self
         for batch in later:
             joined = joined._then(batch)
@@ -101,7 +116,8 @@ class DraftBatch:
         columns = (self.lengths[:, None] + torch.arange(later.features.shape[1], device=self.lengths.device)[None, :])
         features.scatter_(1, columns[..., None].expand(-1, -1, features.shape[-1]), later.features.to(features.dtype))
         tokens.scatter_(1, columns, later.tokens)
-        return DraftBatch(features, tokens, self.lengths + later.lengths, later.roots)
+        return DraftBatch(features, tokens, self.lengths + later.lengths, later.roots, later.positions,
+                          later.batch_rows)
 
 
 class Drafter(Protocol):
@@ -332,8 +348,7 @@ class SpeculativeDecoder:
             return
         self.cache.select_rows(index)
         self.lengths = self.lengths[index]
-        self.draft, *self._skipped = (DraftBatch(draft.features[index], draft.tokens[index], draft.lengths[index],
-                                                 draft.roots[index]) for draft in (self.draft, *self._skipped))
+        self.draft, *self._skipped = (draft.select(index) for draft in (self.draft, *self._skipped))
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -350,7 +365,8 @@ class SpeculativeDecoder:
         self.lengths = mask.long().sum(dim=1)
         last = logits[:, -1] if self.process is None else self.process(self.contexts.prompts(), logits[:, -1])
         roots = self.rule.first_tokens(last, list(range(batch)), positions[:, -1])  # (B,)
-        self.draft = DraftBatch(left_align(features, mask), left_align(ids, mask), self.lengths.clone(), roots)
+        self.draft = DraftBatch(left_align(features, mask), left_align(ids, mask), self.lengths.clone(), roots,
+                                self.lengths.clone(), tuple(range(batch)))
         self._keep_rows([self._emit(row, [root]) for row, root in enumerate(roots.tolist())])
 
     def _lap(self, phase: str) -> None:
@@ -404,7 +420,8 @@ class SpeculativeDecoder:
         self.lengths = self.lengths + lengths
         path_tokens = trees.tokens.gather(1, paths)  # (R, L)
         path_features = features.gather(1, paths[..., None].expand(-1, -1, features.shape[-1]))
-        committed = DraftBatch(path_features, path_tokens, lengths, accepted.next_tokens)
+        committed = DraftBatch(path_features, path_tokens, lengths, accepted.next_tokens, self.lengths,
+                               tuple(self.rows))
         # a step that did not draft leaves the drafter's pending entries in place and adds its own
         if draft or not self.drafting:
             self.draft, self._skipped = committed, []

@@ -101,19 +101,21 @@ def _mix_host(values: np.ndarray) -> np.ndarray:
     return values
 
 
-_TOKEN_WORDS: dict[int, np.ndarray] = {}
-"""Vocabulary size -> ``(v + 1) * golden`` for every token ``v`` (uint64, read-only): the per-token
-term of a full-vocabulary draw, computed once."""
+_VOCABULARY: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+"""Vocabulary size -> the host tensor ``arange(V)`` a full-vocabulary draw passes as its tokens and
+``(v + 1) * golden`` for every token ``v`` (uint64, read-only): that draw's per-token words, computed
+once (recognised by the tensor's identity)."""
 
 
-def _vocabulary_words(vocab: int) -> np.ndarray:
-    table = _TOKEN_WORDS.get(vocab)
-    if table is None:
+def vocabulary_tokens(vocab: int) -> torch.Tensor:
+    """``arange(vocab)`` on the host, one tensor per size, whose words :func:`gumbel_noise` keeps."""
+    entry = _VOCABULARY.get(vocab)
+    if entry is None:
         with np.errstate(over="ignore"):
-            table = np.arange(1, vocab + 1, dtype=np.uint64) * _WORDS["golden"]
-        table.flags.writeable = False
-        table = _TOKEN_WORDS.setdefault(vocab, table)
-    return table
+            words = np.arange(1, vocab + 1, dtype=np.uint64) * _WORDS["golden"]
+        words.flags.writeable = False
+        entry = _VOCABULARY.setdefault(vocab, (torch.arange(vocab), words))
+    return entry[0]
 
 
 def _host_noise(keys: torch.Tensor, positions: torch.Tensor, token_words: np.ndarray) -> torch.Tensor:
@@ -140,6 +142,9 @@ def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tens
     operations an entry, where torch's per-operation cost dominates a small step), bit for bit the
     words of the tensor path."""
     if keys.device.type == "cpu" and positions.device.type == "cpu" and tokens.device.type == "cpu":
+        cached = _VOCABULARY.get(tokens.numel())
+        if cached is not None and cached[0] is tokens:
+            return _host_noise(keys, positions, cached[1])
         with np.errstate(over="ignore"):
             token_words = (tokens.long().numpy().astype(np.uint64) + np.uint64(1)) * _WORDS["golden"]
         return _host_noise(keys, positions, token_words)
@@ -181,10 +186,8 @@ def perturbed_top_k(warped: torch.Tensor, keys: torch.Tensor, positions: torch.T
         values, tokens = torch.topk(scores, max(support, count), dim=-1)  # every finite entry of every row
         best = torch.topk(values + gumbel_noise(keys, positions, tokens), count, dim=-1).indices
         return tokens.gather(-1, best)
-    if warped.device.type == "cpu" and keys.device.type == "cpu" and positions.device.type == "cpu":
-        noise = _host_noise(keys, positions, _vocabulary_words(vocab))  # the per-token words cached
-    else:
-        noise = gumbel_noise(keys, positions, torch.arange(vocab, device=warped.device))
+    tokens = vocabulary_tokens(vocab) if warped.device.type == "cpu" else torch.arange(vocab, device=warped.device)
+    noise = gumbel_noise(keys, positions, tokens)
     return torch.topk(scores.add_(noise) if scores is not warped else scores + noise, count, dim=-1).indices
 
 
@@ -241,6 +244,25 @@ class GumbelRule(GreedyRule):
         keys = keys.view(-1, *([1] * (positions.dim() - 1))).expand(positions.shape)
         warped = self.warp(draft_logits.reshape(-1, draft_logits.shape[-1]).float()).view(draft_logits.shape)
         return perturbed_top_k(warped, keys, positions.to(draft_logits.device), count)
+
+    def coupled_pool(self, draft_logits: torch.Tensor, batch_rows: Sequence[int], positions: torch.Tensor,
+                     count: int, pool: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`coupled_candidates` among each row's ``pool`` best warped draft tokens only, in
+        target token ids ``[R, ..., count]`` (``token_ids`` ``[V']``: the target id of each column of
+        ``draft_logits``, None: the same ids): the noise is read for ``pool`` tokens a row, not the
+        whole vocabulary. A drafter's candidates need not be an exact draw (the rule verifies
+        whatever is proposed); the pool holds the target's draw whenever the draft's distribution
+        ranks it among its ``pool`` best."""
+        index = torch.as_tensor(batch_rows, dtype=torch.long, device=self.keys.device)
+        keys = self.keys[index].to(draft_logits.device)
+        keys = keys.view(-1, *([1] * (positions.dim() - 1))).expand(positions.shape)
+        vocab = draft_logits.shape[-1]
+        warped = self.warp(draft_logits.reshape(-1, vocab).float()).view(draft_logits.shape)
+        values, columns = torch.topk(warped, min(max(pool, count), vocab), dim=-1)  # (R, ..., M)
+        ids = columns if token_ids is None else token_ids[columns]
+        noise = gumbel_noise(keys, positions.to(draft_logits.device), ids)
+        best = torch.topk(values.double() + noise.to(values.device), count, dim=-1).indices
+        return ids.gather(-1, best)
 
     def first_token(self, logits: torch.Tensor) -> int:
         raise ValueError("GumbelRule draws by row and position: use first_tokens with batch_rows and positions")

@@ -103,9 +103,7 @@ class DraftModelDrafter:
             self.chains = ([tokens[r] for r in rows], [sizes[r] for r in rows], [bins[r] for r in rows], mode,
                            [others[r] for r in rows])
         if self.pending is not None and keep.numel():
-            pending, keep = self.pending, keep.to(self.pending.lengths.device)
-            self.pending = DraftBatch(pending.features[keep], pending.tokens[keep], pending.lengths[keep],
-                                      pending.roots[keep])
+            self.pending = self.pending.select(keep)
 
     def _commit(self, batch: DraftBatch) -> torch.Tensor:
         """Feed each row's new tokens and its root; the draft's logits at the roots ``[R, V]``."""

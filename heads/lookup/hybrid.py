@@ -64,7 +64,7 @@ def joined(batches: list[DraftBatch]) -> DraftBatch:
         dtype = batches[0].features.dtype
         return DraftBatch(torch.cat([batch.features.to(dtype) for batch in batches], dim=1),
                           torch.cat([batch.tokens for batch in batches], dim=1),
-                          sum(batch.lengths for batch in batches), last.roots)
+                          sum(batch.lengths for batch in batches), last.roots, last.positions, last.batch_rows)
     result = batches[0]
     for batch in batches[1:]:
         result = result.then(batch)
@@ -147,9 +147,7 @@ class HybridDrafter:
         self.lookup.retire(keep)
         self._last = None
         if self._unseen:
-            rows = keep.to(self._unseen[0].lengths.device)
-            self._unseen = [DraftBatch(unseen.features[rows], unseen.tokens[rows], unseen.lengths[rows],
-                                       unseen.roots[rows]) for unseen in self._unseen]
+            self._unseen = [unseen.select(keep) for unseen in self._unseen]
 
     def _learn(self, batch: DraftBatch, host: tuple, started: float) -> None:
         """Give the gate what the last step's trees got on the path the target produced, and its cost

@@ -30,6 +30,11 @@ def resolve_tree(tree: Sequence[Sequence[int]] | int | None, num_heads: int,
     return from_choices(tree, max_depth=num_heads)
 
 
+COUPLED_POOL = 32
+"""A head's best tokens among which seeded sampling's coupled candidates are ranked (the noise is
+read for these alone)."""
+
+
 class MedusaDrafter:
     """Fills a static tree with the heads' candidates (``tree_attention.decode.Drafter``).
 
@@ -52,6 +57,7 @@ class MedusaDrafter:
         self.shared_logits = shared_logits
         self.sample = sample
         self.warp = self.generator = None
+        self.coupled = None  # a seeded (Gumbel) rule whose noise ranks the candidates, see couple_with
         self.shapes: Callable[[int], TreeTemplate] | None = None
         """Builds the default template of a number of drafted nodes (:meth:`resize`)."""
         self.set_template(template)
@@ -64,6 +70,15 @@ class MedusaDrafter:
     @property
     def sampling(self) -> bool:
         return self.warp is not None
+
+    def couple_with(self, rule) -> None:
+        """Rank each head's candidates by its warped logits plus the noise ``rule`` (a bound
+        :class:`~tree_attention.gumbel.GumbelRule`) draws the target's token with at that node's
+        position (:meth:`~tree_attention.gumbel.GumbelRule.coupled_pool`, among the head's
+        :data:`COUPLED_POOL` best tokens), instead of by the logits alone: the target's seeded draw
+        is then a candidate whenever a head ranks it high enough, where top-k candidates hold it
+        with its probability alone. None: top-k candidates. The output never depends on it."""
+        self.coupled = rule
 
     def set_template(self, template: TreeTemplate) -> None:
         """Use ``template`` (also what :meth:`resize` ``(None)`` returns to); InvalidTreeError when a
@@ -139,8 +154,14 @@ class MedusaDrafter:
         logits = self.heads(last, self.shared_logits, count=template.max_depth)  # (depth, R, V')
         if self.sampling:
             return self._sampled(roots, logits)
-        best = torch.topk(logits, self.top_k, dim=-1).indices
-        candidates = self.heads.target_ids(best).transpose(0, 1)  # (R, depth, top_k) target ids
+        if self.coupled is not None and batch.positions is not None and batch.batch_rows is not None:
+            depths = torch.arange(1, logits.shape[0] + 1, device=logits.device)  # each head's drafted depth
+            positions = batch.positions.to(logits.device)[:, None] + depths[None, :]  # (R, depth)
+            candidates = self.coupled.coupled_pool(logits.transpose(0, 1), batch.batch_rows, positions, self.top_k,
+                                                   COUPLED_POOL, self.heads.token_map)  # (R, depth, top_k)
+        else:
+            best = torch.topk(logits, self.top_k, dim=-1).indices
+            candidates = self.heads.target_ids(best).transpose(0, 1)  # (R, depth, top_k) target ids
         drafted = candidates.reshape(batch.rows, -1)[:, self._candidate_index]  # (R, N - 1)
         return TreeBatch.from_template(template, torch.cat([roots.to(drafted.device), drafted], dim=1))
 

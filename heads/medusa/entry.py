@@ -4,6 +4,7 @@ docstring describes the kind) hands them out on first use, so that its command-l
 
 from __future__ import annotations
 
+from tree_attention.gumbel import GumbelRule
 from tree_attention.verify import SamplingRule
 
 from ..kind import DrafterKind, refuse_options
@@ -47,11 +48,14 @@ def build_drafter(spec, tree) -> MedusaDrafter:
 def bind_rule(drafter, rule):
     """``drafter`` set up for the serving ``rule``: candidates drawn from the heads' distributions
     under the rule's own warp and generator when the rule samples losslessly and the config's
-    ``sample`` mode allows it; the heads' top-k tokens otherwise (greedy, typical, ``never``)."""
+    ``sample`` mode allows it; for seeded sampling, the candidates the rule's own noise ranks first
+    (coupled); the heads' top-k tokens otherwise (greedy, typical, ``never``)."""
     if not isinstance(drafter, MedusaDrafter):
         return drafter
     sampled = isinstance(rule, SamplingRule) and rule.lossless and drafter.sample != "never"
     drafter.sample_with(rule.warp if sampled else None, rule.generator if sampled else None)
+    # seeded sampling: candidates ranked with the noise the target draws with (coupled)
+    drafter.couple_with(rule if isinstance(rule, GumbelRule) and rule.keys is not None else None)
     return drafter
 
 

@@ -155,3 +155,36 @@ def test_the_backbones_own_generate_with_the_plain_processor(model):
                             logits_processor=[rule.plain_processor(mask)])
     for row, prompt in enumerate(prompts):
         assert output[row, ids.shape[1]:].tolist() == reference(model, prompt, 2)
+
+
+def test_medusa_couples_its_candidates_to_the_seeded_noise(model):
+    """Under seeded sampling Medusa's candidates at depth d are its head's tokens ranked by warped
+    logits plus the target's noise at position root + d (among the head's 32 best), not its top-k;
+    under unseeded sampling and greedy decoding they are not coupled."""
+    from heads.generation import acceptance_rule
+    from tree_attention.decode import DraftBatch
+
+    spec = heads.attach_heads(model, kind="medusa", num_heads=3, tree=8)
+    prompts = torch.stack([repeating(4, seed=1), repeating(4, seed=2)])
+    rule = acceptance_rule(model.generation_config, True, seed=7, generator=None, **SETTINGS)
+    rule = rule.for_prompts(prompts, None)
+    drafter = spec._bind(spec._drafter, rule)
+    assert drafter.coupled is rule
+    features = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    batch = DraftBatch(features, torch.zeros(2, 3, dtype=torch.long), torch.tensor([3, 2]), torch.tensor([5, 9]),
+                       torch.tensor([14, 20]), (1, 0))
+    trees = drafter.propose(batch)
+    with torch.no_grad():
+        logits = drafter.heads(features[torch.arange(2), batch.lengths - 1], drafter.shared_logits, count=3)
+    positions = torch.tensor([[14], [20]]) + torch.arange(1, 4)[None, :]
+    expected = rule.coupled_pool(logits.transpose(0, 1), (1, 0), positions, drafter.top_k, 32)  # (R, depth, k)
+    template = drafter.template
+    for node in range(1, template.size):
+        depth, rank = int(template.depths[node]), int(template.ranks[node])
+        assert torch.equal(trees.tokens[:, node], expected[:, depth - 1, rank]), node
+    top_k = torch.topk(logits, drafter.top_k, dim=-1).indices.transpose(0, 1)
+    assert not torch.equal(expected, top_k)  # the noise reorders
+    unseeded = acceptance_rule(model.generation_config, True, generator=None, **SETTINGS).for_prompts(prompts, None)
+    assert spec._bind(spec._drafter, unseeded).coupled is None
+    assert spec._bind(spec._drafter, acceptance_rule(model.generation_config, False, None, None, None,
+                                                     None)).coupled is None

@@ -231,3 +231,22 @@ def test_host_noise_is_the_tensor_paths_bit_for_bit():
         words = gumbel.mix(stream + (tokens + 1) * gumbel.GOLDEN)
         expected = gumbel._shift(words, 11).double().add_(0.5).mul_(2.0 ** -53).log_().neg_().log_().neg_()
         assert torch.equal(gumbel_noise(keys, positions, tokens), expected)
+
+
+def test_coupled_pool_reads_the_noise_of_a_few_tokens_and_keeps_the_targets_draw():
+    """Among a row's pool of best warped draft tokens: with the target's own logits as the draft's,
+    the first candidate is the target's draw whenever the pool holds it (here always: the draw is
+    near the top of a peaked distribution); ids map through ``token_ids``."""
+    rule = GumbelRule(lambda logits: logits / 0.7, seeds=[3, 4]).for_prompts(torch.tensor([[5, 6], [7, 8]]), None)
+    logits = 4 * torch.randn(2, 5, 300, generator=torch.Generator().manual_seed(5))
+    positions = torch.tensor([[4], [11]]) + torch.arange(5)[None, :]
+    draws = rule.choices(logits, [1, 0], positions)
+    candidates = rule.coupled_pool(logits, [1, 0], positions + 1, 3, pool=32)
+    assert candidates.shape == (2, 5, 3) and torch.equal(candidates[..., 0], draws)
+    assert torch.equal(candidates, rule.coupled_candidates(logits, [1, 0], positions + 1, 3))
+    # a draft vocabulary: column c is target token ids[c]
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(1))
+    draft = torch.empty_like(logits)
+    draft[..., torch.argsort(ids)] = logits  # draft column c holds the target logit of token ids[c]
+    mapped = rule.coupled_pool(draft, [1, 0], positions + 1, 3, pool=32, token_ids=ids)
+    assert torch.equal(mapped, candidates)
