@@ -191,10 +191,6 @@ def perturbed_top_k(warped: torch.Tensor, keys: torch.Tensor, positions: torch.T
     return torch.topk(scores.add_(noise) if scores is not warped else scores + noise, count, dim=-1).indices
 
 
-COUPLED_POOL = 32
-"""A drafter distribution's best tokens among which :meth:`GumbelRule.coupled_pool` ranks coupled
-candidates (the noise is read for these alone)."""
-
 LAZY_ELEMENTS = 1 << 16
 """Trees whose logits hold more entries than this a row (nodes x vocabulary) get the target's draws
 only at the nodes the walk reaches (:meth:`GumbelRule._walk`); smaller ones at every node at once

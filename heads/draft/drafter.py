@@ -10,7 +10,6 @@ import torch
 from tree_attention import cache as cache_ops
 from tree_attention.decode import DraftBatch
 from tree_attention.dynamic import advance_growth, grow_dynamic_tree
-from tree_attention.gumbel import COUPLED_POOL
 from tree_attention.mask import causal_visibility
 from tree_attention.tree import Tree, TreeBatch, chain_batch, chain_with_siblings
 
@@ -51,7 +50,6 @@ class DraftModelDrafter:
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
         self.calibration, self.costs = heads.calibration, heads.costs
         self.warp = self.generator = None
-        self.coupled = None  # a seeded (Gumbel) rule whose noise ranks chain tokens, see couple_with
         self.reset(1)
 
     nested = True
@@ -76,28 +74,6 @@ class DraftModelDrafter:
     @property
     def sampling(self) -> bool:
         return self.warp is not None
-
-    def couple_with(self, rule) -> None:
-        """Chains under a seeded rule (a bound :class:`~tree_attention.gumbel.GumbelRule`): each
-        level's token and alternatives ranked by the draft's warped logits plus the noise the rule
-        draws the target's token with at that position (among the draft's best
-        :data:`~tree_attention.gumbel.COUPLED_POOL`), so the chain follows the target's seeded
-        draws where the draft's distribution is close to the target's. None: the draft's top
-        tokens. The output never depends on it; the chain's lengths still come from the draft's
-        confidence."""
-        self.coupled = rule
-
-    def _ranked(self, logits: torch.Tensor, count: int, positions: torch.Tensor | None,
-                batch_rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``count`` candidates ``[R, count]`` of one level from the draft's logits ``[R, V]``
-        (coupled to the seeded rule when one is bound and ``positions`` ``[R]``, the candidates'
-        position ids, are known; else the top tokens), with their draft probabilities."""
-        probabilities = torch.softmax(logits.float(), dim=-1)
-        if self.coupled is None or positions is None or batch_rows is None:
-            best = probabilities.topk(count, dim=-1)
-            return best.indices, best.values
-        tokens = self.coupled.coupled_pool(logits[:, None], batch_rows, positions[:, None], count, COUPLED_POOL)[:, 0]
-        return tokens, probabilities.gather(1, tokens)
 
     def reset(self, batch_size: int) -> None:
         """Forget earlier sequences: an empty cache for ``batch_size`` rows."""
@@ -149,7 +125,7 @@ class DraftModelDrafter:
                                                                                      device=device)[None])
         mask = self.cache.mask(positions, visible, self.draft.layout, self.draft.dtype)
         features, logits = self.heads.decode(query, positions, mask, self.cache.cache, "last")
-        if self.started and self.plain_steps and not self.sampling and self.coupled is None:
+        if self.started and self.plain_steps and not self.sampling:
             self._replay(features[:, width - 1 - self.plain_steps:width - 1], query[:, width - self.plain_steps:])
         self.cache.extend(valid, positions)
         self.committed = self.committed + counts
@@ -179,15 +155,11 @@ class DraftModelDrafter:
         best = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.top_k, dim=-1)
         return best.indices, best.values
 
-    def _next(self, logits: torch.Tensor, positions: torch.Tensor | None = None, batch_rows=None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A chain's next tokens ``[R]`` from logits ``[R, V]`` (at position ids ``positions``
-        ``[R]``, for a coupled rule), the largest probability of each row's distribution ``[R]``
-        and, for sampled chains, the rows of q they were drawn from."""
+    def _next(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A chain's next tokens ``[R]`` from logits ``[R, V]``, the largest probability of each
+        row's distribution ``[R]`` and, for sampled chains, the rows of q they were drawn from."""
         if not self.sampling:
             confidence, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-            if self.coupled is not None and positions is not None and batch_rows is not None:
-                tokens = self._ranked(logits, 1, positions, batch_rows)[0][:, 0]
             return tokens, confidence, None
         q = torch.softmax(self.warp(logits.float()), dim=-1)  # (R, V)
         tokens = torch.multinomial(q, 1, generator=self.generator)[:, 0]
@@ -215,9 +187,9 @@ class DraftModelDrafter:
         if self.top_k != 1:
             trees = self._tree(batch.roots.tolist(), root_logits)
         elif adaptive:
-            trees = self._adaptive_chain(batch.roots.to(root_logits.device), root_logits, batch)
+            trees = self._adaptive_chain(batch.roots.to(root_logits.device), root_logits)
         else:
-            trees = self._chain(batch.roots.to(root_logits.device), root_logits, batch)
+            trees = self._chain(batch.roots.to(root_logits.device), root_logits)
         self.proposed_at = time.perf_counter()
         self.propose_seconds, self.width = self.proposed_at - started, trees.width
         return trees
@@ -262,7 +234,7 @@ class DraftModelDrafter:
             self.costs.add_drafted(sum(kept) / len(kept), self.propose_seconds, self.width,
                                    feed_seconds=self.feed_seconds, caught_up=self.caught_up, first=self.first)
 
-    def _chain(self, roots: torch.Tensor, logits: torch.Tensor, batch: DraftBatch) -> TreeBatch:
+    def _chain(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
         """Every row's chain, one draft forward per level for all rows; a row stops growing below
         a node whose draft distribution is less confident than ``config.confidence``."""
         rows, device = roots.shape[0], roots.device
@@ -271,9 +243,8 @@ class DraftModelDrafter:
         sizes = torch.ones(rows, dtype=torch.long, device=device)
         growing = torch.ones(rows, dtype=torch.bool, device=device)
         start = self.committed - 1  # (R,) the roots' positions
-        base = None if batch.positions is None else batch.positions.to(device)  # (R,) the roots' position ids
         for level in range(1, depth + 1):
-            token, confidence, q = self._next(logits, None if base is None else base + level, batch.batch_rows)
+            token, confidence, q = self._next(logits)
             tokens.append(token)
             draws.append(q)
             sizes = sizes + growing.long()
@@ -295,7 +266,7 @@ class DraftModelDrafter:
         _, logits = self.heads.decode(token[:, None], positions, mask, self.cache.cache, "last")
         return logits[:, -1]
 
-    def _adaptive_chain(self, roots: torch.Tensor, logits: torch.Tensor, batch: DraftBatch) -> TreeBatch:
+    def _adaptive_chain(self, roots: torch.Tensor, logits: torch.Tensor) -> TreeBatch:
         """Every row's chain of the length its calibrated acceptance pays for (at most ``depth``),
         one draft forward per level for the rows still growing (others ride along); under greedy
         decoding, beside each chain node up to ``siblings`` of the draft's next-best tokens there,
@@ -314,21 +285,14 @@ class DraftModelDrafter:
         bins: list[list[int]] = [[] for _ in range(rows)]
         alternatives: list[list[tuple[int, int, int, float, bool]]] = [[] for _ in range(rows)]
         start = self.committed - 1  # (R,) the roots' positions
-        base = None if batch.positions is None else batch.positions.to(device)  # the same, as position ids
-
-        def level_positions(level: int) -> torch.Tensor | None:
-            return None if base is None else base + level
-
         for level in range(1, self.depth + 1):
             if side:
-                ranked, probabilities = self._ranked(logits, 1 + side, level_positions(level), batch.batch_rows)
-                token, q = ranked[:, 0], None
-                confidence = torch.softmax(logits.float(), dim=-1).max(dim=-1).values if self.coupled is not None \
-                    else probabilities[:, 0]
-                side_tokens.append(ranked[:, 1:])
-                other_tokens, other_probabilities = ranked[:, 1:].tolist(), probabilities[:, 1:].tolist()
+                best = torch.softmax(logits.float(), dim=-1).topk(1 + side, dim=-1)  # (R, 1 + s)
+                token, confidence, q = best.indices[:, 0], best.values[:, 0], None
+                side_tokens.append(best.indices[:, 1:])
+                other_tokens, other_probabilities = best.indices[:, 1:].tolist(), best.values[:, 1:].tolist()
             else:
-                token, confidence, q = self._next(logits, level_positions(level), batch.batch_rows)
+                token, confidence, q = self._next(logits)
             tokens.append(token)
             draws.append(q)
             wanted = False

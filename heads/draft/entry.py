@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-from tree_attention.gumbel import GumbelRule
 from tree_attention.verify import SamplingRule
 
 from ..kind import DrafterKind, refuse_options
@@ -70,8 +69,7 @@ def build_drafter(spec, tree) -> DraftModelDrafter:
 def bind_rule(drafter, rule):
     """``drafter`` set up for the serving ``rule``: sampled chain candidates (drawn from the draft's
     distribution under the rule's own warp and generator) when the rule samples losslessly, the
-    config's ``sample`` mode allows it and the tree is a chain; for seeded sampling, chain tokens
-    coupled to the rule's noise; top-k candidates otherwise.
+    config's ``sample`` mode allows it and the tree is a chain; top-k candidates otherwise.
 
     ``SpeculativeModel.generate`` calls this (``KIND.bind_rule``) on the drafter it runs, after
     building the rule (inside a hybrid, on its trained part)."""
@@ -82,8 +80,6 @@ def bind_rule(drafter, rule):
         drafter.sample_with(rule.warp, rule.generator)
     else:
         drafter.sample_with(None, None)
-    # seeded sampling: chain tokens ranked with the noise the target draws with (coupled)
-    drafter.couple_with(rule if isinstance(rule, GumbelRule) and rule.keys is not None else None)
     return drafter
 
 

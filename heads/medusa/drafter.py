@@ -8,7 +8,6 @@ from typing import Callable, Sequence
 import torch
 
 from tree_attention.decode import DraftBatch
-from tree_attention.gumbel import COUPLED_POOL
 from tree_attention.sampled import depleted, draw_without_replacement
 from tree_attention.tree import (
     InvalidTreeError, TreeBatch, TreeTemplate, default_tree, from_choices,
@@ -29,6 +28,11 @@ def resolve_tree(tree: Sequence[Sequence[int]] | int | None, num_heads: int,
             raise ValueError(f"tree size must be >= 0; got {tree}")
         return default_tree(tree, num_heads, accuracy)
     return from_choices(tree, max_depth=num_heads)
+
+
+COUPLED_POOL = 32
+"""A head's best tokens among which seeded sampling's coupled candidates are ranked (the noise is
+read for these alone)."""
 
 
 class MedusaDrafter:
@@ -71,7 +75,7 @@ class MedusaDrafter:
         """Rank each head's candidates by its warped logits plus the noise ``rule`` (a bound
         :class:`~tree_attention.gumbel.GumbelRule`) draws the target's token with at that node's
         position (:meth:`~tree_attention.gumbel.GumbelRule.coupled_pool`, among the head's
-        :data:`~tree_attention.gumbel.COUPLED_POOL` best tokens), instead of by the logits alone: the target's seeded draw
+        :data:`COUPLED_POOL` best tokens), instead of by the logits alone: the target's seeded draw
         is then a candidate whenever a head ranks it high enough, where top-k candidates hold it
         with its probability alone. None: top-k candidates. The output never depends on it."""
         self.coupled = rule

@@ -162,8 +162,8 @@ def test_a_length_rule_that_reads_the_drawn_token_is_caught(toy_pair, monkeypatc
     unlikely draws after they were drawn: no longer lossless, and the test sees it."""
     original = DraftModelDrafter._next
 
-    def own_probability(self, logits, *where):
-        tokens, confidence, q = original(self, logits, *where)
+    def own_probability(self, logits):
+        tokens, confidence, q = original(self, logits)
         if q is not None:
             confidence = q.gather(1, tokens[:, None])[:, 0]
         return tokens, confidence, q
