@@ -217,7 +217,8 @@ class DraftModelDrafter:
             if path[1:length] == nodes[1:length]:
                 accepted = drafted  # chain nodes kept
             elif drafted and path[1:drafted] == nodes[1:drafted] and any(
-                    verified and level == drafted and token == path[drafted] for level, _, token, _, verified in others):
+                    verified and level == drafted and token == path[drafted]
+                    for level, _, token, _, verified in others):
                 accepted = drafted - 1  # the last token kept is an alternative
             else:
                 continue
