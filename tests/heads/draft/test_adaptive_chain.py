@@ -214,6 +214,10 @@ def test_config_checks():
         DraftConfig(calibration={"version": 1, "bins": 10, "depths": 4, "modes": {"greedy": {"acceptance": [[2.0]]}}})
     table = ChainCalibration().to_dict()
     assert DraftConfig(calibration=table).calibration == table
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="DraftConfig.siblings must be an int >= 0"):
+            DraftConfig(siblings=bad)
+    assert DraftConfig().to_dict()["siblings"] == 3
 
 
 # ------------------------------------------------------------------------------ the cost model
