@@ -191,6 +191,10 @@ def perturbed_top_k(warped: torch.Tensor, keys: torch.Tensor, positions: torch.T
     return torch.topk(scores.add_(noise) if scores is not warped else scores + noise, count, dim=-1).indices
 
 
+COUPLED_POOL = 32
+"""A drafter distribution's best tokens among which :meth:`GumbelRule.coupled_pool` ranks coupled
+candidates (the noise is read for these alone)."""
+
 LAZY_ELEMENTS = 1 << 16
 """Trees whose logits hold more entries than this a row (nodes x vocabulary) get the target's draws
 only at the nodes the walk reaches (:meth:`GumbelRule._walk`); smaller ones at every node at once
@@ -247,10 +251,10 @@ class GumbelRule(GreedyRule):
 
     def coupled_pool(self, draft_logits: torch.Tensor, batch_rows: Sequence[int], positions: torch.Tensor,
                      count: int, pool: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`coupled_candidates` among each row's ``pool`` best warped draft tokens only, in
-        target token ids ``[R, ..., count]`` (``token_ids`` ``[V']``: the target id of each column of
-        ``draft_logits``, None: the same ids): the noise is read for ``pool`` tokens a row, not the
-        whole vocabulary. A drafter's candidates need not be an exact draw (the rule verifies
+        """:meth:`coupled_candidates` among each row's ``pool`` best warped draft tokens only: the
+        columns of ``draft_logits`` ``[R, ..., count]``, best first (``token_ids`` ``[V']``: the
+        target id of each column, whose noise it reads; None: the same ids). The noise is read for
+        ``pool`` tokens a row, not the whole vocabulary. A drafter's candidates need not be an exact draw (the rule verifies
         whatever is proposed); the pool holds the target's draw whenever the draft's distribution
         ranks it among its ``pool`` best."""
         index = torch.as_tensor(batch_rows, dtype=torch.long, device=self.keys.device)
@@ -262,7 +266,7 @@ class GumbelRule(GreedyRule):
         ids = columns if token_ids is None else token_ids[columns]
         noise = gumbel_noise(keys, positions.to(draft_logits.device), ids)
         best = torch.topk(values.double() + noise.to(values.device), count, dim=-1).indices
-        return ids.gather(-1, best)
+        return columns.gather(-1, best)
 
     def first_token(self, logits: torch.Tensor) -> int:
         raise ValueError("GumbelRule draws by row and position: use first_tokens with batch_rows and positions")

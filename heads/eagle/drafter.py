@@ -10,6 +10,7 @@ from tree_attention import cache as cache_ops
 from tree_attention.decode import DraftBatch
 from tree_attention.mask import causal_extension_mask, causal_visibility
 from tree_attention.dynamic import advance_growth, grow_dynamic_tree
+from tree_attention.gumbel import COUPLED_POOL
 from tree_attention.sampled import draw_without_replacement, drawn_from, grow_sampled_tree
 from tree_attention.tree import Tree, TreeBatch, chain_batch, chain_with_siblings
 
@@ -125,6 +126,7 @@ class EagleDrafter:
         self.sample = config.sample
         self.siblings = config.siblings
         self.warp = self.generator = None
+        self.coupled = None  # a seeded (Gumbel) rule whose noise ranks candidates, see couple_with
         self.position_limit = position_limit(target)  # GPT-2's n_positions; None: no hard limit
         self.reset(1)
 
@@ -146,6 +148,14 @@ class EagleDrafter:
         """Draw candidates from ``softmax(warp(drafter logits))`` with ``generator`` (the serving
         rule's warp and draws); ``warp=None``: top-k candidates again."""
         self.warp, self.generator = warp, generator
+
+    def couple_with(self, rule) -> None:
+        """Rank each expanded node's children by the drafter's warped logits plus the noise ``rule``
+        (a bound :class:`~tree_attention.gumbel.GumbelRule`) draws the target's token with at the
+        children's position (among the drafter's :data:`~tree_attention.gumbel.COUPLED_POOL` best),
+        scored by their own log-probabilities for the tree's growth; None: top-k children. The
+        output never depends on it."""
+        self.coupled = rule
 
     @property
     def sampling(self) -> bool:
@@ -171,11 +181,19 @@ class EagleDrafter:
         self.calibration = (ChainCalibration(SAMPLED_PRIOR_RATE) if self.sampling
                             else self.heads.chain_calibration)
 
-    def _children(self, hidden: torch.Tensor, rows, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _children(self, hidden: torch.Tensor, rows, count: int | None = None, positions: torch.Tensor | None = None,
+                  batch_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k next tokens (target ids) and their log-probabilities ``[m, count]`` (None: ``top_k``)
         from predicted features ``[m, d]``; when sampling, ``top_k`` draws without replacement
-        (target ids) and the rows of the target vocabulary ``[m, top_k, V]`` they were drawn from."""
+        (target ids) and the rows of the target vocabulary ``[m, top_k, V]`` they were drawn from.
+        Coupled to a seeded rule (:meth:`couple_with`) where the children's position ids
+        ``positions`` ``[m]`` and batch rows are given: the candidates its noise ranks first, with
+        their own log-probabilities."""
         logits = self.target.logits(hidden, rows).float()  # (m, V')
+        if self.coupled is not None and positions is not None and batch_rows is not None and not self.sampling:
+            columns = self.coupled.coupled_pool(logits[:, None], batch_rows, positions[:, None], count or self.top_k,
+                                                COUPLED_POOL, self.heads.token_map)[:, 0]  # (m, count)
+            return self.heads.target_ids(columns), torch.log_softmax(logits, dim=-1).gather(1, columns)
         if self.sampling:
             logits = full_vocabulary_logits(logits, self.heads.token_map, self.target.vocab_size)
             q = torch.softmax(self.warp(logits), dim=-1)  # (m, V)
@@ -222,10 +240,11 @@ class EagleDrafter:
         self.cache.compact()
         draft_rows = self.heads.draft_rows(self.target)
         if self.top_k == 1:
-            return self._chain(batch.roots.to(root_features.device), root_features, draft_rows)
-        return self._tree(batch.roots.tolist(), root_features, draft_rows)
+            return self._chain(batch.roots.to(root_features.device), root_features, draft_rows, batch)
+        return self._tree(batch.roots.tolist(), root_features, draft_rows, batch)
 
-    def _chain(self, roots: torch.Tensor, features: torch.Tensor, draft_rows) -> TreeBatch:
+    def _chain(self, roots: torch.Tensor, features: torch.Tensor, draft_rows, batch: DraftBatch | None = None
+               ) -> TreeBatch:
         """Every row's chain, one drafter forward per level for all rows, with no tree bookkeeping:
         the same tokens as the dynamic tree of ``top_k`` 1 (its candidates, its draws), and a row
         stops growing below a node whose drafter distribution is less sure than ``confidence``.
@@ -244,7 +263,8 @@ class EagleDrafter:
         side = 0 if self.sampling else self.siblings
         siblings, real_siblings = [], []
         for level in range(1, depth + 1):
-            children, scores = self._children(features, draft_rows, 1 + side)  # (R, 1 + s), or (R, 1), (R, 1, V)
+            children, scores = self._children(features, draft_rows, 1 + side, *self._where(batch, level))
+            # (R, 1 + s), or (R, 1), (R, 1, V)
             token = children[:, 0]
             present = growing  # rows with a node at this level
             if self.sampling:
@@ -297,9 +317,21 @@ class EagleDrafter:
         embeddings = self.target.input_embeddings(token[:, None])  # (R, 1, d)
         return self.heads.step(features[:, None], embeddings, positions, mask, self.cache.cache)[:, 0]
 
-    def _tree(self, roots: list[int], root_features: torch.Tensor, draft_rows) -> TreeBatch:
+    def _where(self, batch: DraftBatch | None, depth, rows: list[int] | None = None) -> tuple:
+        """``(positions [m], batch rows)`` of children at ``depth`` (an int, or ``[m]`` per child)
+        below the roots of ``rows`` (None: every row once), for a coupled rule; ``(None, None)``
+        when not coupled or the batch does not say."""
+        if self.coupled is None or batch is None or batch.positions is None or batch.batch_rows is None:
+            return None, None
+        rows = list(range(len(batch.batch_rows))) if rows is None else rows
+        index = torch.tensor(rows, dtype=torch.long, device=batch.positions.device)
+        depth = torch.as_tensor(depth, device=batch.positions.device)
+        return batch.positions[index] + depth, [batch.batch_rows[row] for row in rows]
+
+    def _tree(self, roots: list[int], root_features: torch.Tensor, draft_rows, batch: DraftBatch | None = None
+              ) -> TreeBatch:
         """One dynamic tree per row (EAGLE-2 growth, or sampled children), all rows in lockstep."""
-        child_tokens, child_log_probs = self._children(root_features, draft_rows)
+        child_tokens, child_log_probs = self._children(root_features, draft_rows, None, *self._where(batch, 1))
         count, device = len(roots), root_features.device
         depths = self._row_depths()
         grow = grow_sampled_tree if self.sampling else grow_dynamic_tree
@@ -335,7 +367,9 @@ class EagleDrafter:
             expansion_positions = keys
             sizes = [request.tokens.numel() if request is not None else 0 for request in requests]
             flat = torch.cat([predicted[row, :size] for row, size in enumerate(sizes) if size])
-            flat_tokens, flat_log_probs = self._children(flat, draft_rows)
+            owners = [row for row, size in enumerate(sizes) for _ in range(size)]
+            below = [requests[row].depth + 1 for row in owners]  # the children's depth
+            flat_tokens, flat_log_probs = self._children(flat, draft_rows, None, *self._where(batch, below, owners))
             start = 0
             for row, size in enumerate(sizes):
                 if not size:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from tree_attention.gumbel import GumbelRule
 from tree_attention.verify import GreedyRule, SamplingRule
 
 from ..adapter import AdapterError
@@ -90,6 +91,8 @@ def bind_rule(drafter, rule):
         return drafter
     sampled = lossless_sampling and drafter.sample != "never"
     drafter.sample_with(rule.warp if sampled else None, rule.generator if sampled else None)
+    if hasattr(drafter, "couple_with"):  # seeded sampling: children ranked with the target's noise (coupled)
+        drafter.couple_with(rule if isinstance(rule, GumbelRule) and rule.keys is not None else None)
     return drafter
 
 

@@ -336,6 +336,9 @@ class SwitchingEagleDrafter:
     def sample_with(self, warp, generator) -> None:
         self.sequential.sample_with(warp, generator)
 
+    def couple_with(self, rule) -> None:
+        self.sequential.couple_with(rule)
+
     @property
     def sampling(self) -> bool:
         return self.sequential.sampling

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from tree_attention.decode import DraftBatch
+from tree_attention.gumbel import COUPLED_POOL
 from tree_attention.sampled import depleted, draw_without_replacement
 from tree_attention.tree import (
     InvalidTreeError, TreeBatch, TreeTemplate, default_tree, from_choices,
@@ -28,11 +29,6 @@ def resolve_tree(tree: Sequence[Sequence[int]] | int | None, num_heads: int,
             raise ValueError(f"tree size must be >= 0; got {tree}")
         return default_tree(tree, num_heads, accuracy)
     return from_choices(tree, max_depth=num_heads)
-
-
-COUPLED_POOL = 32
-"""A head's best tokens among which seeded sampling's coupled candidates are ranked (the noise is
-read for these alone)."""
 
 
 class MedusaDrafter:
@@ -75,7 +71,7 @@ class MedusaDrafter:
         """Rank each head's candidates by its warped logits plus the noise ``rule`` (a bound
         :class:`~tree_attention.gumbel.GumbelRule`) draws the target's token with at that node's
         position (:meth:`~tree_attention.gumbel.GumbelRule.coupled_pool`, among the head's
-        :data:`COUPLED_POOL` best tokens), instead of by the logits alone: the target's seeded draw
+        :data:`~tree_attention.gumbel.COUPLED_POOL` best tokens), instead of by the logits alone: the target's seeded draw
         is then a candidate whenever a head ranks it high enough, where top-k candidates hold it
         with its probability alone. None: top-k candidates. The output never depends on it."""
         self.coupled = rule
@@ -157,8 +153,9 @@ class MedusaDrafter:
         if self.coupled is not None and batch.positions is not None and batch.batch_rows is not None:
             depths = torch.arange(1, logits.shape[0] + 1, device=logits.device)  # each head's drafted depth
             positions = batch.positions.to(logits.device)[:, None] + depths[None, :]  # (R, depth)
-            candidates = self.coupled.coupled_pool(logits.transpose(0, 1), batch.batch_rows, positions, self.top_k,
-                                                   COUPLED_POOL, self.heads.token_map)  # (R, depth, top_k)
+            columns = self.coupled.coupled_pool(logits.transpose(0, 1), batch.batch_rows, positions, self.top_k,
+                                                COUPLED_POOL, self.heads.token_map)  # (R, depth, top_k)
+            candidates = self.heads.target_ids(columns)
         else:
             best = torch.topk(logits, self.top_k, dim=-1).indices
             candidates = self.heads.target_ids(best).transpose(0, 1)  # (R, depth, top_k) target ids

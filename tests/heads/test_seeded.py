@@ -188,3 +188,33 @@ def test_medusa_couples_its_candidates_to_the_seeded_noise(model):
     assert spec._bind(spec._drafter, unseeded).coupled is None
     assert spec._bind(spec._drafter, acceptance_rule(model.generation_config, False, None, None, None,
                                                      None)).coupled is None
+
+
+@pytest.mark.parametrize("options", [dict(depth=4, top_k=2, total_tokens=8), dict(depth=3, top_k=1, total_tokens=3)],
+                         ids=["tree", "chain"])
+def test_eagle_couples_its_children_to_the_seeded_noise(model, monkeypatch, options):
+    """Under seeded sampling EAGLE's children (dynamic trees and chains) are ranked by the noise at
+    their own positions: every level asks the rule for coupled candidates, at the roots' position
+    plus the children's depth, and the text is the reference's; greedy and unseeded calls are not
+    coupled."""
+    from heads.generation import acceptance_rule
+    from tree_attention.gumbel import GumbelRule
+
+    spec = heads.attach_heads(model, kind="eagle", **options)
+    prompt = repeating(6, seed=1)
+    asked = []
+    original = GumbelRule.coupled_pool
+
+    def recording(self, draft_logits, batch_rows, positions, count, pool, token_ids=None):
+        asked.append(positions[:, 0].tolist())
+        return original(self, draft_logits, batch_rows, positions, count, pool, token_ids)
+
+    monkeypatch.setattr(GumbelRule, "coupled_pool", recording)
+    output = spec.generate(prompt[None], max_new_tokens=NEW, do_sample=True, seed=4, **SETTINGS)
+    assert output[0, prompt.numel():].tolist() == reference(model, prompt, 4)
+    assert asked and asked[0] == [prompt.numel() + 1]  # the first tree's depth-1 children, after the root
+    assert all(min(positions) > prompt.numel() for positions in asked)
+    rule = acceptance_rule(model.generation_config, True, generator=None, **SETTINGS).for_prompts(prompt[None], None)
+    assert spec._bind(spec._drafter, rule).coupled is None
+    greedy = acceptance_rule(model.generation_config, False, None, None, None, None)
+    assert spec._bind(spec._drafter, greedy).coupled is None

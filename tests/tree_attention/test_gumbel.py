@@ -248,5 +248,5 @@ def test_coupled_pool_reads_the_noise_of_a_few_tokens_and_keeps_the_targets_draw
     ids = torch.randperm(300, generator=torch.Generator().manual_seed(1))
     draft = torch.empty_like(logits)
     draft[..., torch.argsort(ids)] = logits  # draft column c holds the target logit of token ids[c]
-    mapped = rule.coupled_pool(draft, [1, 0], positions + 1, 3, pool=32, token_ids=ids)
-    assert torch.equal(mapped, candidates)
+    mapped = rule.coupled_pool(draft, [1, 0], positions + 1, 3, pool=32, token_ids=ids)  # draft columns
+    assert torch.equal(ids[mapped], candidates)
