@@ -254,9 +254,9 @@ class GumbelRule(GreedyRule):
         """:meth:`coupled_candidates` among each row's ``pool`` best warped draft tokens only: the
         columns of ``draft_logits`` ``[R, ..., count]``, best first (``token_ids`` ``[V']``: the
         target id of each column, whose noise it reads; None: the same ids). The noise is read for
-        ``pool`` tokens a row, not the whole vocabulary. A drafter's candidates need not be an exact draw (the rule verifies
-        whatever is proposed); the pool holds the target's draw whenever the draft's distribution
-        ranks it among its ``pool`` best."""
+        ``pool`` tokens a row, not the whole vocabulary. A drafter's candidates need not be an exact
+        draw (the rule verifies whatever is proposed); the pool holds the target's draw whenever the
+        draft's distribution ranks it among its ``pool`` best."""
         index = torch.as_tensor(batch_rows, dtype=torch.long, device=self.keys.device)
         keys = self.keys[index].to(draft_logits.device)
         keys = keys.view(-1, *([1] * (positions.dim() - 1))).expand(positions.shape)

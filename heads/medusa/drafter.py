@@ -71,9 +71,10 @@ class MedusaDrafter:
         """Rank each head's candidates by its warped logits plus the noise ``rule`` (a bound
         :class:`~tree_attention.gumbel.GumbelRule`) draws the target's token with at that node's
         position (:meth:`~tree_attention.gumbel.GumbelRule.coupled_pool`, among the head's
-        :data:`~tree_attention.gumbel.COUPLED_POOL` best tokens), instead of by the logits alone: the target's seeded draw
-        is then a candidate whenever a head ranks it high enough, where top-k candidates hold it
-        with its probability alone. None: top-k candidates. The output never depends on it."""
+        :data:`~tree_attention.gumbel.COUPLED_POOL` best tokens), instead of by the logits alone:
+        the target's seeded draw is then a candidate whenever a head ranks it high enough, where
+        top-k candidates hold it with its probability alone. None: top-k candidates. The output
+        never depends on it."""
         self.coupled = rule
 
     def set_template(self, template: TreeTemplate) -> None:
