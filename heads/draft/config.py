@@ -16,8 +16,8 @@ DEFAULT_DEPTH = 8
 DEFAULT_TOP_K = 1
 DEFAULT_TOTAL_TOKENS = 8
 # Greedy adaptive chains also verify up to 3 of the draft's next-best tokens beside a chain node
-# where their calibrated acceptance pays for a verified node (on demo-llama's prose the draft's
-# second and third tokens are the target's in 15% and 12% of positions: docs/draft.md).
+# where their calibrated acceptance pays for a verified node (each costs a node, no draft forward;
+# docs/draft.md).
 DEFAULT_SIBLINGS = 3
 SAMPLE_MODES = ("auto", "never", "always")
 _TREE_FIELDS = DYNAMIC_FIELDS
