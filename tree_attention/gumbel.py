@@ -230,11 +230,17 @@ class GumbelRule(GreedyRule):
         if self.keys is None or batch_rows is None or positions is None:
             raise ValueError("GumbelRule draws by row and position: bind it with for_prompts() and pass "
                              "batch_rows and positions with every call")
+        keys, warped = self._keyed(logits, batch_rows, positions)
+        return perturbed_argmax(warped, keys, positions.to(logits.device) + 1)
+
+    def _keyed(self, logits: torch.Tensor, batch_rows: Sequence[int], positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' keys broadcast to ``positions`` ``[R, ...]`` and ``logits`` ``[R, ..., V]`` warped
+        (float32), both on the logits' device."""
         index = torch.as_tensor(batch_rows, dtype=torch.long, device=self.keys.device)
         keys = self.keys[index].to(logits.device)
         keys = keys.view(-1, *([1] * (positions.dim() - 1))).expand(positions.shape)
-        warped = self.warp(logits.reshape(-1, logits.shape[-1]).float()).view(logits.shape)
-        return perturbed_argmax(warped, keys, positions.to(logits.device) + 1)
+        return keys, self.warp(logits.reshape(-1, logits.shape[-1]).float()).view(logits.shape)
 
     def coupled_candidates(self, draft_logits: torch.Tensor, batch_rows: list[int], positions: torch.Tensor,
                            count: int) -> torch.Tensor:
@@ -243,10 +249,7 @@ class GumbelRule(GreedyRule):
         target's and perturbed with the target's noise there (:func:`perturbed_top_k`): with the
         draft's logits equal to the target's, the first candidate is the target's draw. Returns
         ``[R, ..., count]`` long. The output never depends on it; only acceptance does."""
-        index = torch.as_tensor(batch_rows, dtype=torch.long, device=self.keys.device)
-        keys = self.keys[index].to(draft_logits.device)
-        keys = keys.view(-1, *([1] * (positions.dim() - 1))).expand(positions.shape)
-        warped = self.warp(draft_logits.reshape(-1, draft_logits.shape[-1]).float()).view(draft_logits.shape)
+        keys, warped = self._keyed(draft_logits, batch_rows, positions)
         return perturbed_top_k(warped, keys, positions.to(draft_logits.device), count)
 
     def coupled_pool(self, draft_logits: torch.Tensor, batch_rows: Sequence[int], positions: torch.Tensor,
@@ -257,11 +260,8 @@ class GumbelRule(GreedyRule):
         ``pool`` tokens a row, not the whole vocabulary. A drafter's candidates need not be an exact
         draw (the rule verifies whatever is proposed); the pool holds the target's draw whenever the
         draft's distribution ranks it among its ``pool`` best."""
-        index = torch.as_tensor(batch_rows, dtype=torch.long, device=self.keys.device)
-        keys = self.keys[index].to(draft_logits.device)
-        keys = keys.view(-1, *([1] * (positions.dim() - 1))).expand(positions.shape)
+        keys, warped = self._keyed(draft_logits, batch_rows, positions)
         vocab = draft_logits.shape[-1]
-        warped = self.warp(draft_logits.reshape(-1, vocab).float()).view(draft_logits.shape)
         values, columns = torch.topk(warped, min(max(pool, count), vocab), dim=-1)  # (R, ..., M)
         ids = columns if token_ids is None else token_ids[columns]
         noise = gumbel_noise(keys, positions.to(draft_logits.device), ids)
