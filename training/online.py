@@ -56,7 +56,7 @@ from tree_attention.tree import best_first_choices
 
 from . import losses
 from .config import TrainConfig
-from .replay import ReplayBuffer
+from .replay import BackboneMemo, ReplayBuffer
 from .sequences import collate
 from .trainer import LossContext, clip_groups
 
@@ -103,6 +103,9 @@ class OnlineConfig:
     """An update is rolled back when the guard's proxy falls by more than this (tokens per step)."""
     refresh_tree: bool = True
     """After a kept update, let the kind reshape its default tree from the held-back accuracies."""
+    backbone_cache_mb: int = 256
+    """Bound of the memo of the backbone's outputs per buffered sequence (MiB; 0: none): a sequence's
+    backbone forward runs the first time it is drawn, its features serve every later draw."""
     vocabulary_swaps: int = 64
     """Draft-vocabulary tokens an update may swap for tokens frequent in the buffered traffic that the
     drafter cannot draft (kinds with a reduced draft vocabulary; 0: the vocabulary stays)."""
@@ -114,6 +117,9 @@ class OnlineConfig:
         if isinstance(self.vocabulary_swaps, bool) or not isinstance(self.vocabulary_swaps, int) \
                 or self.vocabulary_swaps < 0:
             raise ValueError(f"vocabulary_swaps must be an int >= 0; got {self.vocabulary_swaps!r}")
+        if isinstance(self.backbone_cache_mb, bool) or not isinstance(self.backbone_cache_mb, int) \
+                or self.backbone_cache_mb < 0:
+            raise ValueError(f"backbone_cache_mb must be an int >= 0 (MiB); got {self.backbone_cache_mb!r}")
         for name in ("buffer_tokens", "max_length", "batch_size", "steps_per_update", "hold_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "max_length" else 1):
@@ -192,9 +198,12 @@ class OnlineLearner:
         self.buffer = ReplayBuffer(config.buffer_tokens, config.max_length, config.held_out, config.hold_every)
         self._train_view: list[torch.Tensor] = []  # what the hook sees as training / validation sequences
         self._held_view: list[torch.Tensor] = []
+        self._held_keys: list[int] = []
+        self.memo = BackboneMemo(config.backbone_cache_mb * 2 ** 20) if config.backbone_cache_mb else None
         self.hook = entry.loss(LossContext(
             spec=spec, config=self.train_config, accelerator=LocalAccelerator(spec.target.device), losses=losses,
-            train_sequences=self._train_view, validation_sequences=self._held_view, collate=self._collate))
+            train_sequences=self._train_view, validation_sequences=self._held_view, collate=self._collate,
+            backbone_memo=self.memo, validation_keys=self._held_keys))
         self.parameters = [p for p in spec.heads.parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError(f"this {spec.kind!r} drafter has no trainable tensors")
@@ -224,6 +233,8 @@ class OnlineLearner:
         ``budget`` x its seconds and learn while the credit lasts (unless paused)."""
         for sequence in call.sequences():
             self.buffer.add(sequence)
+        if self.memo is not None and self.memo.rows:  # sequences the buffer dropped are never drawn again
+            self.memo.retain([key for key, _ in self.buffer.train] + [key for key, _ in self.buffer.held])
         if call.greedy:
             stats = call.stats
             self._served.append((stats.new_tokens, stats.row_forwards, len(stats.accepted_lengths),
@@ -336,6 +347,7 @@ class OnlineLearner:
         """The guard's proxy and the accuracy table (per depth, per rank) on the held-back pool."""
         started = time.perf_counter()
         self._held_view[:] = self.buffer.held_sequences()
+        self._held_keys[:] = [key for key, _ in self.buffer.held]
         heads = self.spec.heads
         was_training = heads.training
         heads.eval()
@@ -401,6 +413,7 @@ class OnlineLearner:
             "buffer_tokens": self.buffer.tokens, "buffer_sequences": len(self.buffer.train),
             "held_out_sequences": len(self.buffer.held), "learning_seconds": self.seconds,
             "guard_seconds": self.guard_seconds, "served_seconds": self.served_seconds, "credit_seconds": self.credit,
+            "backbone_memo_bytes": self.memo.bytes if self.memo is not None else 0,
             "last_proxy": self.last_proxy,
         }
 
@@ -424,7 +437,8 @@ class OnlineLearner:
         on how much traffic, with how many steps kept and updates rolled back."""
         return {"refined_online": True, "from": dict(self.start), **{k: v for k, v in self.summary().items()
                                                                     if k not in ("paused", "last_proxy",
-                                                                                 "credit_seconds")},
+                                                                                 "credit_seconds",
+                                                                                 "backbone_memo_bytes")},
                 "settings": asdict(self.config), "objective": self.train_config.divergence}
 
     def adapter_metadata(self) -> dict:

@@ -69,3 +69,67 @@ class ReplayBuffer:
         self.held.clear()
         self.tokens = 0
         self.held_version += 1
+
+
+class BackboneMemo:
+    """The frozen backbone's per-position outputs for buffered sequences, kept across optimizer steps.
+
+    A loss hook's backbone forward (features at every position, before any drafter runs) depends on
+    the sequence alone, and online learning draws each buffered sequence many times; the memo keeps
+    each sequence's outputs (a tuple of ``[L, ...]`` tensors, unpadded, on the backbone's device and in
+    its dtype) under the sequence's buffer key, bounded at ``max_bytes`` (oldest keys dropped first,
+    as the buffer drops its oldest sequences). Rows a batch needs that it lacks are computed in one
+    forward over just those rows (padded to their own longest); what it returns is the batch padded
+    with zeros, which every hook masks out."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0; got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.rows: dict[int, tuple[torch.Tensor, ...]] = {}  # insertion order: oldest first
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    def outputs(self, keys, input_ids: torch.Tensor, attention_mask: torch.Tensor, compute) -> tuple[torch.Tensor, ...]:
+        """``compute(input_ids, attention_mask)``'s tuple of ``[B, T, ...]`` outputs for the right-padded
+        batch whose rows are the sequences ``keys``, from the memo where it holds them."""
+        lengths = attention_mask.sum(-1).tolist()
+        found = {key: self.rows[key] for key in keys if key in self.rows}
+        missing = [row for row, key in enumerate(keys) if key not in found]
+        self.hits += len(keys) - len(missing)
+        self.misses += len(missing)
+        if missing:
+            longest = max(lengths[row] for row in missing)
+            index = torch.tensor(missing, device=input_ids.device)
+            computed = compute(input_ids[index, :longest], attention_mask[index, :longest])
+            for position, row in enumerate(missing):
+                values = tuple(tensor[position, :lengths[row]].detach().clone() for tensor in computed)
+                found[keys[row]] = values
+                self._store(keys[row], values)
+        first = found[keys[0]]
+        batch, length = input_ids.shape
+        padded = tuple(tensor.new_zeros((batch, length, *tensor.shape[1:])) for tensor in first)
+        for row, key in enumerate(keys):
+            for out, value in zip(padded, found[key]):
+                out[row, :value.shape[0]] = value
+        return padded
+
+    def _store(self, key: int, values: tuple[torch.Tensor, ...]) -> None:
+        size = sum(value.numel() * value.element_size() for value in values)
+        if size > self.max_bytes:
+            return
+        self.rows[key] = values
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            oldest = next(iter(self.rows))
+            self.bytes -= sum(value.numel() * value.element_size() for value in self.rows.pop(oldest))
+
+    def retain(self, keys) -> None:
+        """Drop every sequence not in ``keys`` (those the buffer no longer holds)."""
+        keep = set(keys)
+        for key in [key for key in self.rows if key not in keep]:
+            self.bytes -= sum(value.numel() * value.element_size() for value in self.rows.pop(key))
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.bytes = 0

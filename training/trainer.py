@@ -141,6 +141,12 @@ class LossContext:
     """Held-out 1D token sequences, for ``rank_accuracy``."""
     collate: Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
     """Sequences -> right-padded ``(input_ids, attention_mask)`` ``[B, T]`` on the accelerator's device."""
+    backbone_memo: object | None = None
+    """Online learning (:class:`training.replay.BackboneMemo`): where a hook knows its rows' keys it
+    reads its backbone outputs through ``backbone_memo.outputs(keys, input_ids, attention_mask,
+    compute)``, which computes only rows it does not hold. None (offline training): compute them."""
+    validation_keys: list[int] | None = None
+    """The keys of ``validation_sequences`` (for the memo), or None."""
 
 
 class DistillationTrainer:

@@ -243,14 +243,26 @@ class EagleLoss:
             heads.mask_feature.copy_(feature_sum / count)
 
     @torch.no_grad()
-    def _targets(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """One backbone forward: top features ``[B, T, d]``, drafter inputs ``[B, T, F]``, teacher
-        logits ``[B, T, V]`` (float) and token embeddings ``[B, T, d]``."""
+    def _backbone(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The backbone's outputs a memo may keep per sequence: ``(top [B, T, d],)``, or ``(top, inputs
+        [B, T, F])`` where the drafter reads other layers than the top one."""
         target = self.spec.target
         if target.feature_layers is None:
-            top = inputs = target.features(input_ids, None, attention_mask, None)
+            return (target.features(input_ids, None, attention_mask, None),)
+        return tuple(target.hidden_features(input_ids, None, attention_mask, None, target.feature_layers))
+
+    @torch.no_grad()
+    def _targets(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keys=None):
+        """Top features ``[B, T, d]``, drafter inputs ``[B, T, F]`` (one backbone forward, or the
+        context's memo for rows whose ``keys`` it holds), teacher logits ``[B, T, V]`` (float) and
+        token embeddings ``[B, T, d]``."""
+        memo = getattr(self.context, "backbone_memo", None)
+        if memo is None or keys is None:
+            outputs = self._backbone(input_ids, attention_mask)
         else:
-            top, inputs = target.hidden_features(input_ids, None, attention_mask, None, target.feature_layers)
+            outputs = memo.outputs(keys, input_ids, attention_mask, self._backbone)
+        top, inputs = outputs[0], outputs[-1]
+        target = self.spec.target
         return top, inputs, target.logits(top).float(), target.input_embeddings(input_ids)
 
     def _noise(self, inputs: torch.Tensor, attention_mask: torch.Tensor, indices: list[int], step: int):
@@ -264,11 +276,12 @@ class EagleLoss:
         return noise.to(device=inputs.device, dtype=inputs.dtype)
 
     def _loss(self, heads, input_ids: torch.Tensor, attention_mask: torch.Tensor, steps: int,
-              noise_indices: list[int] | None = None, step: int = 0):
+              noise_indices: list[int] | None = None, step: int = 0, keys: list[int] | None = None):
         """Loss and agreement of ``steps`` unrolled steps; also the predictions, the drafter's logits
-        function and the teacher logits (for :meth:`rank_accuracy`). Noise only with ``noise_indices``."""
+        function and the teacher logits (for :meth:`rank_accuracy`). Noise only with ``noise_indices``;
+        ``keys``: the rows' sequence keys, for the context's backbone memo."""
         accelerator = self.context.accelerator
-        top, inputs, teacher, embeddings = self._targets(input_ids, attention_mask)
+        top, inputs, teacher, embeddings = self._targets(input_ids, attention_mask, keys)
         if noise_indices is not None and self.config.feature_noise:
             inputs = inputs + self._noise(inputs, attention_mask, noise_indices, step)
         drafter = accelerator.unwrap_model(heads)
@@ -299,7 +312,8 @@ class EagleLoss:
 
     def micro_loss(self, heads, input_ids: torch.Tensor, attention_mask: torch.Tensor, indices: list[int],
                    step: int) -> tuple[torch.Tensor, list[float]]:
-        loss, agreement, *_ = self._loss(heads, input_ids, attention_mask, self.config.unroll_steps, indices, step)
+        loss, agreement, *_ = self._loss(heads, input_ids, attention_mask, self.config.unroll_steps, indices, step,
+                                         keys=indices)
         return loss, agreement
 
     def finish(self, accuracy: list[list[float]]) -> None:
@@ -322,10 +336,11 @@ class EagleLoss:
             steps = forward_steps = steps or max(self.config.unroll_steps, 3)
         counts, total = torch.zeros(steps, max_rank), 0
         validation = self.context.validation_sequences
+        keys = getattr(self.context, "validation_keys", None)
         for start in range(0, len(validation), 4):
             input_ids, attention_mask = self.context.collate(validation[start:start + 4])
-            _, _, predictions, logits, teacher, depth_logits = self._loss(heads, input_ids, attention_mask,
-                                                                          forward_steps)
+            _, _, predictions, logits, teacher, depth_logits = self._loss(
+                heads, input_ids, attention_mask, forward_steps, keys=keys[start:start + 4] if keys else None)
             length = input_ids.shape[1]
             scored = [(predicted, logits) for predicted in predictions]
             scored += [(head_logits, lambda values: values) for head_logits in depth_logits]

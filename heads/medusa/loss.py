@@ -50,31 +50,37 @@ def head_losses(head_logits: torch.Tensor, teacher_logits: torch.Tensor, input_i
     total = head_logits.new_zeros((), dtype=torch.float32)
     agreement = []
     length = input_ids.shape[1]
-    draft_ids = None
+    # What every head reads of the teacher, computed once: its greedy token (target ids [B, T]) and,
+    # with a draft vocabulary, its logits over the draft ids [B, T, V'] and which tokens lie inside.
+    teacher_tokens = teacher_logits.argmax(-1)
+    inside = None
     if token_map is not None:  # target id -> draft id, -100 outside the draft vocabulary
         draft_ids = torch.full((teacher_logits.shape[-1],), -100, dtype=torch.long, device=teacher_logits.device)
         draft_ids[token_map] = torch.arange(token_map.numel(), device=teacher_logits.device)
+        inside = draft_ids[teacher_tokens] >= 0
+        teacher_logits = teacher_logits[..., token_map]
+        teacher_tokens = teacher_logits.argmax(-1)  # in draft ids, as the heads' argmax
+    per_head = head_logits.unbind(0)  # one gradient buffer for all heads in backward, not one per head
     for k, weight in enumerate(weights):
         shift = k + 1
         if length <= shift:
             agreement.append(0.0)
             continue
-        student = head_logits[k][:, : length - shift]
+        student = per_head[k][:, : length - shift]
         teacher = teacher_logits[:, shift:]
         valid = attention_mask[:, shift:].bool()
-        if draft_ids is not None:
-            valid = valid & (draft_ids[teacher.argmax(-1)] >= 0)
-            teacher = teacher[..., token_map]
+        if inside is not None:
+            valid = valid & inside[:, shift:]
         loss = losses.divergence(config.divergence, student, teacher, config.temperature, config.jsd_beta, valid)
         if config.hard_label_weight and length > shift + 1:
             labels = input_ids[:, shift + 1:].masked_fill(~attention_mask[:, shift + 1:].bool(), -100)
-            if draft_ids is not None:
+            if token_map is not None:
                 labels = torch.where(labels >= 0, draft_ids[labels.clamp(min=0)], labels)
             hard = losses.hard_cross_entropy(student[:, :-1], labels)
             loss = loss + config.hard_label_weight * losses.masked_mean(hard, labels != -100)
         total = total + weight * loss
         with torch.no_grad():
-            agree = (student.argmax(-1) == teacher.argmax(-1)).float()
+            agree = (student.argmax(-1) == teacher_tokens[:, shift:]).float()
             agreement.append(float(losses.masked_mean(agree, valid)))
     return total, agreement
 
@@ -145,13 +151,22 @@ class MedusaLoss:
     def _shared_logits(self):
         return self.spec.shared_logits if self.spec.config.share_lm_head else None
 
-    def _features_and_teacher(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """One backbone forward without gradients: top features ``[B, T, d]``, teacher logits ``[B, T, V]``."""
-        target = self.spec.target
+    @torch.no_grad()
+    def _backbone(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor]:
+        """The backbone's top features ``([B, T, d],)``: what a memo may keep per sequence."""
+        outputs = self.spec.target.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return (outputs.last_hidden_state,)
+
+    def _features_and_teacher(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keys=None):
+        """Top features ``[B, T, d]`` (one backbone forward without gradients, or the context's memo
+        for rows whose ``keys`` it holds) and teacher logits ``[B, T, V]``."""
+        memo = getattr(self.context, "backbone_memo", None)
+        if memo is None or keys is None:
+            (features,) = self._backbone(input_ids, attention_mask)
+        else:
+            (features,) = memo.outputs(keys, input_ids, attention_mask, self._backbone)
         with torch.no_grad():
-            outputs = target.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            features = outputs.last_hidden_state
-            teacher = target.logits(features).float()
+            teacher = self.spec.target.logits(features).float()
         return features, teacher
 
     def micro_loss(self, heads, input_ids: torch.Tensor, attention_mask: torch.Tensor, indices: list[int],
@@ -159,7 +174,7 @@ class MedusaLoss:
         weight = self.joint_weight(step)
         if weight is not None:
             return self._joint_loss(heads, input_ids, attention_mask, weight)
-        features, teacher = self._features_and_teacher(input_ids, attention_mask)
+        features, teacher = self._features_and_teacher(input_ids, attention_mask, indices)
         with self.context.accelerator.autocast():
             head_logits = heads(features, self._shared_logits())
         return head_losses(head_logits.float(), teacher, input_ids, attention_mask, self.config,
@@ -205,9 +220,11 @@ class MedusaLoss:
         total = 0
         shared = self._shared_logits()
         validation = self.context.validation_sequences
+        keys = getattr(self.context, "validation_keys", None)
         for start in range(0, len(validation), 4):
             input_ids, attention_mask = self.context.collate(validation[start:start + 4])
-            features, teacher = self._features_and_teacher(input_ids, attention_mask)
+            features, teacher = self._features_and_teacher(input_ids, attention_mask,
+                                                           keys[start:start + 4] if keys else None)
             logits = heads(features, shared).float()  # (K, B, T, V)
             K, _, T, _ = logits.shape
             if counts is None:
