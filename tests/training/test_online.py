@@ -58,6 +58,7 @@ def _serve(spec, model, calls: int, seed: int = 0, rows: int = 2, new: int = 12)
     ("llama", "medusa", {"num_heads": 2, "tree": 8}),
     ("gpt2", "medusa", {"num_heads": 2, "tree": 8, "lookup": True}),  # a hybrid: its Medusa part learns
     ("llama", "eagle", {"total_tokens": 8, "depth": 3, "top_k": 2}),
+    ("qwen2", "eagle", {"parallel": 3, "parallel_mode": "block", "depth": 3, "top_k": 2}),  # the block drafter
 ])
 def test_greedy_output_is_the_backbones_while_learning(architecture, kind, options):
     model = build_model(architecture)
@@ -191,6 +192,9 @@ def test_refusals():
         learn(spec, budget=-1)
     with pytest.raises(ValueError, match="held_out"):
         learn(spec, held_out=0)
+    with pytest.raises(ValueError, match="backbone_cache_mb"):
+        learn(spec, backbone_cache_mb=-1)
+    assert learn(spec, backbone_cache_mb=0).memo is None  # no memo: every draw runs the backbone
     with pytest.raises(ValueError, match="apply to nothing"):
         learn(spec, False, budget=0.1)
     with pytest.raises(TypeError):

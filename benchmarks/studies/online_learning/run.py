@@ -111,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream", required=True, help="prompts of the serving domain (jsonl)")
     parser.add_argument("--skip", type=int, default=0, help="stream prompts skipped first (e.g. ones trained on)")
     parser.add_argument("--requests", type=int, default=200, help="stream requests before the evaluation")
-    parser.add_argument("--eval-mix", required=True, help="mix whose check split (odd lines) is evaluated on")
+    parser.add_argument("--eval-mix", required=True, help="mix whose --eval-split is evaluated on")
     parser.add_argument("--eval", type=int, default=50, help="evaluation requests after the stream")
+    parser.add_argument("--eval-split", default="check", choices=("check", "tuning"),
+                        help="the split of --eval-mix evaluated on (tuning: even lines, for choosing settings; "
+                             "figures are claimed on check)")
     parser.add_argument("--window", type=int, default=25, help="requests per reported window")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--budget", type=float, action="append", default=None,
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     _, tokenizer = load_model(model_dir)
     stream_texts = read_prompts(args.stream, tokenizer)[args.skip:args.skip + args.requests]
     stream = encode_prompts(tokenizer, stream_texts)
-    evaluation = encode_prompts(tokenizer, mix_prompts(args.eval_mix, "check", args.eval))
+    evaluation = encode_prompts(tokenizer, mix_prompts(args.eval_mix, args.eval_split, args.eval))
     options = {name: json.loads(value) for name, value in (item.split("=", 1) for item in args.option)}
     budgets = args.budget or [0.05]
     results = {"settings": {**vars(args), "budgets": budgets, "options": options}, "machine": machine(),
