@@ -40,7 +40,7 @@ def _refuse_foreign_options(entry, options: dict) -> None:
 
 
 def attach_heads(model: PreTrainedModel, kind: str = "medusa", lookup=None, merge_lora: bool = False,
-                 **options) -> SpeculativeModel:
+                 learn=None, **options) -> SpeculativeModel:
     """Freeze ``model`` and attach a fresh (untrained) drafter of ``kind`` to it.
 
     Args:
@@ -61,15 +61,18 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", lookup=None, merg
             :meth:`SpeculativeModel.set_lookup`): True, a dict of lookup options or a ``LookupConfig``.
         merge_lora: with a ``PeftModel``, merge its adapters into the weights first (peft's
             ``merge_and_unload``, in place; the ``PeftModel`` then holds the merged model).
+        learn: a learner's settings (e.g. ``training.online.OnlineConfig(budget=0.25)``): the drafter
+            learns online from the calls it serves (:meth:`SpeculativeModel.learn`).
 
     The backbone's parameters get ``requires_grad=False``; its outputs are unchanged.
     """
     from .backbone import inspect_backbone
     from .loading import attach_backbone
-    from .model import build_spec
+    from .model import build_spec, check_learner_settings
 
     entry = kinds.get(kind)
     _refuse_foreign_options(entry, options)
+    check_learner_settings(learn)
     config = entry.make_config(**options)
     model, backbone_lora = attach_backbone(model, merge_lora=merge_lora)
     target = inspect_backbone(model)
@@ -78,6 +81,8 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", lookup=None, merg
     spec.backbone_lora = backbone_lora
     if lookup:
         spec.set_lookup(lookup)
+    if learn is not None and learn is not False:
+        spec.learn(learn)
     return spec
 
 

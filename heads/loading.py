@@ -28,7 +28,7 @@ from .adapter import (
     WEIGHTS_NAME, AdapterError, TargetPin, check_fields, check_tensor_dtypes, read_config, read_header, read_weights,
 )
 from .backbone import inspect_backbone
-from .model import SpeculativeModel, build_spec
+from .model import SpeculativeModel, build_spec, check_learner_settings
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +173,10 @@ def _load_own_files(kind, model, directory: Path, config: dict, strict: bool,
 
 
 def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: bool = True,
-               merge_lora: bool | None = None) -> SpeculativeModel:
-    """Attach the adapter in ``directory`` to ``model``.
+               merge_lora: bool | None = None, learn=None) -> SpeculativeModel:
+    """Attach the adapter in ``directory`` to ``model``; with ``learn`` (a learner's settings, e.g.
+    ``training.online.OnlineConfig(budget=0.25)``), the drafter then learns online from the calls it
+    serves (:meth:`SpeculativeModel.learn`).
 
     ``directory`` is a selfdraft adapter, or a checkpoint in one of the registered layouts of other
     projects (detected from its files; see :func:`heads.interop.detect_format`). ``model`` may be a
@@ -200,6 +202,15 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
     if not isinstance(model, PreTrainedModel) and not lora.is_peft_model(model):
         raise TypeError(f"load_heads(model, directory): model must be the target, a transformers PreTrainedModel; "
                         f"got {type(model).__name__} (a peft PeftModel of the target is accepted too)")
+    check_learner_settings(learn)
+    spec = _load_adapter(model, directory, strict, merge_lora)
+    if learn is not None and learn is not False:
+        spec.learn(learn)
+    return spec
+
+
+def _load_adapter(model, directory, strict: bool, merge_lora: bool | None) -> SpeculativeModel:
+    """:func:`load_heads` without learning."""
     source = interop.detect_format(directory)
     if source == interop.SELFDRAFT:
         config, tensors = read_config(directory), None

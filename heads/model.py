@@ -188,6 +188,15 @@ class Learner(Protocol):
         ...
 
 
+def check_learner_settings(settings) -> None:
+    """TypeError unless ``settings`` can start a learner (an object with ``attach(spec)``, such as
+    ``training.online.OnlineConfig``) or is None / False (no learning)."""
+    if settings is None or settings is False or callable(getattr(settings, "attach", None)):
+        return
+    raise TypeError(f"learn= takes the learner's settings, e.g. training.online.OnlineConfig(budget=0.05) "
+                    f"(heads does not import training), or None / False; got {settings!r}")
+
+
 class SpeculativeModel:
     """A frozen causal LM (``backbone``) that drafts for itself with ``heads``.
 
@@ -220,7 +229,7 @@ class SpeculativeModel:
         """The settings of the lookup drafting added to this drafter's trees (:meth:`set_lookup`), or None."""
         self._hybrid = None  # what the hybrid drafters share (the registry's ``DrafterKind.hybrid``), or None
         self.learning: Learner | None = None
-        """The online learner every ``generate`` call feeds before it returns (``training.online.learn``), or
+        """The online learner every ``generate`` call feeds before it returns (:meth:`learn`), or
         None. It changes only the drafter's weights: outputs stay what the backbone generates."""
         self.tree_choice = None
         """The tree last given to :meth:`set_tree` (None: the configured one)."""
@@ -429,6 +438,20 @@ class SpeculativeModel:
         return self._policy
 
     policy = adaptive  # the name of earlier releases
+
+    def learn(self, settings) -> Learner | None:
+        """Learn the drafter online from the calls this spec serves with ``settings`` (an object whose
+        ``attach(spec)`` builds the learner, e.g. ``training.online.OnlineConfig(budget=0.25)``), or stop
+        with None / False. A learner already attached is replaced; what it learned stays in the drafter
+        and in :attr:`metadata` (``save_pretrained`` records it). Returns the learner now attached."""
+        check_learner_settings(settings)
+        with self._lock:
+            if self.learning is not None:
+                self.metadata.update(self.learning.adapter_metadata())
+            self.learning = None
+            if settings is not None and settings is not False:
+                self.learning = settings.attach(self)
+            return self.learning
 
     def save_pretrained(self, directory: str, **metadata) -> None:
         """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (atomically); a kind with

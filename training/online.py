@@ -110,6 +110,11 @@ class OnlineConfig:
     drafter cannot draft (kinds with a reduced draft vocabulary; 0: the vocabulary stays)."""
     seed: int = 0
 
+    def attach(self, spec) -> "OnlineLearner":
+        """The learner of ``spec`` with these settings (what ``spec.learn(settings)``, ``heads.load_heads(...,
+        learn=settings)`` and ``heads.attach_heads(..., learn=settings)`` call)."""
+        return OnlineLearner(spec, self)
+
     def __post_init__(self) -> None:
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not self.budget >= 0:
             raise ValueError(f"budget must be a number >= 0 (learning seconds per served second); got {self.budget!r}")
@@ -459,13 +464,4 @@ def learn(spec, enabled: bool = True, **options) -> OnlineLearner | None:
     (the drafter keeps what was learned). ValueError for a kind with nothing to train online."""
     if not enabled and options:
         raise ValueError(f"learn(spec, False) turns learning off; options {sorted(options)} apply to nothing")
-    with spec.locked():
-        previous = spec.learning
-        if isinstance(previous, OnlineLearner) and previous.kept:  # what it learned stays in the drafter's recipe
-            spec.metadata.update(previous.adapter_metadata())
-        spec.learning = None
-        if not enabled:
-            return None
-        learner = OnlineLearner(spec, OnlineConfig(**options))
-        spec.learning = learner
-        return learner
+    return spec.learn(OnlineConfig(**options) if enabled else None)

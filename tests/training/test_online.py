@@ -331,3 +331,31 @@ def test_a_refined_adapter_records_its_refinement_loads_back_and_checks(toy_targ
     report = json.loads((tmp_path / "check.json").read_text())
     assert report["mix"] == "served" and report["measured"]["identical"] and report["target_matches"]
     assert code == 0, report
+
+
+def test_spec_learn_load_heads_and_attach_heads_take_a_learners_settings(toy_target, tmp_path):
+    """``spec.learn(settings)``, ``load_heads(..., learn=settings)`` and ``attach_heads(..., learn=settings)``
+    attach the learner ``settings.attach(spec)`` builds; None / False stops it, keeping what it learned in the
+    spec's metadata; anything else is a TypeError before any work."""
+    spec = heads.attach_heads(toy_target, num_heads=2, tree=8, learn=OnlineConfig(budget=2.0, batch_size=2,
+                                                                                   held_out=2, hold_every=2,
+                                                                                   tolerance=1e9))
+    learner = spec.learning
+    assert learner is not None and learner.config.budget == 2.0
+    _serve(spec, toy_target, calls=4)
+    assert learner.kept > 0
+    assert spec.learn(False) is None and spec.learning is None
+    assert spec.metadata["training"]["online"][-1]["updates_kept"] == learner.kept  # kept in the recipe
+    spec.save_pretrained(str(tmp_path / "adapter"))
+    loaded = heads.load_heads(toy_target, tmp_path / "adapter", learn=OnlineConfig(budget=0.5))
+    assert loaded.learning is not None and loaded.learning.config.budget == 0.5
+    again = loaded.learn(OnlineConfig(budget=0.1))
+    assert loaded.learning is again and again.config.budget == 0.1
+    for bad in (True, "yes", {"budget": 0.1}):
+        with pytest.raises(TypeError, match="OnlineConfig"):
+            loaded.learn(bad)
+        with pytest.raises(TypeError, match="OnlineConfig"):
+            heads.load_heads(toy_target, tmp_path / "adapter", learn=bad)
+        with pytest.raises(TypeError, match="OnlineConfig"):
+            heads.attach_heads(toy_target, num_heads=2, learn=bad)
+    assert loaded.learning is again  # a refused call changed nothing
