@@ -42,6 +42,7 @@ calls ``prepare``) refuses it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -51,21 +52,24 @@ import torch
 
 from heads import kinds
 from heads.fingerprint import state_fingerprint
+from tree_attention.tree import best_first_choices
 
 from . import losses
 from .config import TrainConfig
-from .guard import GUARD_GROUPS, GUARD_RANKS, expected_acceptance, significant_fall
 from .replay import BackboneMemo, ReplayBuffer
 from .sequences import collate
 from .trainer import LossContext, clip_groups
 
 logger = logging.getLogger(__name__)
 
+GUARD_TREE = 16
+"""Drafted nodes of the default tree whose expected acceptance the guard compares (the default tree size)."""
+GUARD_RANKS = 10
+"""Ranks per depth the guard measures (what the offline trainer's accuracy table holds)."""
 SERVED_WINDOW = 50
 """Greedy calls whose acceptance a saved adapter records as its ``served`` entry."""
 RATE_BACKOFF = 0.5
-"""The learning rate is multiplied by this after an update rolled back for a fall beyond the guard's noise
-(the steps were too large to help)."""
+"""The learning rate is multiplied by this after a rolled-back update (the steps were too large to help)."""
 RATE_RECOVERY = 1.25
 """... and by this after a kept one, up to ``OnlineConfig.learning_rate``."""
 
@@ -138,6 +142,18 @@ class OnlineConfig:
             raise ValueError(f"tolerance must be a number >= 0; got {self.tolerance!r}")
 
 
+def expected_acceptance(accuracy: list[list[float]], size: int = GUARD_TREE) -> float:
+    """Drafted tokens a step accepts on average with the default tree of ``size`` nodes built from
+    ``accuracy`` (per depth, per rank: the share of positions whose target token is that rank), if
+    depths were independent: the sum over the tree's nodes of the product of their path's accuracies."""
+    if not accuracy:
+        return 0.0
+    total = 0.0
+    for path in best_first_choices(accuracy, size):
+        total += math.prod(accuracy[depth][rank] for depth, rank in enumerate(path))
+    return total
+
+
 class LocalAccelerator:
     """What a loss hook uses of ``accelerate.Accelerator`` (``autocast``, ``unwrap_model``, ``device``), for
     steps in the serving process: one process, the drafter's own dtype, nothing moved or wrapped."""
@@ -204,7 +220,6 @@ class OnlineLearner:
         self.paused = False
         self.credit = 0.0
         self.steps = self.kept = self.rolled_back = self.swapped = 0
-        self.rolled_back_within_noise = 0  # of the rolled-back updates, those whose fall was within noise
         self.rate = config.learning_rate  # AdamW's rate now (follows the guard)
         self.swap_limit = config.vocabulary_swaps  # tokens the next update may swap (follows the guard)
         self.trained_tokens = 0  # tokens of the batches of kept updates
@@ -212,7 +227,7 @@ class OnlineLearner:
         self.guard_seconds = 0.0  # of which measuring the held-back pool
         self.served_seconds = 0.0
         self.last_proxy: tuple[float, float] | None = None  # (before, after) of the last update
-        self._baseline: tuple | None = None  # (held-back pool version, proxy, table, parts' proxies) now
+        self._baseline: tuple[int, float, list] | None = None  # (held-back pool version, proxy, table) now
         self._served: deque[tuple] = deque(maxlen=SERVED_WINDOW)
 
     # ---- serving side -------------------------------------------------------------------------
@@ -271,13 +286,13 @@ class OnlineLearner:
 
     def _update(self) -> None:
         """``steps_per_update`` optimizer steps, kept when the guard's proxy did not fall."""
-        before, _, before_parts = self._current_proxy()
+        before, _ = self._current_proxy()
         snapshot = self._snapshot()
         swapped = self._swap_vocabulary()
         for group in self.optimizer.param_groups:
             group["lr"] = self.rate
         tokens = sum(self._optimizer_step() for _ in range(self.config.steps_per_update))
-        after, table, after_parts = self._measure()
+        after, table = self._measure()
         self.last_proxy = (before, after)
         if after >= before - self.config.tolerance:
             self.kept += 1
@@ -286,7 +301,7 @@ class OnlineLearner:
             self.swapped += swapped
             self.rate = min(self.config.learning_rate, self.rate * RATE_RECOVERY)
             self.swap_limit = self.config.vocabulary_swaps
-            self._baseline = (self.buffer.held_version, after, table, after_parts)
+            self._baseline = (self.buffer.held_version, after, table)
             if self.config.refresh_tree and table:
                 choice = self.spec.tree_choice
                 self.hook.finish(table)  # e.g. Medusa: the default tree from the new accuracies
@@ -295,12 +310,9 @@ class OnlineLearner:
         else:
             self.rolled_back += 1
             self._restore(snapshot)
-            if significant_fall(before_parts, after_parts):  # the steps overshot: smaller ones next
-                self.rate = max(self.config.min_learning_rate, self.rate * RATE_BACKOFF)
-                if swapped:  # the swap may be what hurt: the next update tries half as many
-                    self.swap_limit //= 2
-            else:  # a fall within the guard's noise says nothing of the rate: it stays
-                self.rolled_back_within_noise += 1
+            self.rate = max(self.config.min_learning_rate, self.rate * RATE_BACKOFF)
+            if swapped:  # the swap may be what hurt: the next update tries half as many
+                self.swap_limit //= 2
             logger.info("online update rolled back: held-back acceptance proxy %.3f -> %.3f", before, after)
 
     def _swap_vocabulary(self) -> int:
@@ -328,43 +340,27 @@ class OnlineLearner:
                         state[moment].masked_fill_(changed, 0.0)
         return swapped
 
-    def _current_proxy(self) -> tuple[float, list, list[float]]:
-        """The proxy, table and parts' proxies of the current weights on the current held-back pool
-        (measured again when the pool changed)."""
+    def _current_proxy(self) -> tuple[float, list]:
+        """The proxy of the current weights on the current held-back pool (measured again when the pool changed)."""
         if self._baseline is None or self._baseline[0] != self.buffer.held_version:
-            self._baseline = (self.buffer.held_version, *self._measure())
-        return self._baseline[1], self._baseline[2], self._baseline[3]
+            proxy, table = self._measure()
+            self._baseline = (self.buffer.held_version, proxy, table)
+        return self._baseline[1], self._baseline[2]
 
-    def _measure(self) -> tuple[float, list, list[float]]:
-        """The guard's proxy and the accuracy table (per depth, per rank) on the held-back pool, and the
-        proxy of each of its :data:`GUARD_GROUPS` parts. The pool's table is the parts' tables weighted
-        by their scored positions (a table is normalised by its depth-1 positions, a sequence's length
-        minus one): what one pass over the whole pool gives."""
+    def _measure(self) -> tuple[float, list]:
+        """The guard's proxy and the accuracy table (per depth, per rank) on the held-back pool."""
         started = time.perf_counter()
-        held = list(self.buffer.held)
-        count = min(GUARD_GROUPS, len(held))
-        bounds = [round(index * len(held) / count) for index in range(count + 1)] if count else [0]
+        self._held_view[:] = self.buffer.held_sequences()
+        self._held_keys[:] = [key for key, _ in self.buffer.held]
         heads = self.spec.heads
         was_training = heads.training
         heads.eval()
-        parts, weighted, total = [], None, 0
         try:
-            for start, end in zip(bounds, bounds[1:]):
-                self._held_view[:] = [sequence for _, sequence in held[start:end]]
-                self._held_keys[:] = [key for key, _ in held[start:end]]
-                table = self.hook.rank_accuracy(GUARD_RANKS)
-                if not table:
-                    continue
-                weight = sum(sequence.numel() - 1 for sequence in self._held_view)
-                parts.append(expected_acceptance(table))
-                scaled = torch.tensor(table, dtype=torch.float64) * weight
-                weighted = scaled if weighted is None else weighted + scaled
-                total += weight
+            table = self.hook.rank_accuracy(GUARD_RANKS)
         finally:
             heads.train(was_training)
-        table = (weighted / total).tolist() if total else []
         self.guard_seconds += time.perf_counter() - started
-        return expected_acceptance(table), table, parts
+        return expected_acceptance(table), table
 
     def _optimizer_step(self) -> int:
         """One AdamW step on a batch of buffered sequences; the batch's tokens."""
@@ -415,7 +411,6 @@ class OnlineLearner:
         """Counts so far: updates kept / rolled back, optimizer steps kept, tokens, seconds, buffer."""
         return {
             "paused": self.paused, "updates_kept": self.kept, "updates_rolled_back": self.rolled_back,
-            "rolled_back_within_noise": self.rolled_back_within_noise,
             "steps": self.steps, "vocabulary_swapped": self.swapped, "trained_tokens": self.trained_tokens,
             "learning_rate": self.rate,
             "sequences_seen": self.buffer.seen, "tokens_seen": self.buffer.seen_tokens,
