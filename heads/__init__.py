@@ -81,8 +81,7 @@ def attach_heads(model: PreTrainedModel, kind: str = "medusa", lookup=None, merg
     spec.backbone_lora = backbone_lora
     if lookup:
         spec.set_lookup(lookup)
-    if learn is not None and learn is not False:
-        spec.learn(learn)
+    spec.learn(learn)  # None / False: no learner
     return spec
 
 

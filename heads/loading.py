@@ -204,8 +204,7 @@ def load_heads(model: PreTrainedModel, directory: str | os.PathLike, strict: boo
                         f"got {type(model).__name__} (a peft PeftModel of the target is accepted too)")
     check_learner_settings(learn)
     spec = _load_adapter(model, directory, strict, merge_lora)
-    if learn is not None and learn is not False:
-        spec.learn(learn)
+    spec.learn(learn)  # None / False: no learner
     return spec
 
 

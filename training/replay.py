@@ -71,6 +71,10 @@ class ReplayBuffer:
         self.held_version += 1
 
 
+def _nbytes(values: tuple[torch.Tensor, ...]) -> int:
+    return sum(value.numel() * value.element_size() for value in values)
+
+
 class BackboneMemo:
     """The frozen backbone's per-position outputs for buffered sequences, kept across optimizer steps.
 
@@ -115,20 +119,20 @@ class BackboneMemo:
         return padded
 
     def _store(self, key: int, values: tuple[torch.Tensor, ...]) -> None:
-        size = sum(value.numel() * value.element_size() for value in values)
+        size = _nbytes(values)
         if size > self.max_bytes:
             return
         self.rows[key] = values
         self.bytes += size
         while self.bytes > self.max_bytes:
             oldest = next(iter(self.rows))
-            self.bytes -= sum(value.numel() * value.element_size() for value in self.rows.pop(oldest))
+            self.bytes -= _nbytes(self.rows.pop(oldest))
 
     def retain(self, keys) -> None:
         """Drop every sequence not in ``keys`` (those the buffer no longer holds)."""
         keep = set(keys)
         for key in [key for key in self.rows if key not in keep]:
-            self.bytes -= sum(value.numel() * value.element_size() for value in self.rows.pop(key))
+            self.bytes -= _nbytes(self.rows.pop(key))
 
     def clear(self) -> None:
         self.rows.clear()
