@@ -50,6 +50,7 @@ class DraftModelDrafter:
         self.depth, self.top_k, self.total_tokens = config.depth, config.top_k, config.total_tokens
         self.calibration, self.costs = heads.calibration, heads.costs
         self.warp = self.generator = None
+        self.planned = False  # resized by a planner, which decides whether a step drafts
         self.reset(1)
 
     nested = True
@@ -63,6 +64,7 @@ class DraftModelDrafter:
         (``tree_attention.capabilities.SizedDrafter``)."""
         self.config = self.configured.with_tree(tree)
         self.depth, self.top_k, self.total_tokens = self.config.depth, self.config.top_k, self.config.total_tokens
+        self.planned = tree is not None
 
     def sample_with(self, warp, generator: torch.Generator | None) -> None:
         """Draw chain tokens from ``softmax(warp(draft logits))`` with ``generator`` (the serving
@@ -173,7 +175,7 @@ class DraftModelDrafter:
         if self.pending is not None:
             batch, self.pending = self.pending.then(batch), None
         adaptive = self.config.adaptive and self.top_k == 1 and self.depth and self.total_tokens
-        if adaptive and not self.costs.draft_now():  # a plain step: the draft catches up when it next drafts
+        if adaptive and not self.planned and not self.costs.draft_now():  # a plain step: caught up when it next drafts
             self.pending, self.plain_steps = batch, self.plain_steps + 1
             trees = TreeBatch.roots_only(batch.roots.to(self.committed.device))
             self.proposed_at = time.perf_counter()

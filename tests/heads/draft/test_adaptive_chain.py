@@ -389,3 +389,23 @@ def test_no_alternatives_without_siblings_or_under_sampling(toy_pair):
     recorder = TreeRecorder(drafter)
     speculative_generate(spec.target, recorder, PROMPT, 30, (), rule, None, spec.pad_token_id)
     assert max(recorder.sizes) == 3 and sum(spec.heads.calibration.alternatives["seen"]) == 0
+
+
+def test_a_planner_decides_whether_a_step_drafts():
+    """Resized by a planner (``speculate="auto"``), the drafter drafts every step it is asked to: its
+    own whether-to-draft rule (which here never pays) would otherwise turn the planner's drafted
+    steps into empty ones. Released (resized to None), the rule decides again. Greedy parity both ways."""
+    model = build_model("llama", seed=1)
+    prompt = random_prompt(9, seed=0)
+    expected = reference(model, prompt, torch.ones_like(prompt), 24)
+    spec = heads.attach_heads(model, kind="draft", draft_model=model)
+    force(spec, prices=(0.0, 0.0))
+    spec.heads.costs.draft_now = lambda: False  # drafting never pays by the kind's own rule
+    for planned in (None, 4):
+        spec.drafter.resize(planned)
+        recorder = Recorder(spec.drafter)
+        output, _ = speculative_generate(spec.target, recorder, prompt, 24, (), None, None, spec.pad_token_id)
+        assert torch.equal(output, expected), planned
+        drafted = sum(size > 1 for size in recorder.sizes)
+        assert drafted == (len(recorder.sizes) if planned else 0), (planned, recorder.sizes)
+    spec.drafter.resize(None)
