@@ -1,23 +1,18 @@
 """Calibrated acceptance: how many tokens a prefix of a step's tree is expected to commit.
 
-A row commits its accepted path plus one token, and the accepted path holds at most one node per
-depth, so the expected accepted length of any tree is the sum over its nodes of the probability
-that the node is on the accepted path. The model keeps, per node index (node order: parents come
-before children, and drafters list better candidates first), how often the node existed in a row's
-proposed tree, how often it was verified and how often it was on the accepted path, with its mean
-depth. A prefix of node order is itself a tree, and under a deterministic rule (greedy) a node of
-the prefix is accepted exactly when it is accepted in the whole tree (under sampling, with the same
-chance, where a node's acceptance depends only on the nodes before it: its ancestors and earlier
-siblings), so every drafted step counts what each smaller prefix (each smaller nested size) would
-have committed on the same text.
+A row commits its accepted path plus one token, and the path holds at most one node per depth, so
+a tree's expected accepted length is the sum over its nodes of the chance each is on the path. The
+model keeps, per node index (parents before children, better candidates first), how often the node
+existed in a row's tree (every one is verified) and how often it was on the accepted path. A prefix
+of node order is itself a tree, and under greedy decoding its nodes are accepted exactly when they
+are in the whole tree (under sampling with the same chance, where a node's acceptance depends only
+on the nodes before it), so each drafted step shows what every smaller nested size would have got.
 
-Evidence fades with a half-life counted in steps, plain steps included, and choices use an upper
-confidence bound on a prefix's total (each node's rate seen over its own evidence): after a
-stretch of plain steps the question is open again, so no tree size is locked out by a few early
-steps. The prior is the acceptance by depth the adapter recorded at save time, spread evenly over
-the nodes of each depth the first time they are seen, and fades with the evidence: what reopens
-the question is the bound widening, not the estimate drifting back to a prior measured on other
-text.
+Evidence fades with a half-life in steps, plain steps included, and choices use an upper confidence
+bound on a prefix's total: after a plain stretch the question is open again, so no size is locked
+out by a few early steps. The prior (the acceptance by depth the adapter recorded at save time,
+spread over each depth's nodes when first seen) fades with the evidence: the bound widens, the
+estimate does not drift back to a prior measured on other text.
 """
 from __future__ import annotations
 

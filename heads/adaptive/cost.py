@@ -1,27 +1,21 @@
 """The cost curve: seconds of one verify forward by rows and tree width, and seconds of drafting.
 
 Verify cost depends on the rows a step decodes and the nodes it verifies per row, not on which
-drafter proposed them, so every verify forward the loop runs (plain steps included) teaches the
-same table. Rows are kept in power-of-two buckets; within a bucket each width is the median of its
-latest timings. A width never verified is priced by interpolating its measured neighbours linearly
-in the width (cheaper than any concave interpolation: a width in between is tried rather than
-written off), and past the widest measured width at that width's cost (tried once, then known).
-A width's excess over a plain step counts as if it had one more sample at the plain cost, its own
-samples' weight halving every ``HALF_LIFE`` steps: a width timed on a few steps, or long ago, is
-priced optimistically (the planner tries it, one step at a time where only that optimism pays). No
-width is priced above a wider one, nor above the same width over more rows (the lower envelope):
-noise only adds time, and more nodes or rows never cost less. Drafting cost is kept per drafting
-option and rows bucket, shrunk toward nothing the same way; a request's first ``propose`` (the
-drafter catching up on the prompt) is kept apart.
+drafter proposed them, so every verify forward (plain steps included) teaches one table: per
+power-of-two rows bucket, each width's median of its latest timings. A width never verified is
+interpolated linearly between measured ones (past the widest: that width's cost). A width's excess
+over a plain step counts as if one more sample had cost a plain step, its samples' weight halving
+every ``HALF_LIFE`` steps, so a width timed on few steps or long ago is priced optimistically. No
+width is priced above a wider one, nor above the same width over more rows (noise only adds time).
+Drafting seconds, and the verify seconds of each option's own steps, are kept per drafting option
+and rows bucket, shrunk the same way; a request's first ``propose`` (catching up on the prompt) is
+kept apart.
 
-Every timing is stored divided by the machine's current speed: a shared machine runs the same step
-in times that drift by tens of percent over seconds, so a plain step timed in a slow stretch and a
-tree timed in a fast one would compare wrongly. The speed is the median, over the latest plain
-steps, of each one's seconds over the plain step's stored cost; options are priced at stored cost x
-current speed. Only plain steps move it: a step's cost also depends on the step before it (on a
-CPU the first plain steps after drafted ones, and the first drafted steps after plain ones, cost
-more), and a speed moved by both kinds of step would carry each switch's extra cost into the stored
-costs of one kind, drifting the two kinds' costs apart with every switch.
+Timings are stored divided by the machine's current speed (a shared machine drifts by tens of
+percent over seconds): the median, over the latest plain steps, of their seconds over the plain
+step's stored cost. Only plain steps move it: on a CPU the first steps after a switch between plain
+and drafted steps cost more, and a speed moved by both kinds would ratchet each switch's extra cost
+into the stored costs of one kind.
 """
 
 from __future__ import annotations
@@ -43,8 +37,7 @@ the machine's load changing."""
 
 
 class RecentMedian:
-    """The median of the latest :data:`COST_HORIZON` samples (robust to bursts of timing noise, where
-    a mean is not: one slow step must not write off a tree size)."""
+    """The median of the latest :data:`COST_HORIZON` samples (one slow step must not write off a size)."""
 
     __slots__ = ("samples", "count", "stamp", "_value")
 
@@ -92,6 +85,7 @@ class CostCurve:
         self.verify: dict[int, dict[int, RecentMedian]] = {}
         self.drafting: dict[object, dict[int, RecentMedian]] = {}  # per drafting option, per rows bucket
         self.first_drafting: dict[object, dict[int, RecentMedian]] = {}
+        self.verify_by_option: dict[object, dict[int, RecentMedian]] = {}  # per drafting option, per rows bucket
         self.clock = 0  # verify forwards observed (steps)
         self.speed = 1.0  # the machine's current seconds per stored second (module docstring)
         self._ratios: deque[float] = deque(maxlen=_SPEED_HORIZON)  # latest plain steps' seconds / stored cost
@@ -121,6 +115,26 @@ class CostCurve:
             timed = table[bucket] = RecentMedian()
         timed.add(seconds / self.speed, self.clock)
 
+    def observe_option_verify(self, rows: int, seconds: float, option: object) -> None:
+        """A drafted step's verify seconds, kept per drafting option as well as per width (see
+        :meth:`option_verify`)."""
+        table = self.verify_by_option.setdefault(option, {})
+        timed = table.setdefault(rows_bucket(rows), RecentMedian())
+        timed.add(seconds / self.speed, self.clock)
+
+    def option_verify(self, rows: int, option: object, width: float, aged: bool = True) -> float:
+        """Verify seconds of a step of ``option`` (expected padded ``width``): the median of its own
+        steps (at least :data:`PRIOR_TIMINGS` in ``rows``' bucket; excess shrunk as in
+        :meth:`verify_curve`), else the width curve's. Trees of varying width (chains cut by
+        confidence, lookup) verify widths each timed rarely: the curve at their expected width stays
+        optimistic however often the option drafts, its own steps do not."""
+        timed = self.verify_by_option.get(option, {}).get(rows_bucket(rows))
+        plain = self.verify.get(rows_bucket(rows), {}).get(1)
+        if timed is None or timed.evidence < PRIOR_TIMINGS or plain is None:
+            return float(self.verify_curve(rows, np.array([width]), aged)[0])
+        weight = timed.weight(self.clock, aged)
+        return (plain.value + (timed.value - plain.value) * weight / (weight + 1)) * self.speed
+
     @staticmethod
     def _nearest(bucket: int, tables: dict) -> int:
         return min(tables, key=lambda other: (abs(math.log2(other / bucket)), other))
@@ -131,9 +145,8 @@ class CostCurve:
         return 0 if timed is None else timed.evidence
 
     def known(self, rows: int, width: float, option: object = None) -> bool:
-        """Whether a step of ``option`` over ``rows`` rows of ``width`` nodes is priced from timings
-        in ``rows``' own bucket: a verify forward at least as wide and the option's drafting (not
-        extrapolated past the widest timed width, nor borrowed from another bucket)."""
+        """Whether a step of ``option`` over ``rows`` rows of ``width`` nodes is priced from timings in
+        ``rows``' own bucket (a verify at least as wide, the option's drafting), not extrapolated."""
         bucket = rows_bucket(rows)
         timed = self.verify.get(bucket, {})
         return (any(other >= width for other in timed)
@@ -141,10 +154,8 @@ class CostCurve:
 
     def verify_curve(self, rows: int, widths: np.ndarray, aged: bool = True) -> np.ndarray | None:
         """Predicted seconds of a verify forward over ``rows`` rows of each of ``widths`` nodes per
-        row (None: no verify forward timed yet). Each measured width's excess over the plain step
-        counts as if one more sample had cost what a plain step costs, its samples' weight halving
-        with their age (``aged``; else their count alone): a width timed on few steps, or long ago,
-        perhaps on a noisy stretch, is tried again before it is written off."""
+        row (None: none timed yet); each width's excess over a plain step shrunk as if one more sample
+        had cost a plain step, its samples weighed by their age (``aged``) or their count alone."""
         curve = self._stored_curve(rows, widths, aged)
         return None if curve is None else curve * self.speed
 
@@ -184,9 +195,8 @@ class CostCurve:
         return None if curve is None else float(curve[0])
 
     def draft_seconds(self, rows: int, mode: object = None, aged: bool = True) -> float:
-        """Predicted seconds of one steady drafting step of ``mode`` (a drafting option) over ``rows``
-        rows: the median shrunk toward 0 as if one more sample had cost nothing, weighted as in
-        :meth:`verify_curve` (0 before any is timed: optimistic, so the option gets tried)."""
+        """Seconds of one steady drafting step of ``mode`` (an option) over ``rows`` rows, shrunk toward
+        0 as if one more sample had cost nothing, as in :meth:`verify_curve` (0 before any is timed)."""
         tables = self.drafting.get(mode)
         if not tables:
             return 0.0

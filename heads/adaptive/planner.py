@@ -2,26 +2,21 @@
 mode where a drafter has several, with the most expected tokens per second, from the cost curve
 (:mod:`.cost`) and calibrated acceptance (:mod:`.acceptance`).
 
-Before a step the planner compares, for the rows still decoding, a plain step (one token a row at
-the cost of a width-1 verify) with each option the drafter offers: a size of its trees (a
-:class:`~tree_attention.capabilities.SizedDrafter`: the kind's fixed sizes, each drafted at its
-own cost) in each mode (a :class:`~tree_attention.planning.ModalDrafter`'s). An option is priced at
-its steady drafting seconds plus the verify seconds of its expected width, against the tokens it is
-expected to commit. Where sizes are nested (a smaller size's tree is the first nodes of a larger
-one's; under sampling, in distribution), one acceptance model per mode serves every size, and each
-drafted step shows what every smaller size would have accepted; otherwise each size has its own.
-The size is chosen before drafting, so it never depends on what is drafted: a sampled output follows
-the target's distribution whatever is chosen, and a greedy output is the same. The drafted trees
-are verified whole (cutting them after drafting, on lookup's own match scores, was measured to cost
-more per step than it saved: ``docs/auto.md``).
+Before a step, for the rows still decoding, a plain step (one token a row at a width-1 verify's
+cost) is compared with each option the drafter offers: a size of its trees (a
+:class:`~tree_attention.capabilities.SizedDrafter`'s) in each mode (a
+:class:`~tree_attention.planning.ModalDrafter`'s), priced at its drafting plus verify seconds
+against the tokens it is expected to commit. Where sizes are nested (a smaller size's tree is the
+first nodes of a larger one's; under sampling, in distribution) one acceptance model per mode
+serves every size. The size is chosen before drafting, so it never depends on what is drafted:
+outputs are those of any fixed choice. Drafted trees are verified whole (cutting them after
+drafting cost more than it saved: ``docs/auto.md``).
 
-The first time a rows bucket is served the planner serves a plan of plain steps to time the
-reference every option is judged against in a run of plain steps (right after drafted ones a plain
-step costs more: drafting evicts a CPU's caches); then each acceptance model drafts until it has seen
-:data:`REPLAN_EVERY` rows (at batch 1 a plan's steps, one step of a batch of 8), so that choices rest
-on measured acceptance. A plan priced from a cost not yet timed in its rows' bucket, or paying only
-by the optimism of the bounds, serves one step. The first step of a call and the first after rows
-finished are not timed: they also build or compact the cache's bookkeeping, whatever they verify.
+A rows bucket's first plan is a run of plain steps, which times the reference (right after drafted
+steps a plain step costs more on a CPU); then each acceptance model drafts until it has seen
+:data:`REPLAN_EVERY` rows. A plan priced from a cost not yet timed in its rows' bucket, or paying
+only by the optimism of the bounds, serves one step. A call's first step and the first after rows
+finished are not timed: they also build or compact the cache's bookkeeping.
 """
 from __future__ import annotations
 
@@ -62,8 +57,7 @@ class Choice:
     plain_seconds: float | None = None
     reason: str = ""
     tentative: bool = False
-    """Priced from costs not yet timed in its rows' bucket (an optimistic guess): the plan serves
-    one step, then is made again from that step's timing."""
+    """Priced from untimed costs, or paying only by optimism: the plan serves one step."""
 
     @property
     def option(self) -> Option:
@@ -193,7 +187,8 @@ class CallPlanner:
             expected[index], bonuses[index], widths[index] = gain[last], bonus[last], padded[last]
         gains = expected + bonuses
         drafting = np.array([self.costs.draft_seconds(rows, option) for option in self.options])
-        seconds = drafting + self.costs.verify_curve(rows, widths)
+        seconds = drafting + np.array([self.costs.option_verify(rows, option, width)
+                                       for option, width in zip(self.options, widths)])
         rates = (1.0 + gains) / np.maximum(seconds, 1e-9)
         best = int(rates.argmax())
         if rates[best] <= 1.0 / plain:
@@ -202,7 +197,7 @@ class CallPlanner:
         # paying only by the optimism (its expected tokens over its costs' samples unaged lose to a
         # plain step): one step at a time, each adding evidence, until the estimate itself pays
         steady = (self.costs.draft_seconds(rows, self.options[best], aged=False)
-                  + self.costs.verify_curve(rows, widths[best:best + 1], aged=False)[0])
+                  + self.costs.option_verify(rows, self.options[best], widths[best], aged=False))
         exploring = (1.0 + expected[best]) / max(steady, 1e-9) <= 1.0 / plain
         return Choice(True, mode, size, int(round(widths[best])), 1.0 + float(gains[best]), float(seconds[best]),
                       plain, "it may pay" if exploring else "drafting pays",
@@ -242,11 +237,11 @@ class CallPlanner:
     def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
                 lengths: torch.Tensor) -> None:
         if record.rows == self._last_rows and not record.first_draft and record.kind != "empty":
-            # (a call's first step, its first tree step and the first step after rows finished also
-            # build or compact the cache's bookkeeping: that cost is paid whatever the step verifies;
-            # an empty step is a width-1 forward amid drafted ones, slower than one amid plain steps
-            # on a CPU whose caches the drafting evicted: width 1 is what a plain plan's steps cost)
+            # (steps that also build or compact the cache's bookkeeping are not timed; nor are empty
+            # steps: a width-1 forward amid drafted ones costs more than one amid plain steps on a CPU)
             self.costs.observe_verify(record.rows, record.width, record.verify_seconds)
+            if record.kind == "drafted" and self.choice is not None and self.choice.draft:
+                self.costs.observe_option_verify(record.rows, record.verify_seconds, self.choice.option)
         self._last_rows = record.rows
         option = self.choice.option if self.choice is not None else (None, None)
         if record.kind != "plain":

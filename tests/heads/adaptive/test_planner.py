@@ -81,6 +81,27 @@ def test_fewer_rows_are_never_priced_above_more_rows():
     assert costs.verify_seconds(8, 9) > costs.verify_seconds(16, 9)
 
 
+def test_an_option_of_varying_widths_is_priced_from_its_own_steps():
+    """A drafter whose trees vary in width verifies widths that are each timed rarely: the width curve
+    at its expected width stays optimistic (each width's few samples shrink toward the plain cost)
+    however often it drafts. Once the option has a few steps of its own, their median prices it."""
+    costs, option = CostCurve(), (None, 8)
+    for _ in range(8):
+        costs.observe_verify(1, 1, 10.0)
+    for width in (2, 3, 4, 5, 6, 7, 8, 9):  # one step each: the option's steady cost is 15 at any width
+        costs.observe_verify(1, width, 15.0)
+        if width < 5:
+            costs.observe_option_verify(1, 15.0, option)
+    curve = costs.verify_seconds(1, 6)
+    assert float(costs.verify_curve(1, np.array([6.0]), aged=False)[0]) == pytest.approx(12.5)  # half the excess
+    assert 10.0 < curve <= 12.5  # (aged: a little less)
+    assert costs.option_verify(1, option, 6.0) == pytest.approx(curve)  # too few steps of its own yet
+    costs.observe_option_verify(1, 15.0, option)
+    assert costs.option_verify(1, option, 6.0) == pytest.approx(10.0 + 5.0 * 4 / 5)
+    assert costs.option_verify(1, option, 6.0, aged=False) == pytest.approx(10.0 + 5.0 * 4 / 5)
+    assert costs.option_verify(1, (None, 4), 6.0) == pytest.approx(curve)  # another option: the curve
+
+
 def test_steps_that_also_compact_the_cache_are_not_timed_and_untimed_prices_plan_one_step():
     from tree_attention.planning import StepRecord
 
