@@ -72,6 +72,10 @@ RATE_BACKOFF = 0.5
 """The learning rate is multiplied by this after a rolled-back update (the steps were too large to help)."""
 RATE_RECOVERY = 1.25
 """... and by this after a kept one, up to ``OnlineConfig.learning_rate``."""
+RATE_FLOOR = 1 / 3
+"""The rate's floor as a share of ``OnlineConfig.learning_rate`` (unless ``min_learning_rate`` sets it): the
+guard judges each update on a small pool, so a run of rollbacks may be noise, and a rate halved after each
+of them could end too small to learn what the traffic still has to teach."""
 
 
 @dataclass
@@ -91,8 +95,8 @@ class OnlineConfig:
     learning_rate: float = 3e-3
     """AdamW's first and largest rate (about a third of ``selfdraft train``'s peak for Medusa and EAGLE); the rate
     follows the guard: :data:`RATE_BACKOFF` after a rolled-back update, :data:`RATE_RECOVERY` after a kept one."""
-    min_learning_rate: float = 1e-4
-    """The rate never falls below this."""
+    min_learning_rate: float | None = None
+    """The rate never falls below this (None: :data:`RATE_FLOOR` x ``learning_rate``)."""
     held_out: int = 16
     """Sequences in the guard's held-back pool (the most recent held-back ones). Fewer make the guard
     cheaper and its measurement noisier."""
@@ -135,9 +139,11 @@ class OnlineConfig:
         if isinstance(self.learning_rate, bool) or not isinstance(self.learning_rate, (int, float)) \
                 or not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be a number > 0; got {self.learning_rate!r}")
-        if isinstance(self.min_learning_rate, bool) or not isinstance(self.min_learning_rate, (int, float)) \
-                or not 0 < self.min_learning_rate <= self.learning_rate:
-            raise ValueError(f"min_learning_rate must be a number in (0, learning_rate]; got {self.min_learning_rate!r}")
+        if self.min_learning_rate is not None and (
+                isinstance(self.min_learning_rate, bool) or not isinstance(self.min_learning_rate, (int, float))
+                or not 0 < self.min_learning_rate <= self.learning_rate):
+            raise ValueError(f"min_learning_rate must be None (a third of learning_rate) or a number in "
+                             f"(0, learning_rate]; got {self.min_learning_rate!r}")
         if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) or self.tolerance < 0:
             raise ValueError(f"tolerance must be a number >= 0; got {self.tolerance!r}")
 
@@ -310,7 +316,8 @@ class OnlineLearner:
         else:
             self.rolled_back += 1
             self._restore(snapshot)
-            self.rate = max(self.config.min_learning_rate, self.rate * RATE_BACKOFF)
+            floor = self.config.min_learning_rate
+            self.rate = max(self.config.learning_rate * RATE_FLOOR if floor is None else floor, self.rate * RATE_BACKOFF)
             if swapped:  # the swap may be what hurt: the next update tries half as many
                 self.swap_limit //= 2
             logger.info("online update rolled back: held-back acceptance proxy %.3f -> %.3f", before, after)

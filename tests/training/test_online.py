@@ -102,6 +102,15 @@ def test_the_guard_rolls_a_harmful_update_back(trained, toy_target):
     assert _same(state, _heads_state(spec)), "a rolled-back update left the drafter changed"
     assert not learner.optimizer.state, "a rolled-back first update left optimizer state behind"
     assert learner.rate == 2.5 and learner.summary()["learning_rate"] == 2.5  # halved after a rollback
+    learner.rate = 1.7
+    learner.step(updates=1)
+    assert learner.rolled_back == 2 and learner.rate == pytest.approx(5.0 / 3)  # not below a third of the start
+
+
+@pytest.mark.parametrize("value", [0.0, -1e-4, 1e-2, True, "1e-4"])
+def test_min_learning_rate_is_none_or_a_rate_up_to_learning_rate(value):
+    with pytest.raises(ValueError, match=r"min_learning_rate must be None \(a third of learning_rate\) or a number in"):
+        OnlineConfig(learning_rate=1e-3, min_learning_rate=value)
 
 
 def test_the_rate_and_the_swaps_follow_the_guard(toy_target, monkeypatch):
