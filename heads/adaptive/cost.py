@@ -85,7 +85,7 @@ class CostCurve:
         self.verify: dict[int, dict[int, RecentMedian]] = {}
         self.drafting: dict[object, dict[int, RecentMedian]] = {}  # per drafting option, per rows bucket
         self.first_drafting: dict[object, dict[int, RecentMedian]] = {}
-        self.verify_by_option: dict[object, dict[int, RecentMedian]] = {}  # per drafting option, per rows bucket
+        self.verify_by_option: dict[object, dict[int, RecentMedian]] = {}  # per option, per rows bucket
         self.clock = 0  # verify forwards observed (steps)
         self.speed = 1.0  # the machine's current seconds per stored second (module docstring)
         self._ratios: deque[float] = deque(maxlen=_SPEED_HORIZON)  # latest plain steps' seconds / stored cost
@@ -117,23 +117,24 @@ class CostCurve:
 
     def observe_option_verify(self, rows: int, seconds: float, option: object) -> None:
         """A drafted step's verify seconds, kept per drafting option as well as per width (see
-        :meth:`option_verify`)."""
+        :meth:`verify_prices`)."""
         table = self.verify_by_option.setdefault(option, {})
         timed = table.setdefault(rows_bucket(rows), RecentMedian())
         timed.add(seconds / self.speed, self.clock)
 
-    def option_verify(self, rows: int, option: object, width: float, aged: bool = True) -> float:
-        """Verify seconds of a step of ``option`` (expected padded ``width``): the median of its own
-        steps (at least :data:`PRIOR_TIMINGS` in ``rows``' bucket; excess shrunk as in
-        :meth:`verify_curve`), else the width curve's. Trees of varying width (chains cut by
-        confidence, lookup) verify widths each timed rarely: the curve at their expected width stays
-        optimistic however often the option drafts, its own steps do not."""
-        timed = self.verify_by_option.get(option, {}).get(rows_bucket(rows))
+    def verify_prices(self, rows: int, options: list, widths: np.ndarray, aged: bool = True) -> np.ndarray:
+        """Verify seconds of a step of each of ``options`` (expected padded ``widths``): the median of its
+        own steps (at least :data:`PRIOR_TIMINGS` in ``rows``' bucket; shrunk as in :meth:`verify_curve`),
+        else the width curve's. Trees of varying width (chains cut by confidence, lookup) verify widths
+        each timed rarely: the curve there stays optimistic however often the option drafts."""
+        prices = self.verify_curve(rows, widths, aged)
         plain = self.verify.get(rows_bucket(rows), {}).get(1)
-        if timed is None or timed.evidence < PRIOR_TIMINGS or plain is None:
-            return float(self.verify_curve(rows, np.array([width]), aged)[0])
-        weight = timed.weight(self.clock, aged)
-        return (plain.value + (timed.value - plain.value) * weight / (weight + 1)) * self.speed
+        for index, option in enumerate(options):
+            timed = self.verify_by_option.get(option, {}).get(rows_bucket(rows))
+            if plain is not None and timed is not None and timed.evidence >= PRIOR_TIMINGS:
+                weight = timed.weight(self.clock, aged)
+                prices[index] = (plain.value + (timed.value - plain.value) * weight / (weight + 1)) * self.speed
+        return prices
 
     @staticmethod
     def _nearest(bucket: int, tables: dict) -> int:

@@ -187,8 +187,7 @@ class CallPlanner:
             expected[index], bonuses[index], widths[index] = gain[last], bonus[last], padded[last]
         gains = expected + bonuses
         drafting = np.array([self.costs.draft_seconds(rows, option) for option in self.options])
-        seconds = drafting + np.array([self.costs.option_verify(rows, option, width)
-                                       for option, width in zip(self.options, widths)])
+        seconds = drafting + self.costs.verify_prices(rows, self.options, widths)
         rates = (1.0 + gains) / np.maximum(seconds, 1e-9)
         best = int(rates.argmax())
         if rates[best] <= 1.0 / plain:
@@ -197,7 +196,7 @@ class CallPlanner:
         # paying only by the optimism (its expected tokens over its costs' samples unaged lose to a
         # plain step): one step at a time, each adding evidence, until the estimate itself pays
         steady = (self.costs.draft_seconds(rows, self.options[best], aged=False)
-                  + self.costs.option_verify(rows, self.options[best], widths[best], aged=False))
+                  + self.costs.verify_prices(rows, self.options[best:best + 1], widths[best:best + 1], aged=False)[0])
         exploring = (1.0 + expected[best]) / max(steady, 1e-9) <= 1.0 / plain
         return Choice(True, mode, size, int(round(widths[best])), 1.0 + float(gains[best]), float(seconds[best]),
                       plain, "it may pay" if exploring else "drafting pays",

@@ -95,11 +95,11 @@ def test_an_option_of_varying_widths_is_priced_from_its_own_steps():
     curve = costs.verify_seconds(1, 6)
     assert float(costs.verify_curve(1, np.array([6.0]), aged=False)[0]) == pytest.approx(12.5)  # half the excess
     assert 10.0 < curve <= 12.5  # (aged: a little less)
-    assert costs.option_verify(1, option, 6.0) == pytest.approx(curve)  # too few steps of its own yet
+    assert costs.verify_prices(1, [option], np.array([6.0]))[0] == pytest.approx(curve)  # too few steps of its own yet
     costs.observe_option_verify(1, 15.0, option)
-    assert costs.option_verify(1, option, 6.0) == pytest.approx(10.0 + 5.0 * 4 / 5)
-    assert costs.option_verify(1, option, 6.0, aged=False) == pytest.approx(10.0 + 5.0 * 4 / 5)
-    assert costs.option_verify(1, (None, 4), 6.0) == pytest.approx(curve)  # another option: the curve
+    assert costs.verify_prices(1, [option], np.array([6.0]))[0] == pytest.approx(10.0 + 5.0 * 4 / 5)
+    assert costs.verify_prices(1, [option], np.array([6.0]), aged=False)[0] == pytest.approx(10.0 + 5.0 * 4 / 5)
+    assert costs.verify_prices(1, [(None, 4)], np.array([6.0]))[0] == pytest.approx(curve)  # another option: the curve
 
 
 def test_steps_that_also_compact_the_cache_are_not_timed_and_untimed_prices_plan_one_step():
