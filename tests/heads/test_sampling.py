@@ -252,13 +252,17 @@ def test_sampling_matches_the_target_while_the_drafter_learns(model, spec):
     assert chi_square_pvalue(samples, exact_joint(model, **settings)) > FALSE_ALARM
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "draft"])
 def test_auto_steps_sample_the_target(model, spec, eagle_spec, kind):
     """Plain steps and drafted steps of every size, mixed per step by the planner, follow the target's
     distribution (the drafter sees a plain step's tokens at its next call; a resized drafter keeps
-    its state)."""
+    its state; the draft kind drafts every step the planner asks for, its own chain lengths within)."""
     settings = dict(temperature=0.7, top_k=8)
-    chosen = spec if kind == "medusa" else eagle_spec
+    if kind == "draft":
+        from tests.heads.draft.test_draft_kind import noisy_copy
+        chosen = heads.attach_heads(model, kind="draft", draft_model=noisy_copy(model))
+    else:
+        chosen = spec if kind == "medusa" else eagle_spec
     if kind == "medusa":
         chosen.set_tree(16)
     torch.manual_seed(5)
