@@ -82,9 +82,12 @@ def make_spec(model, drafter: str, size: int | None):
 
 
 def fixed_sizes(spec) -> list[int]:
+    """Sizes from a single drafted node to the kind's default: the sizes ``auto`` chooses from and the
+    powers of two below the largest (a kind whose drafter sizes its own trees offers ``auto`` one)."""
     from heads import kinds
 
-    return sorted({1, *kinds.get(spec.kind).policy_sizes(spec)})
+    sizes = {1, *kinds.get(spec.kind).policy_sizes(spec)}
+    return sorted(sizes | {size for size in (2, 4, 8) if size < max(sizes)})
 
 
 def merge(cells: Path, out: Path) -> int:

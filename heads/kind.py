@@ -80,7 +80,8 @@ class DrafterKind:
     target_view: Callable[[object, object], object] | None = None
     """The view of the backbone the decode loop runs (e.g. one returning more layers as features)."""
     policy_sizes: Callable[[object], tuple[int, ...]] = default_policy_sizes
-    """Tree sizes (drafted nodes) ``speculate="auto"`` chooses from."""
+    """Tree sizes (drafted nodes) ``speculate="auto"`` chooses from, a single node besides; one size
+    alone: the drafter sizes its trees itself up to it, and ``auto`` decides only whether a step drafts."""
     static_tree: bool = False
     """The drafter fills one fixed tree template (``spec.tree``)."""
     trainable: bool = True

@@ -430,7 +430,8 @@ class SpeculativeModel:
         cost curve and the calibrated acceptance per sampling setting), kept across calls; seeded
         with the acceptance by depth the adapter recorded at save time."""
         if self._policy is None:
-            sizes = {1, *kinds.get(self.kind).policy_sizes(self)}  # drafted nodes a step may be resized to
+            declared = set(kinds.get(self.kind).policy_sizes(self))  # drafted nodes a step may be resized to
+            sizes = declared if len(declared) == 1 else {1, *declared}  # (one: the drafter sizes its trees)
             extra = 0 if self.lookup is None else self.lookup.budget
             recorded = self.metadata.get("acceptance", {})
             self._policy = Adaptive(recorded_acceptance(recorded), 1 + max(sizes) + extra, sizes, extra,

@@ -84,7 +84,13 @@ def bind_rule(drafter, rule):
 
 
 def policy_sizes(spec) -> tuple[int, ...]:
-    configured = spec.config.total_tokens
+    """An adaptive chain sizes itself per row and step from calibrated acceptance and measured costs
+    (``docs/draft.md``): ``auto`` gets its configured size alone and decides only whether a step drafts.
+    Fixed chains and dynamic trees: sizes up to the configured one."""
+    config = spec.config
+    configured = config.total_tokens
+    if config.adaptive and config.top_k == 1 and configured:
+        return (configured,)
     return tuple(sorted({size for size in (2, 4, 8) if size < configured} | {configured} - {0}))
 
 

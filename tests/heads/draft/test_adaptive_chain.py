@@ -409,3 +409,20 @@ def test_a_planner_decides_whether_a_step_drafts():
         drafted = sum(size > 1 for size in recorder.sizes)
         assert drafted == (len(recorder.sizes) if planned else 0), (planned, recorder.sizes)
     spec.drafter.resize(None)
+
+
+def test_auto_leaves_an_adaptive_chain_its_own_length():
+    """An adaptive chain sizes itself per row and step, so ``auto`` offers its configured size alone
+    and decides only whether a step drafts (every drafted step is resized to it, never smaller); a
+    fixed chain offers ``auto`` sizes from one node to its own. Greedy parity under ``auto``."""
+    model = build_model("llama", seed=1)
+    prompt = random_prompt(9, seed=0)
+    expected = reference(model, prompt, torch.ones_like(prompt), 24)
+    spec = heads.attach_heads(model, kind="draft", draft_model=model)
+    assert spec.adaptive.sizes == (spec.config.total_tokens,)
+    output = spec.generate(prompt, max_new_tokens=24, speculate="auto")
+    assert torch.equal(output, expected)
+    options = spec.last_stats.speculation["options"]
+    assert set(options) <= {str(spec.config.total_tokens)}, options
+    fixed = heads.attach_heads(model, kind="draft", draft_model=model, adaptive=False, depth=4, total_tokens=4)
+    assert fixed.adaptive.sizes == (1, 2, 4)
