@@ -143,3 +143,32 @@ class LeanDecoder:
             gate, up = F.linear(normed, gate_up, gate_up_bias).chunk(2, dim=-1)
             hidden = hidden + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         return _norm(decoder.norm, hidden)
+
+
+class LeanOutputHead:
+    """A drafter's output head for inference: ``features [..., d] -> float32 logits [..., V]`` with
+    the family's post-processing (:meth:`heads.backbone.Backbone.logits`).
+
+    On a CPU with float32 weights it multiplies by a float16 copy of the head's weights. A separate
+    draft model's head is read from main memory at each draft forward (the target's forward between
+    two of them evicts it from the caches), so its time is the bytes read: half the bytes, about half
+    the time. The copy follows the weights (:func:`weights_state`). Drafted tokens are verified by the
+    target, so the rounding (about 1e-3 relative on a logit) can change which tokens are drafted and
+    accepted, never what is generated. Elsewhere (an accelerator, half-precision weights, a head that
+    is not one linear layer) it is the head itself."""
+
+    def __init__(self, backbone) -> None:
+        self.backbone = backbone
+        self._half: tuple | None = None  # (weights_state of the sources, float16 weight, float16 bias or None)
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        head = self.backbone.output_head
+        if (features.device.type != "cpu" or type(head) is not nn.Linear or head.weight.dtype != torch.float32
+                or features.dtype != torch.float32):
+            return self.backbone.logits(features).float()
+        state = weights_state((head.weight, head.bias))
+        if self._half is None or self._half[0] != state:
+            bias = None if head.bias is None else head.bias.detach().half()
+            self._half = (state, head.weight.detach().half(), bias)
+        _, weight, bias = self._half
+        return self.backbone.postprocess(F.linear(features.half(), weight, bias).float())

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from ..backbone import Backbone, inspect_backbone, target_fingerprint
 from ..families import lean_decoder_ok
-from ..lean import LeanDecoder
+from ..lean import LeanDecoder, LeanOutputHead
 from .calibration import ChainCalibration, ChainCosts
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -133,6 +133,7 @@ class DraftModel(nn.Module):
         self.costs = ChainCosts()
         base = draft_model.base_model
         self._lean = LeanDecoder(base) if lean_decoder_ok(base) else None
+        self._head = LeanOutputHead(backbone)
         self.train(draft_model.training)  # a fresh Module trains: keep the draft's own mode (generate restores it)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -147,12 +148,13 @@ class DraftModel(nn.Module):
         runs per tree level. Without gradients and without a LoRA, a family that
         :func:`heads.families.lean_decoder_ok` accepts runs through :class:`heads.lean.LeanDecoder`
         (the same modules' tensors without the decoder's per-call wrappers; equal to float
-        rounding, and the target verifies every drafted token), else the draft's public forward."""
+        rounding, and the target verifies every drafted token) and its output head through
+        :class:`heads.lean.LeanOutputHead`, else the draft's public forward."""
         if self._lean is None or self.lora is not None or torch.is_grad_enabled():
             return self.backbone.forward(input_ids, position_ids, attention_mask, cache, logits_rows)
         features = self._lean(self.backbone.input_embeddings(input_ids), position_ids, attention_mask, cache)
         rows = features[:, -1:] if logits_rows == "last" else features
-        return features, self.backbone.logits(rows).float()
+        return features, self._head(rows)
 
     def train_all_weights(self) -> None:
         """Full fine-tune: every weight of the draft gets gradients (its pin taken first)."""

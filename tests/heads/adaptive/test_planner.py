@@ -120,6 +120,7 @@ def test_steps_that_also_compact_the_cache_are_not_timed_and_untimed_prices_plan
 
 
 def test_the_plain_reference_is_timed_in_a_plan_of_plain_steps_and_not_from_empty_steps():
+    """Nor from the first plain step after drafting ones (a switch costs more on a CPU)."""
     from tree_attention.planning import StepRecord
 
     adaptive = Adaptive([0.9] * 4, width=5)
@@ -129,6 +130,9 @@ def test_the_plain_reference_is_timed_in_a_plan_of_plain_steps_and_not_from_empt
     assert not planner.draft(1) and planner.choice.reason == "time plain steps"
     for _ in range(6):  # a width-1 forward amid drafted ones (the drafter proposed nothing): not timed
         planner.observe(StepRecord("empty", 1, 1, 0.001, 3.0, 1), *roots)
+    assert adaptive.costs.plain_timings(1) == 0
+    assert not planner.draft(1)  # the first plain step after drafting ones (a switch): not timed
+    planner.observe(StepRecord("plain", 1, 1, 0.0, 2.0, 1), *roots)
     assert adaptive.costs.plain_timings(1) == 0
     for step in range(5):  # the plan serves plain steps until the reference rests on a few of them
         assert not planner.draft(1)
@@ -327,7 +331,8 @@ def test_every_size_and_mode_mixed_per_step_is_token_identical(name, kind, monke
     from heads.adaptive import CallPlanner, Choice
 
     model = build_model(name, seed=11)
-    options = dict(draft_model=build_model(name, seed=12)) if kind == "draft" else {}
+    # (the draft kind's adaptive chain offers one size: its fixed chain, several)
+    options = dict(draft_model=build_model(name, seed=12), adaptive=False) if kind == "draft" else {}
     spec = heads.attach_heads(model, kind="medusa" if kind == "hybrid" else kind, **options)
     if kind == "hybrid":
         spec.set_lookup(True)

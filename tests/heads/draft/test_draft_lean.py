@@ -1,6 +1,7 @@
 """The draft model's per-level forward (``DraftModel.decode``): the lean decoder where the family
-allows it, the public forward otherwise, and the same logits either way (to float rounding) over a
-ragged batch with holes, as the drafter runs it."""
+allows it, the public forward otherwise, and the same features either way (to float rounding) over a
+ragged batch with holes, as the drafter runs it; its logits through the lean output head (float16
+weights on a CPU with float32 ones: equal to half-precision rounding)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ def draft_heads(name: str):
     return model, spec.heads
 
 
-def ragged_forward(draft, decode: bool, dtype=torch.float32, grad: bool = False):
-    """Feed two rows (the second with two leading holes) then one more token each; the logits of
-    both forwards, through ``draft.decode`` or the public forward."""
+def ragged_forward(draft, decode: bool, dtype=torch.float32, grad: bool = False, features: bool = False):
+    """Feed two rows (the second with two leading holes) then one more token each; the logits (or
+    the features) of both forwards, through ``draft.decode`` or the public forward."""
     backbone = draft.backbone
     cache = cache_ops.RaggedCache(2, torch.device("cpu"))
     tokens = torch.stack([random_prompt(7, seed=1)[0], random_prompt(7, seed=2)[0]])
@@ -34,11 +35,11 @@ def ragged_forward(draft, decode: bool, dtype=torch.float32, grad: bool = False)
     outputs = []
     with torch.set_grad_enabled(grad):
         mask = cache.mask(positions, visible, backbone.layout, dtype)
-        outputs.append(forward(tokens, positions, mask, cache.cache, "all")[1])
+        outputs.append(forward(tokens, positions, mask, cache.cache, "all")[0 if features else 1])
         cache.extend(valid, positions)
         step = positions[:, -1:] + 1
         mask = cache.mask(step, torch.ones(2, 1, 1, dtype=torch.bool), backbone.layout, dtype)
-        outputs.append(forward(torch.tensor([[5], [9]]), step, mask, cache.cache, "last")[1])
+        outputs.append(forward(torch.tensor([[5], [9]]), step, mask, cache.cache, "last")[0 if features else 1])
     return outputs
 
 
@@ -49,9 +50,37 @@ def test_lean_decode_matches_the_public_forward(name):
     calls = []
     lean = draft._lean
     draft._lean = lambda *args: calls.append(1) or lean(*args)
-    for ours, theirs in zip(ragged_forward(draft, True), ragged_forward(draft, False)):
+    for ours, theirs in zip(ragged_forward(draft, True, features=True), ragged_forward(draft, False, features=True)):
         assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5), (name, (ours - theirs).abs().max())
-    assert len(calls) == 2  # the lean path served both forwards
+    for ours, theirs in zip(ragged_forward(draft, True), ragged_forward(draft, False)):
+        assert half_close(ours, theirs), (name, (ours - theirs).abs().max())
+    assert len(calls) == 4  # the lean path served every forward
+
+
+def half_close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """Logits through a float16 head against float32 ones: within half precision's rounding of the
+    weights, the features and the products' sum."""
+    return ours.dtype == torch.float32 and torch.allclose(ours, theirs, atol=4e-3 * float(theirs.abs().max()) + 1e-3)
+
+
+def test_the_lean_output_head_halves_the_weights_on_a_cpu_and_follows_them():
+    """On a CPU with float32 weights the head multiplies by a float16 copy (float32 logits, equal to
+    rounding), rebuilt after an in-place update of the weights; in float64 or half precision it is the
+    head itself, exactly."""
+    from heads.lean import LeanOutputHead
+
+    _, draft = draft_heads("llama")
+    backbone = draft.backbone
+    head = LeanOutputHead(backbone)
+    features = torch.randn(2, 3, backbone.output_head.weight.shape[1])
+    reference = backbone.logits(features)
+    assert half_close(head(features), reference)
+    assert head._half[1].dtype == torch.float16
+    with torch.no_grad():
+        backbone.output_head.weight.mul_(-1.0)
+    assert half_close(head(features), -reference)
+    draft.model.double()
+    assert torch.equal(head(features.double()), backbone.logits(features.double()).float())
 
 
 @pytest.mark.parametrize("name", ["gpt2", "gemma2"])
@@ -81,4 +110,4 @@ def test_a_draft_model_kept_after_an_optimizer_step_drafts_with_the_new_weights(
     after, public = ragged_forward(draft, True), ragged_forward(draft, False)
     assert not torch.allclose(before[0], after[0])
     for ours, theirs in zip(after, public):
-        assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+        assert half_close(ours, theirs)
