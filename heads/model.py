@@ -20,7 +20,8 @@ from tree_attention.decode import DecodeStats, SpeculativeDecoder
 from tree_attention.tree import TreeTemplate
 
 from . import kinds
-from .adaptive import Adaptive, recorded_acceptance
+from .adapter import recorded_acceptance
+from .adaptive import Adaptive
 from .backbone import Backbone
 from .families import position_limit
 from .generation import acceptance_rule, resolve_generation

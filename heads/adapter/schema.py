@@ -146,6 +146,19 @@ def acceptance_entries(acceptance: dict) -> list[tuple[str, dict]]:
     return pairs
 
 
+def recorded_acceptance(acceptance: dict, sampled: bool = False) -> list[float]:
+    """The mean acceptance by depth over an ``acceptance`` block's entries recorded greedy (no
+    temperature, or 0) or, ``sampled``, at a temperature (acceptance under one says little of the
+    other): the prior of ``speculate="auto"``'s acceptance model."""
+    rows = [row for _, entry in acceptance_entries(acceptance) if isinstance(entry, dict)
+            and (float(entry.get("temperature") or 0) > 0) == sampled and (row := entry.get("acceptance_by_position"))]
+    if not rows:
+        return []
+    depth = max(len(row) for row in rows)
+    return [sum(row[index] for row in rows if index < len(row)) / sum(1 for row in rows if index < len(row))
+            for index in range(depth)]
+
+
 def check_acceptance(acceptance: object, where: str) -> None:
     """``acceptance``: ``{mix: entry | [entry, ...]}``; an entry holds at least ``tau``."""
     if not isinstance(acceptance, dict):

@@ -9,13 +9,11 @@ every ``HALF_LIFE`` steps, so a width timed on few steps or long ago is priced o
 width is priced above a wider one, nor above the same width over more rows (noise only adds time).
 Drafting seconds, and the verify seconds of each option's own steps, are kept per drafting option
 and rows bucket, shrunk the same way; a request's first ``propose`` (catching up on the prompt) is
-kept apart.
-
-Timings are stored divided by the machine's current speed (a shared machine drifts by tens of
-percent over seconds): the median, over the latest plain steps, of their seconds over the plain
-step's stored cost. Only plain steps move it: on a CPU the first steps after a switch between plain
-and drafted steps cost more, and a speed moved by both kinds would ratchet each switch's extra cost
-into the stored costs of one kind.
+kept apart. A step after a switch between plain and drafting steps costs more on a CPU (a drafter
+catches up on plain steps' tokens; caches refill): its extra seconds are kept apart, a median per
+direction, and a plan that switches pays them once. Timings are stored divided by the machine's
+current speed (a shared machine drifts by tens of percent over seconds): the median, over the
+latest steady plain steps, of their seconds over the plain step's stored cost.
 """
 
 from __future__ import annotations
@@ -86,6 +84,7 @@ class CostCurve:
         self.drafting: dict[object, dict[int, RecentMedian]] = {}  # per drafting option, per rows bucket
         self.first_drafting: dict[object, dict[int, RecentMedian]] = {}
         self.verify_by_option: dict[object, dict[int, RecentMedian]] = {}  # per option, per rows bucket
+        self.switching = {True: RecentMedian(), False: RecentMedian()}  # a switch's extra seconds, into drafting (True)
         self.clock = 0  # verify forwards observed (steps)
         self.speed = 1.0  # the machine's current seconds per stored second (module docstring)
         self._ratios: deque[float] = deque(maxlen=_SPEED_HORIZON)  # latest plain steps' seconds / stored cost
@@ -107,13 +106,20 @@ class CostCurve:
             self._curves.pop((bucket, False), None)
 
     def observe_draft(self, rows: int, seconds: float, first: bool, mode: object = None) -> None:
-        """A drafting step's seconds (``first``: a request's first ``propose``, kept apart)."""
+        """A drafting step's seconds (``first``: a ``propose`` that catches up, kept apart)."""
         table = (self.first_drafting if first else self.drafting).setdefault(mode, {})
         bucket = rows_bucket(rows)
         timed = table.get(bucket)
         if timed is None:
             timed = table[bucket] = RecentMedian()
         timed.add(seconds / self.speed, self.clock)
+
+    def observe_switch(self, into_drafting: bool, extra: float) -> None:
+        """The seconds a step after a switch between plain and drafting cost over a steady one."""
+        self.switching[into_drafting].add(extra / self.speed, self.clock)
+
+    def switch_seconds(self, into_drafting: bool) -> float:
+        return max(0.0, self.switching[into_drafting].value) * self.speed  # (none measured: 0)
 
     def observe_option_verify(self, rows: int, seconds: float, option: object) -> None:
         """A drafted step's verify seconds, kept per drafting option as well as per width (see

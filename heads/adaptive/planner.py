@@ -12,11 +12,10 @@ serves every size. The size is chosen before drafting, so it never depends on wh
 outputs are those of any fixed choice. Drafted trees are verified whole (cutting them after
 drafting cost more than it saved: ``docs/auto.md``).
 
-A rows bucket's first plan is a run of plain steps, which times the reference (right after drafted
-steps a plain step costs more on a CPU); then each acceptance model drafts until it has seen
-:data:`REPLAN_EVERY` rows. A plan priced from a cost not yet timed in its rows' bucket, or paying
-only by the optimism of the bounds, serves one step. A call's first step and the first after rows
-finished are not timed: they also build or compact the cache's bookkeeping.
+A rows bucket's first plan is a run of plain steps, which times the reference; then each acceptance
+model drafts until it has seen :data:`REPLAN_EVERY` rows. A plan priced from a cost not yet timed in
+its rows' bucket, or paying only by the optimism of the bounds, serves one step. Untimed: a call's
+first step, the first after rows finished or a switch between plain and drafting, and empty steps.
 """
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ class Choice:
 
 
 def _label(option: Option) -> str:
-    mode, size = option
-    return "/".join(part for part in (mode, None if size is None else str(size)) if part is not None) or "configured"
+    return "/".join(str(part) for part in option if part is not None) or "configured"
 
 
 @dataclass
@@ -169,7 +167,7 @@ class CallPlanner:
         self.summary.last = self.choice
         self._applied: Option | None = None  # the option the drafter is set to (None: as configured)
         self._capacity: int | None = None  # nodes the drafter is asked for, in its model's node order
-        self._last_rows = 0  # the rows of this call's previous step (0: none yet)
+        self._last_rows, self._last_plain = 0, True  # this call's previous step: its rows (0: none yet), plain
 
     def _plan(self, rows: int) -> Choice:
         if self.costs.plain_timings(rows) < PRIOR_TIMINGS:  # the reference every option is judged against
@@ -179,7 +177,8 @@ class CallPlanner:
                 # prior says little of this text (one step at a time: a batch's step brings many rows)
                 return Choice(True, mode, size, nodes=model.width, reason="measure an option never drafted",
                               tentative=True)
-        plain = self.costs.verify_seconds(rows, 1)
+        # a plan that switches between plain and drafting steps pays the switch once over its steps
+        plain = self.costs.verify_seconds(rows, 1) + (0.0 if self._last_plain else self.costs.switch_seconds(False) / REPLAN_EVERY)
         expected, bonuses, widths = (np.zeros(len(self.options)) for _ in range(3))
         for index, (model, nodes) in enumerate(zip(self.models, self._nodes)):
             gain, bonus, padded = model.prefix_estimates(model.width, rows)
@@ -188,6 +187,7 @@ class CallPlanner:
         gains = expected + bonuses
         drafting = np.array([self.costs.draft_seconds(rows, option) for option in self.options])
         seconds = drafting + self.costs.verify_prices(rows, self.options, widths)
+        seconds += self.costs.switch_seconds(True) / REPLAN_EVERY if self._last_plain else 0.0
         rates = (1.0 + gains) / np.maximum(seconds, 1e-9)
         best = int(rates.argmax())
         if rates[best] <= 1.0 / plain:
@@ -235,16 +235,23 @@ class CallPlanner:
 
     def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
                 lengths: torch.Tensor) -> None:
-        if record.rows == self._last_rows and not record.first_draft and record.kind != "empty":
-            # (steps that also build or compact the cache's bookkeeping are not timed; nor are empty
-            # steps: a width-1 forward amid drafted ones costs more than one amid plain steps on a CPU)
+        # steady costs only: a step after a switch between plain and drafting costs more (a drafter
+        # catches up), which would price the side the planner is not on too high (module docstring)
+        steady = self._last_plain == (record.kind == "plain")
+        option = self.choice.option if self.choice is not None else (None, None)
+        if record.rows == self._last_rows and not record.first_draft and record.kind != "empty" and steady:
             self.costs.observe_verify(record.rows, record.width, record.verify_seconds)
             if record.kind == "drafted" and self.choice is not None and self.choice.draft:
-                self.costs.observe_option_verify(record.rows, record.verify_seconds, self.choice.option)
-        self._last_rows = record.rows
-        option = self.choice.option if self.choice is not None else (None, None)
+                self.costs.observe_option_verify(record.rows, record.verify_seconds, option)
+        elif record.rows == self._last_rows and not record.first_draft and record.kind != "empty":
+            usual = (self.costs.verify_seconds(record.rows, 1) if record.kind == "plain"
+                     else self.costs.draft_seconds(record.rows, option, aged=False) or None)
+            if usual is not None:  # (the extra seconds of a switch: what each plan pays once)
+                seconds = record.verify_seconds if record.kind == "plain" else record.draft_seconds
+                self.costs.observe_switch(record.kind != "plain", seconds - usual)
+        self._last_rows, self._last_plain = record.rows, record.kind == "plain"
         if record.kind != "plain":
-            self.costs.observe_draft(record.rows, record.draft_seconds, record.first_draft, option)
+            self.costs.observe_draft(record.rows, record.draft_seconds, record.first_draft or not steady, option)
         for model in self._distinct:
             model.fade()
         summary = self.summary

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import heads
-from heads.adaptive import AcceptanceModel, Adaptive, CostCurve, recorded_acceptance
+from heads.adapter import recorded_acceptance
+from heads.adaptive import AcceptanceModel, Adaptive, CostCurve
 from tests.conftest import build_model, left_pad, random_prompt
 from tree_attention.decode import PerRowDrafter, SpeculativeDecoder
 from tree_attention.tree import TreeBatch, from_choices, prefix_batch
@@ -239,6 +240,11 @@ def test_recorded_acceptance_is_the_mean_over_mixes():
     mixed = {"greedy": {"acceptance_by_position": [0.9]}, "warm": {"acceptance_by_position": [0.4], "temperature": 0.7}}
     assert recorded_acceptance(mixed) == pytest.approx([0.9])  # each rule its own prior
     assert recorded_acceptance(mixed, sampled=True) == pytest.approx([0.4])
+    # an adapter trained for every temperature records a list per mix, an entry per temperature
+    both = {"prose": [{"acceptance_by_position": [0.8], "tau": 1.8},
+                      {"acceptance_by_position": [0.5], "tau": 1.5, "temperature": 0.7}]}
+    assert recorded_acceptance(both) == pytest.approx([0.8])
+    assert recorded_acceptance(both, sampled=True) == pytest.approx([0.5])
     adaptive = Adaptive([0.9], 3, sampled_prior=[0.4])
     adaptive.planner("sampled key", False)
     assert adaptive.model("sampled key").prior_by_depth == [0.4] and adaptive.model("greedy").prior_by_depth == [0.9]
@@ -393,3 +399,40 @@ def test_a_modal_drafter_gets_its_mode_per_step_and_back_after_the_call():
     assert set(speculation["acceptance"]) == {"lookup", *(f"merged/{size}" for size in sizes)}
     assert spec.drafter._forced is None  # a speculate=None call drafts as the drafter itself chooses
     assert spec.drafter.base.template.size == spec.drafter_for(None).base.template.size  # and at its own size
+
+
+def test_a_switch_between_plain_and_drafting_is_timed_apart_and_paid_once_a_plan():
+    """The first step after a switch costs more on a CPU (a drafter catches up): it moves neither the
+    steady tables nor the speed, its extra seconds are kept per direction, and a plan that switches
+    pays them once over its steps, so neither side is priced at the switch's cost."""
+    from heads.adaptive import Choice
+    from heads.adaptive.planner import REPLAN_EVERY
+    from tree_attention.planning import StepRecord
+
+    adaptive = Adaptive([0.9] * 4, width=3)
+    planner = adaptive.planner("greedy", True)
+    roots = (TreeBatch.roots_only(torch.zeros(1, dtype=torch.long)), torch.zeros(1, 1, dtype=torch.long),
+             torch.ones(1, dtype=torch.long))
+    chain = (_chain_batch(3), torch.arange(3)[None], torch.tensor([3]))
+    planner.draft(1)
+    for _ in range(6):
+        planner.observe(StepRecord("plain", 1, 1, 0.0, 1.0, 1), *roots)
+    planner.choice = Choice(True, None, None, nodes=3, reason="test")
+    planner.observe(StepRecord("drafted", 1, 3, 0.9, 1.5, 3), *chain)  # switched in: catching up, untimed
+    assert adaptive.costs.draft_seconds(1, (None, None)) == 0.0 and 3 not in adaptive.costs.verify[1]
+    for _ in range(4):
+        planner.observe(StepRecord("drafted", 1, 3, 0.3, 1.5, 3), *chain)
+    assert adaptive.costs.draft_seconds(1, (None, None), aged=False) == pytest.approx(0.3 * 4 / 5)
+    planner.choice = Choice(False, reason="test")
+    planner.observe(StepRecord("plain", 1, 1, 0.0, 1.8, 1), *roots)  # switched out: 0.8 s more than steady
+    assert adaptive.costs.verify_seconds(1, 1) == pytest.approx(1.0)
+    assert adaptive.costs.switch_seconds(False) == pytest.approx(0.8)
+    assert adaptive.costs.switch_seconds(True) == 0.0  # (no steady drafting timed then to compare with)
+    planner.choice = Choice(True, None, None, nodes=3, reason="test")
+    planner.observe(StepRecord("drafted", 1, 3, 0.9, 1.5, 3), *chain)  # switched in again: now measured
+    assert adaptive.costs.switch_seconds(True) == pytest.approx(0.9 - 0.3 * 4 / 5)
+    planner._last_plain = False  # a plan made after drafted steps: plain pays the switch once
+    for _ in range(8):
+        planner.models[0].observe(*chain)
+    choice = planner._plan(1)
+    assert choice.plain_seconds == pytest.approx(1.0 + 0.8 / REPLAN_EVERY)
