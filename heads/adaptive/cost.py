@@ -133,10 +133,10 @@ class CostCurve:
         own steps (at least :data:`PRIOR_TIMINGS` in ``rows``' bucket; shrunk as in :meth:`verify_curve`),
         else the width curve's. Trees of varying width (chains cut by confidence, lookup) verify widths
         each timed rarely: the curve there stays optimistic however often the option drafts."""
-        prices = self.verify_curve(rows, widths, aged)
-        plain = self.verify.get(rows_bucket(rows), {}).get(1)
+        prices, bucket = self.verify_curve(rows, widths, aged), rows_bucket(rows)
+        plain = self.verify.get(bucket, {}).get(1)
         for index, option in enumerate(options):
-            timed = self.verify_by_option.get(option, {}).get(rows_bucket(rows))
+            timed = self.verify_by_option.get(option, {}).get(bucket)
             if plain is not None and timed is not None and timed.evidence >= PRIOR_TIMINGS:
                 weight = timed.weight(self.clock, aged)
                 prices[index] = (plain.value + (timed.value - plain.value) * weight / (weight + 1)) * self.speed

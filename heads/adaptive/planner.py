@@ -239,11 +239,12 @@ class CallPlanner:
         # catches up), which would price the side the planner is not on too high (module docstring)
         steady = self._last_plain == (record.kind == "plain")
         option = self.choice.option if self.choice is not None else (None, None)
-        if record.rows == self._last_rows and not record.first_draft and record.kind != "empty" and steady:
+        timed = record.rows == self._last_rows and not record.first_draft and record.kind != "empty"
+        if timed and steady:
             self.costs.observe_verify(record.rows, record.width, record.verify_seconds)
             if record.kind == "drafted" and self.choice is not None and self.choice.draft:
                 self.costs.observe_option_verify(record.rows, record.verify_seconds, option)
-        elif record.rows == self._last_rows and not record.first_draft and record.kind != "empty":
+        elif timed:
             usual = (self.costs.verify_seconds(record.rows, 1) if record.kind == "plain"
                      else self.costs.draft_seconds(record.rows, option, aged=False) or None)
             if usual is not None:  # (the extra seconds of a switch: what each plan pays once)
