@@ -87,28 +87,46 @@ def lean_decoder_ok(decoder: nn.Module) -> bool:
         return False
     if not _rms_norm_or_identity(decoder.norm):
         return False
-    for layer in layers:
-        attention = getattr(layer, "self_attn", None)
-        if not all(isinstance(getattr(layer, name, None), nn.Module)
-                   for name in ("input_layernorm", "post_attention_layernorm", "mlp")):
-            return False
-        if not all(isinstance(getattr(attention, name, None), nn.Linear) for name in ("q_proj", "k_proj", "v_proj",
-                                                                                      "o_proj")):
-            return False
-        if any(hasattr(attention, name) for name in ("q_norm", "k_norm")):
-            return False
-        mlp = layer.mlp
-        if not all(isinstance(getattr(mlp, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")):
-            return False
-        if not callable(getattr(mlp, "act_fn", None)) or set(name for name, _ in mlp.named_children()) - {
-                "gate_proj", "up_proj", "down_proj", "act_fn"}:
-            return False
-        if not all(_rms_norm_or_identity(norm) for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
-            return False
-        if not isinstance(getattr(attention, "head_dim", None), int) or not isinstance(
-                getattr(attention, "scaling", None), float):
-            return False
-    return True
+    return all(_lean_layer_ok(getattr(layer, "self_attn", None), layer,
+                              ("input_layernorm", "post_attention_layernorm")) for layer in layers)
+
+
+def lean_midlayer_ok(midlayer: nn.Module) -> bool:
+    """True when an EAGLE-3 midlayer (:class:`heads.eagle.modules.Eagle3Midlayer`) may run through
+    :class:`heads.lean.LeanMidlayer`: a family of :data:`LEAN_DECODER_FAMILIES` whose attention, MLP
+    and three norms are exactly the expected modules."""
+    config = getattr(midlayer, "config", None)
+    if getattr(config, "model_type", None) not in LEAN_DECODER_FAMILIES:
+        return False
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return False
+    if not isinstance(getattr(midlayer, "rotary_emb", None), nn.Module):
+        return False
+    return _lean_layer_ok(getattr(midlayer, "self_attn", None), midlayer,
+                          ("input_layernorm", "hidden_norm", "post_attention_layernorm"))
+
+
+def _lean_layer_ok(attention: nn.Module | None, owner: nn.Module, norms: tuple[str, ...]) -> bool:
+    """The attention (separate ``q/k/v/o_proj`` linears, no query/key norms, an int ``head_dim`` and
+    a float ``scaling``), the MLP (``gate/up/down_proj`` and ``act_fn`` only) and the ``norms`` of
+    ``owner`` (RMS norms or identities) that the lean layer body writes out."""
+    if not all(isinstance(getattr(owner, name, None), nn.Module) for name in (*norms, "mlp")):
+        return False
+    if not all(isinstance(getattr(attention, name, None), nn.Linear) for name in ("q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj")):
+        return False
+    if any(hasattr(attention, name) for name in ("q_norm", "k_norm")):
+        return False
+    mlp = owner.mlp
+    if not all(isinstance(getattr(mlp, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")):
+        return False
+    if not callable(getattr(mlp, "act_fn", None)) or set(name for name, _ in mlp.named_children()) - {
+            "gate_proj", "up_proj", "down_proj", "act_fn"}:
+        return False
+    if not all(_rms_norm_or_identity(getattr(owner, name)) for name in norms):
+        return False
+    return isinstance(getattr(attention, "head_dim", None), int) and isinstance(getattr(attention, "scaling", None),
+                                                                                 float)
 
 
 def position_limit(backbone) -> int | None:

@@ -87,6 +87,17 @@ def greedy_reference(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.
                               max_new_tokens=max_new_tokens)
 
 
+@pytest.fixture
+def full_precision_drafters():
+    """Lean drafter forwards on the float32 weights themselves (``heads.lean.full_precision``): for
+    tests that compare decode-time drafter arithmetic with a training or reference forward to float
+    rounding, where a single-row step's float16 copies would differ by half-precision rounding."""
+    from heads import lean
+
+    with lean.full_precision():
+        yield
+
+
 @pytest.fixture(params=ARCHITECTURES)
 def architecture(request) -> str:
     return request.param

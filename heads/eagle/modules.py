@@ -58,8 +58,9 @@ from tree_attention.mask import AttentionMask, layout_masks
 from ..backbone import Backbone, OutputRows, attention_layout
 from ..blocks import ResidualBlock
 from ..draft_vocab import check_token_map
-from ..families import check_eagle_layout, decoder_copy, eagle3_parts, lean_decoder_ok, rotary_attention
-from ..lean import LeanDecoder, weights_state
+from ..families import (check_eagle_layout, decoder_copy, eagle3_parts, lean_decoder_ok, lean_midlayer_ok,
+                        rotary_attention)
+from ..lean import LeanDecoder, LeanMidlayer, weights_state
 from .calibration import ChainCalibration
 from .config import EagleConfig
 
@@ -203,7 +204,10 @@ class EagleHeads(nn.Module):
             self._cache_keyword = cache_ops.cache_keyword(self.decoder)
         self._draft_rows = None  # (source key, OutputRows) of the draft vocabulary, see draft_rows
         self._heads_cache = None  # (count, sources, their state, stacked tensors) of the parallel heads, see _fused_heads
-        self._lean = LeanDecoder(self.decoder) if self.projection is not None and lean_decoder_ok(self.decoder) else None
+        if self.projection is None:
+            self._lean = LeanMidlayer(self.decoder) if lean_midlayer_ok(self.decoder) else None
+        else:
+            self._lean = LeanDecoder(self.decoder) if lean_decoder_ok(self.decoder) else None
         self.layout = attention_layout(self.decoder.config)
         self.mask_embedding = self.mask_feature = self.parallel_heads = self.sequential_head = None
         if config.parallel > 1 and config.parallel_mode in ("mask", "block"):  # mask queries' inputs (set from data)
@@ -289,10 +293,13 @@ class EagleHeads(nn.Module):
         """One drafter application: features ``[B, T, d]`` and next-token embeddings ``[B, T, d]`` at
         positions ``[B, T]`` → predicted next features ``[B, T, d]``; appends ``T`` entries to ``cache``.
         (``eagle3``: the midlayer's pre-norm output; see :meth:`draft_rows`.)"""
+        lean = self._lean is not None and not torch.is_grad_enabled()
         if self.projection is None:
+            if lean:
+                return self._lean(features, token_embeddings, position_ids, attention_mask, cache)
             return self.decoder(features, token_embeddings, position_ids, attention_mask, cache)
         inputs = self.projection(torch.cat([token_embeddings, features], dim=-1))  # (B, T, d)
-        if self._lean is not None and not torch.is_grad_enabled():
+        if lean:
             return self._lean(inputs, position_ids, attention_mask, cache)
         outputs = self.decoder(inputs_embeds=inputs, position_ids=position_ids, attention_mask=attention_mask,
                                use_cache=cache is not None, **{self._cache_keyword: cache})

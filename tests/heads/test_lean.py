@@ -29,11 +29,14 @@ def _masks(heads_module, committed: int, new: int, tree: bool):
     return queries, layout_masks(visible, queries, keys, heads_module.layout, torch.float32)
 
 
-@pytest.mark.parametrize("layout", ["native", "eagle1"])
-@pytest.mark.parametrize("name", LEAN_FAMILIES)
+@pytest.mark.parametrize("layout, name", [(layout, name) for layout in ("native", "eagle1") for name in LEAN_FAMILIES]
+                         + [("eagle3", "llama"), ("eagle3", "llama-tied")])
 def test_lean_forward_equals_the_decoders_forward(name, layout):
+    """Native and EAGLE-1 decoder copies (two layers) and the EAGLE-3 midlayer (fused-feature
+    input, pre-norm output)."""
     model = build_model(name)
-    drafter = heads.attach_heads(model, kind="eagle", layout=layout, num_layers=2).heads
+    options = dict(feature_layers=[0, 1, 2], num_layers=1) if layout == "eagle3" else dict(num_layers=2)
+    drafter = heads.attach_heads(model, kind="eagle", layout=layout, **options).heads
     assert drafter._lean is not None
     torch.manual_seed(0)
     for parameter in drafter.parameters():  # trained-looking weights, not the zero/identity init
@@ -132,3 +135,42 @@ def test_fused_weights_follow_in_place_updates_and_moves():
     public, fast = both()
     assert fast.dtype == torch.float64
     torch.testing.assert_close(fast, public, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("layout, name", [("native", "llama"), ("eagle3", "llama")])
+def test_a_single_query_multiplies_by_half_precision_copies(layout, name):
+    """One query (a chain level at batch 1) on a CPU with float32 weights runs every projection on a
+    float16 copy of its weights: equal to the public forward to half-precision rounding, not
+    bitwise; the cache gets the same keys to that rounding, and the copies follow in-place updates.
+    Two or more queries keep the float32 weights (equal to float rounding)."""
+    options = dict(feature_layers=[0, 1, 2], num_layers=1) if layout == "eagle3" else dict(num_layers=1)
+    drafter = heads.attach_heads(build_model(name), kind="eagle", layout=layout, **options).heads
+    torch.manual_seed(2)
+    for parameter in drafter.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    lean, d = drafter._lean, drafter.hidden_size
+    features, embeddings = torch.randn(1, 9, d), torch.randn(1, 9, d)
+
+    def both(new: int):
+        outputs = []
+        for module in (None, lean):
+            drafter._lean = module
+            cache = cache_ops.new_cache()
+            with torch.no_grad():
+                positions, mask = _masks(drafter, 8, 0, tree=False)
+                drafter.step(features[:, :8], embeddings[:, :8], positions, mask, cache)
+                positions, mask = _masks(drafter, 8, new, tree=True)
+                outputs.append(drafter.step(features[:, 8:8 + new].expand(-1, new, -1),
+                                            embeddings[:, 8:8 + new].expand(-1, new, -1), positions, mask, cache))
+        return outputs
+
+    public, fast = both(1)
+    assert not torch.equal(fast, public)  # the float16 copies ran
+    torch.testing.assert_close(fast, public, rtol=2e-2, atol=2e-2)
+    public, fast = both(2)
+    torch.testing.assert_close(fast, public, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        first = drafter.decoder.mlp.up_proj if layout == "eagle3" else drafter.decoder.layers[0].mlp.up_proj
+        first.weight.mul_(-2.0)
+    public, fast = both(1)
+    torch.testing.assert_close(fast, public, rtol=2e-2, atol=2e-2)

@@ -191,6 +191,7 @@ def test_drafter_cache_follows_the_accepted_path_trained(trained):
     ("mistral", {}), ("gemma2", {}), ("gpt2", {}), ("gpt_neox", dict(feature_layers=(0, 1, 2))),
     ("qwen2", dict(draft_vocab_size=40, top_k=3, num_layers=2)),
 ])
+@pytest.mark.usefixtures("full_precision_drafters")
 def test_drafter_cache_follows_the_accepted_path_random(name, options):
     model = build_model(name, seed=5)
     spec = heads.attach_heads(model, kind="eagle", **options)
@@ -201,6 +202,7 @@ def test_drafter_cache_follows_the_accepted_path_random(name, options):
     ("mistral", {}), ("gemma2", {}), ("gpt2", {}), ("qwen2", dict(layout="eagle1")),
     ("llama", dict(layout="eagle3", feature_layers=(0, 1, 2))),
 ])
+@pytest.mark.usefixtures("full_precision_drafters")
 def test_training_unroll_equals_decode_time_drafting(name, options):
     """Step j of the training forward at origin t equals drafting a chain at decode time: commit the
     pairs up to t, then feed back the drafter's own predictions along one path."""

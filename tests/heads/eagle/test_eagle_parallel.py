@@ -63,6 +63,7 @@ def _mask_query_mask(prefix: int, count: int, layout):
     ("mistral", {}), ("gemma2", {}), ("gpt2", {}), ("qwen2", dict(layout="eagle1")),
     ("llama", dict(layout="eagle3", feature_layers=(0, 1, 2))),
 ])
+@pytest.mark.usefixtures("full_precision_drafters")
 def test_training_forward_equals_naive_and_decode_time_mask_queries(name, options):
     """Anchor t's mask query j in the extended-sequence training forward equals (a) committing the
     pairs up to t and then running mask queries one by one against the cache, and (b) the drafter's
@@ -108,6 +109,7 @@ def test_training_forward_equals_naive_and_decode_time_mask_queries(name, option
     ("mistral", {}), ("gpt2", dict(draft_vocab_size=40)), ("gemma2", {}),
     ("llama", dict(layout="eagle3", feature_layers=(0, 1, 2))),
 ])
+@pytest.mark.usefixtures("full_precision_drafters")
 @pytest.mark.parametrize("head_input", ["prediction", "feature"])
 def test_heads_mode_drafts_medusa_heads_with_a_stopped_gradient(name, options, head_input):
     """``heads`` mode: the drafter's own forward is the sequential one (depth 1), head ``j`` reads the
