@@ -196,7 +196,8 @@ def check_calibration(table: object) -> None:
 
 
 class ChainCosts:
-    """Running means, in seconds, of one draft forward (all rows, one token each), of a steady
+    """Running means, in seconds, of one chain level (a draft forward of all rows, one token each,
+    and the host arithmetic that decides on its logits), of a steady
     step's feeding forward, of a verify step as ``intercept + slope * (nodes - 1)``, and of the
     tokens a row commits per step; the slope is a weighted least-squares fit held towards
     :data:`NODE_PRIOR` of the intercept (chains of one length alone cannot tell it apart). Whether

@@ -288,6 +288,7 @@ class DraftModelDrafter:
         bins: list[list[int]] = [[] for _ in range(rows)]
         alternatives: list[list[tuple[int, int, int, float, bool]]] = [[] for _ in range(rows)]
         start = self.committed - 1  # (R,) the roots' positions
+        forward_began = None  # when the forward that made this level's logits began
         for level in range(1, self.depth + 1):
             if side:
                 best = torch.softmax(logits.float(), dim=-1).topk(1 + side, dim=-1)  # (R, 1 + s)
@@ -317,11 +318,12 @@ class DraftModelDrafter:
                 gain = chance[row] * next_rates[depth_bucket(level + 1)][index]  # expected from one more level
                 growing[row] = keep and sure >= self.config.confidence and gain > node_price
                 wanted = wanted or (growing[row] and gain > draft_price + node_price)
+            if forward_began is not None:  # a level costs its forward and the arithmetic on its logits
+                self.costs.add_draft(time.perf_counter() - forward_began)
             if level == self.depth or not wanted:
                 break
-            began = time.perf_counter()
+            forward_began = time.perf_counter()
             logits = self._chain_level(token, start, level)
-            self.costs.add_draft(time.perf_counter() - began)
         chain = torch.stack(tokens, dim=1)  # (R, W)
         real = None
         for row, others in enumerate(alternatives):  # the budget counts them too, shallower first
