@@ -64,23 +64,27 @@ def half_close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
 
 
 def test_the_lean_output_head_halves_the_weights_on_a_cpu_and_follows_them():
-    """On a CPU with float32 weights the head multiplies by a float16 copy (float32 logits, equal to
-    rounding), rebuilt after an in-place update of the weights; in float64 or half precision it is the
-    head itself, exactly."""
+    """On a CPU with float32 weights a single row of features is multiplied by a float16 copy
+    (float32 logits, equal to rounding), rebuilt after an in-place update of the weights; several
+    rows (where float16 products are slower on a CPU), float64 or half precision use the head
+    itself, exactly."""
     from heads.lean import LeanOutputHead
 
     _, draft = draft_heads("llama")
     backbone = draft.backbone
     head = LeanOutputHead(backbone)
-    features = torch.randn(2, 3, backbone.output_head.weight.shape[1])
-    reference = backbone.logits(features)
-    assert half_close(head(features), reference)
-    assert head._half[1].dtype == torch.float16
+    one = torch.randn(1, 1, backbone.output_head.weight.shape[1])
+    reference = backbone.logits(one)
+    ours = head(one)
+    assert half_close(ours, reference) and not torch.equal(ours, reference.float())
+    assert head._product[1].half_weight.dtype == torch.float16
     with torch.no_grad():
         backbone.output_head.weight.mul_(-1.0)
-    assert half_close(head(features), -reference)
+    assert half_close(head(one), -reference)
+    rows = torch.randn(2, 3, backbone.output_head.weight.shape[1])
+    assert torch.equal(head(rows), backbone.logits(rows).float())
     draft.model.double()
-    assert torch.equal(head(features.double()), backbone.logits(features.double()).float())
+    assert torch.equal(head(one.double()), backbone.logits(one.double()).float())
 
 
 @pytest.mark.parametrize("name", ["gpt2", "gemma2"])
