@@ -92,7 +92,11 @@ class _Product(NamedTuple):
 
     def __call__(self, inputs: torch.Tensor, one_row: bool) -> torch.Tensor:
         if one_row and self.half_weight is not None and inputs.dtype == torch.float32 and not _full_precision:
-            return F.linear(inputs.half(), self.half_weight, self.half_bias).float()
+            product = F.linear(inputs.half(), self.half_weight, self.half_bias)
+            # float16 ends at 65504: an input or a sum past it (large activations) is computed again in
+            # float32 rather than drafted from inf or nan (a cheap check on a CPU, where it runs)
+            if bool(torch.isfinite(product).all()):
+                return product.float()
         return F.linear(inputs, self.weight, self.bias)
 
 

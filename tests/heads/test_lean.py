@@ -174,3 +174,19 @@ def test_a_single_query_multiplies_by_half_precision_copies(layout, name):
         first.weight.mul_(-2.0)
     public, fast = both(1)
     torch.testing.assert_close(fast, public, rtol=2e-2, atol=2e-2)
+
+
+def test_a_single_row_past_half_precisions_range_is_computed_in_float32():
+    """A float16 product that overflows (activations past 65504) falls back to the float32 weights:
+    finite and equal to the exact product."""
+    from heads.lean import _Product
+
+    torch.manual_seed(3)
+    weight, bias = torch.randn(8, 4), torch.randn(8)
+    product = _Product.of(weight, bias)
+    small = torch.randn(1, 1, 4)
+    assert not torch.equal(product(small, True), torch.nn.functional.linear(small, weight, bias))  # float16 ran
+    large = torch.full((1, 1, 4), 1e5)
+    out = product(large, True)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, torch.nn.functional.linear(large, weight, bias))
