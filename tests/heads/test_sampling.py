@@ -369,3 +369,30 @@ def test_a_wrong_seeded_rule_is_caught(model, spec, monkeypatch, wrong):
     spec.set_tree(16)
     pvalue = chi_square_pvalue(seeded_runs(spec, first_seed=1000, **settings), exact_joint(model, **settings))
     assert pvalue < FALSE_ALARM, pvalue
+
+
+@pytest.fixture(scope="module")
+def eagle3_chain_spec(model):
+    torch.manual_seed(5)
+    spec = heads.attach_heads(model, kind="eagle", layout="eagle3", feature_layers=(0, 1, 2), depth=3, top_k=1,
+                              total_tokens=3, min_acceptance=0)
+    generator = torch.Generator().manual_seed(10)
+    sequences = [progression_batch(1, 24, generator, VOCAB, 0.2)[0] for _ in range(64)]
+    make_trainer(spec, sequences, TrainConfig(steps=60, batch_size=8, learning_rate=3e-3, warmup_steps=5),
+                 progress=False).train()
+    return spec
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["rule", "no-residual"])
+def test_eagle3_chain_sampling_matches_the_target(model, eagle3_chain_spec, monkeypatch, wrong):
+    """Sampled chains of the EAGLE-3 midlayer, drafted through its lean forward (one query a level:
+    the float16 copies on a CPU), keep the target's law; skipping the residual is caught."""
+    assert eagle3_chain_spec.heads._lean is not None
+    if wrong:
+        original = SamplingRule.__init__
+        monkeypatch.setattr(SamplingRule, "__init__", lambda self, warp, generator=None, use_residual=True:
+                            original(self, warp, generator, use_residual=False))
+    settings = dict(temperature=0.8, top_k=0)
+    pvalue = chi_square_pvalue(sample_runs(eagle3_chain_spec, **settings), exact_joint(model, **settings))
+    assert (pvalue < FALSE_ALARM) if wrong else (pvalue > FALSE_ALARM), pvalue
+    assert torch.equal(eagle3_chain_spec.generate(PROMPT, max_new_tokens=20), greedy_reference(model, PROMPT, 20))
