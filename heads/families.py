@@ -75,10 +75,7 @@ def _rms_norm_or_identity(module: nn.Module) -> bool:
 def lean_decoder_ok(decoder: nn.Module) -> bool:
     """True when a drafter's decoder copy may run through :class:`heads.lean.LeanDecoder`: a family
     of :data:`LEAN_DECODER_FAMILIES` with exactly the expected modules in every layer."""
-    config = getattr(decoder, "config", None)
-    if getattr(config, "model_type", None) not in LEAN_DECODER_FAMILIES:
-        return False
-    if getattr(config, "attn_logit_softcapping", None) is not None:
+    if not _lean_family(decoder):
         return False
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
@@ -95,15 +92,18 @@ def lean_midlayer_ok(midlayer: nn.Module) -> bool:
     """True when an EAGLE-3 midlayer (:class:`heads.eagle.modules.Eagle3Midlayer`) may run through
     :class:`heads.lean.LeanMidlayer`: a family of :data:`LEAN_DECODER_FAMILIES` whose attention, MLP
     and three norms are exactly the expected modules."""
-    config = getattr(midlayer, "config", None)
-    if getattr(config, "model_type", None) not in LEAN_DECODER_FAMILIES:
-        return False
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return False
-    if not isinstance(getattr(midlayer, "rotary_emb", None), nn.Module):
+    if not _lean_family(midlayer) or not isinstance(getattr(midlayer, "rotary_emb", None), nn.Module):
         return False
     return _lean_layer_ok(getattr(midlayer, "self_attn", None), midlayer,
                           ("input_layernorm", "hidden_norm", "post_attention_layernorm"))
+
+
+def _lean_family(module: nn.Module) -> bool:
+    """``module``'s config names a family of :data:`LEAN_DECODER_FAMILIES` without attention
+    soft-capping."""
+    config = getattr(module, "config", None)
+    return (getattr(config, "model_type", None) in LEAN_DECODER_FAMILIES
+            and getattr(config, "attn_logit_softcapping", None) is None)
 
 
 def _lean_layer_ok(attention: nn.Module | None, owner: nn.Module, norms: tuple[str, ...]) -> bool:

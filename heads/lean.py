@@ -72,11 +72,10 @@ class _Product(NamedTuple):
     """A linear layer's weight ``[out, in]`` and bias for inference, and on a CPU with float32 weights
     a float16 copy of both for products with a single row (batch 1, one query: a drafter's chain
     level). Such a product reads every weight once, so its time is the bytes read when the weights
-    are not in the CPU's caches (in the decode loop the target's forward evicts them): a 512 x 1280
-    projection takes 0.30 ms in float32 and 0.13 ms in float16 with cold caches on the project's
-    CPU, while with 4 rows float16 is no faster (no float16 kernels: converted per call). The
-    rounding (about 1e-3 relative) changes drafted tokens at most, never what is generated: every
-    drafted token is verified by the target."""
+    are not in the CPU's caches (in the decode loop the target's forward evicts them); with several
+    rows float16 is no faster (no float16 kernels on a CPU: converted per call). Measurements:
+    docs/eagle.md. The rounding (about 1e-3 relative) changes drafted tokens at most, never what is
+    generated: every drafted token is verified by the target."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -105,12 +104,12 @@ class LeanDecoder:
     rounding) to ``decoder(inputs_embeds=inputs, position_ids=..., attention_mask=mask,
     cache).last_hidden_state`` for a decoder that :func:`heads.families.lean_decoder_ok` accepts."""
 
-    def __init__(self, decoder: nn.Module) -> None:
+    def __init__(self, decoder: nn.Module, layer_types: list | None = None) -> None:
         self.decoder = decoder
-        config = decoder.config
-        self.layer_types = list(getattr(config, "layer_types", None) or [None] * len(decoder.layers))
-        self.rotary_emb = decoder.rotary_emb
-        self.static_rope = getattr(self.rotary_emb, "rope_type", None) in STATIC_ROPE_TYPES
+        if layer_types is None:
+            layer_types = list(getattr(decoder.config, "layer_types", None) or [None] * len(decoder.layers))
+        self.layer_types = layer_types
+        self.static_rope = getattr(decoder.rotary_emb, "rope_type", None) in STATIC_ROPE_TYPES
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fused_weights: dict[int, tuple] = {}  # layer index -> (sources, their weights_state, fused tensors)
 
@@ -118,7 +117,7 @@ class LeanDecoder:
         """Rotary tables ``[B, T, 1, D]`` at ``position_ids``: indexed from a table the model's own
         ``rotary_emb`` computed (static rope types), or from ``rotary_emb`` itself."""
         if not self.static_rope:
-            cos, sin = self.rotary_emb(inputs, position_ids)
+            cos, sin = self.decoder.rotary_emb(inputs, position_ids)
             return cos.unsqueeze(2), sin.unsqueeze(2)
         tables = self._tables
         needed = int(position_ids.max()) + 1
@@ -126,7 +125,7 @@ class LeanDecoder:
                 or tables[0].device != inputs.device):
             size = max(256, 2 * needed)
             positions = torch.arange(size, device=inputs.device)[None]
-            cos, sin = self.rotary_emb(inputs, positions)
+            cos, sin = self.decoder.rotary_emb(inputs, positions)
             tables = self._tables = (cos[0], sin[0])
         return tables[0][position_ids].unsqueeze(2), tables[1][position_ids].unsqueeze(2)
 
@@ -214,12 +213,7 @@ class LeanMidlayer(LeanDecoder):
     (``2d`` wide) with ``h`` as the residual, keys and values in cache layer 0."""
 
     def __init__(self, midlayer: nn.Module) -> None:
-        self.decoder = midlayer
-        self.layer_types = [None]
-        self.rotary_emb = midlayer.rotary_emb
-        self.static_rope = getattr(self.rotary_emb, "rope_type", None) in STATIC_ROPE_TYPES
-        self._tables = None
-        self._fused_weights = {}
+        super().__init__(midlayer, layer_types=[None])
 
     def __call__(self, hidden: torch.Tensor, token_embeddings: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: AttentionMask, cache) -> torch.Tensor:
@@ -233,17 +227,15 @@ class LeanOutputHead:
     """A drafter's output head for inference: ``features [..., d] -> float32 logits [..., V]`` with
     the family's post-processing (:meth:`heads.backbone.Backbone.logits`).
 
-    On a CPU with float32 weights, features of a single row (batch 1: the feeding forward's root, a
-    chain level) are multiplied by a float16 copy of the head's weights (:class:`_Product`). A
+    A single row of features (batch 1: the feeding forward's root, a chain level) is multiplied as
+    a :class:`_Product`: on a CPU with float32 weights by a float16 copy of the head's weights. A
     separate draft model's head is read from main memory at each draft forward (the target's forward
-    between two of them evicts it from the caches), so its time is the bytes read: demo-draft's
-    8192 x 128 head takes 0.64 ms in float32 and 0.24 ms in float16 with cold caches. Several rows
-    keep the float32 weights: float16 products cost about one single-row product per row on this
-    CPU (4 rows 0.95 ms against 0.79 ms, 16 rows 3.2 ms against 1.0 ms, cold). The copy follows the
-    weights (:func:`weights_state`). Drafted tokens are verified by the target, so the rounding
-    (about 1e-3 relative on a logit) can change which tokens are drafted and accepted, never what
-    is generated. Elsewhere (an accelerator, half-precision weights, a head that is not one linear
-    layer) it is the head itself."""
+    between two of them evicts it from the caches), so its time is the bytes read; several rows keep
+    the float32 weights, where float16 products cost about one single-row product per row
+    (measurements: docs/draft.md). The copy follows the weights (:func:`weights_state`). Drafted
+    tokens are verified by the target, so the rounding (about 1e-3 relative on a logit) can change
+    which tokens are drafted and accepted, never what is generated. A head that is not one linear
+    layer is called as it is."""
 
     def __init__(self, backbone) -> None:
         self.backbone = backbone
@@ -251,11 +243,10 @@ class LeanOutputHead:
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
         head = self.backbone.output_head
-        one_row = features.numel() == features.shape[-1]
-        if (not one_row or features.device.type != "cpu" or type(head) is not nn.Linear
-                or head.weight.dtype != torch.float32 or features.dtype != torch.float32 or _full_precision):
+        if type(head) is not nn.Linear:
             return self.backbone.logits(features).float()
         state = weights_state((head.weight, head.bias))
         if self._product is None or self._product[0] != state:
             self._product = (state, _Product.of(head.weight, head.bias))
-        return self.backbone.postprocess(self._product[1](features, True).float())
+        one_row = features.numel() == features.shape[-1]
+        return self.backbone.postprocess(self._product[1](features, one_row)).float()
