@@ -163,15 +163,19 @@ def test_unset_top_k_resolves_like_generate(model):
         model.generation_config.top_k = None
 
 
-@pytest.fixture(scope="module")
-def eagle_spec(model):
-    torch.manual_seed(3)
-    spec = heads.attach_heads(model, kind="eagle", depth=3, top_k=2, total_tokens=6)
-    generator = torch.Generator().manual_seed(8)
+def _distilled(spec, seed: int):
+    """``spec`` after 60 steps of distillation on 64 noisy progressions drawn with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
     sequences = [progression_batch(1, 24, generator, VOCAB, 0.2)[0] for _ in range(64)]
     make_trainer(spec, sequences, TrainConfig(steps=60, batch_size=8, learning_rate=3e-3, warmup_steps=5),
                  progress=False).train()
     return spec
+
+
+@pytest.fixture(scope="module")
+def eagle_spec(model):
+    torch.manual_seed(3)
+    return _distilled(heads.attach_heads(model, kind="eagle", depth=3, top_k=2, total_tokens=6), seed=8)
 
 
 def test_eagle_speculative_sampling_matches_the_target(model, eagle_spec):
@@ -289,11 +293,7 @@ def parallel_eagle_spec(model, request):
     torch.manual_seed(4)
     spec = heads.attach_heads(model, kind="eagle", parallel=3, drafting="auto", depth=3, top_k=2, total_tokens=6,
                               parallel_mode=request.param)
-    generator = torch.Generator().manual_seed(9)
-    sequences = [progression_batch(1, 24, generator, VOCAB, 0.2)[0] for _ in range(64)]
-    make_trainer(spec, sequences, TrainConfig(steps=60, batch_size=8, learning_rate=3e-3, warmup_steps=5),
-                 progress=False).train()
-    return spec
+    return _distilled(spec, seed=9)
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["rule", "no-residual"])
@@ -376,11 +376,7 @@ def eagle3_chain_spec(model):
     torch.manual_seed(5)
     spec = heads.attach_heads(model, kind="eagle", layout="eagle3", feature_layers=(0, 1, 2), depth=3, top_k=1,
                               total_tokens=3, min_acceptance=0)
-    generator = torch.Generator().manual_seed(10)
-    sequences = [progression_batch(1, 24, generator, VOCAB, 0.2)[0] for _ in range(64)]
-    make_trainer(spec, sequences, TrainConfig(steps=60, batch_size=8, learning_rate=3e-3, warmup_steps=5),
-                 progress=False).train()
-    return spec
+    return _distilled(spec, seed=10)
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["rule", "no-residual"])
