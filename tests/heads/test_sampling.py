@@ -257,13 +257,20 @@ def test_sampling_matches_the_target_while_the_drafter_learns(model, spec):
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "draft"])
-def test_auto_steps_sample_the_target(model, spec, eagle_spec, kind):
+def test_auto_steps_sample_the_target(model, spec, eagle_spec, kind, monkeypatch):
     """Plain steps and drafted steps of every size, mixed per step by the planner, follow the target's
     distribution (the drafter sees a plain step's tokens at its next call; a resized drafter keeps
-    its state; the draft kind drafts every step the planner asks for, its own chain lengths within)."""
+    its state; the draft kind drafts every step the planner asks for, its own chain lengths within).
+    The draft kind's chain lengths follow its prices, which follow wall-clock timings: here the prices
+    are drawn from a seeded generator instead, so the lengths still vary step by step and the samples
+    are fixed by the seeds (the test passes or fails the same way on every run)."""
     settings = dict(temperature=0.7, top_k=8)
     if kind == "draft":
+        from heads.draft.calibration import ChainCosts
         from tests.heads.draft.test_draft_kind import noisy_copy
+        prices = torch.Generator().manual_seed(13)
+        monkeypatch.setattr(ChainCosts, "prices", lambda self: tuple((torch.rand(2, generator=prices) * torch.tensor(
+            [0.6, 0.3])).tolist()))  # (draft forward, verified node) in tokens
         chosen = heads.attach_heads(model, kind="draft", draft_model=noisy_copy(model))
     else:
         chosen = spec if kind == "medusa" else eagle_spec
