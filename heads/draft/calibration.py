@@ -198,17 +198,23 @@ def check_calibration(table: object) -> None:
 class ChainCosts:
     """Running means, in seconds, of one chain level (a draft forward of all rows, one token each,
     and the host arithmetic that decides on its logits), of a steady
-    step's feeding forward, of a verify step as ``intercept + slope * (nodes - 1)``, and of the
-    tokens a row commits per step; the slope is a weighted least-squares fit held towards
-    :data:`NODE_PRIOR` of the intercept (chains of one length alone cannot tell it apart). Whether
-    drafting pays compares the running means of the drafted tokens a step kept and of its seconds
-    beyond a plain step, both over the drafted steps and the replayed plain steps (one-token
-    chains); a call's first drafted step, which catches up on the prompt, counts in the gain only."""
+    step's feeding forward, of a plain verify step (one node a row), of a drafted verify step as
+    ``intercept + slope * (nodes - 1)``, and of the tokens a row commits per step; the slope is a
+    weighted least-squares fit over steps of two or more nodes, held towards :data:`NODE_PRIOR` of
+    their mean (chains of one length alone cannot tell it apart). Plain steps stay out of the line:
+    on a CPU the second query of a forward costs far more than each one after it (matrix products
+    of one row take another kernel than those of several), so a line through both would charge that
+    jump to every node and leave it out of what drafting at all costs. Whether drafting pays
+    compares the running means of the drafted tokens a step kept and of its seconds beyond a plain
+    step (its proposal, and its verify step on the line against the plain step's mean), both over
+    the drafted steps and the replayed plain steps (one-token chains); a call's first drafted step,
+    which catches up on the prompt, counts in the gain only."""
 
     def __init__(self) -> None:
         self.draft: float | None = None
         self.weight = self.nodes = self.seconds = self.nodes2 = self.cross = 0.0  # decayed sums of (nodes - 1, s)
         self.step_seconds: float | None = None
+        self.plain: float | None = None  # seconds of a verify step of one node a row
         self.tokens = 1.0
         self.gain = 1.0  # drafted tokens a row kept per drafted step (optimistic until measured)
         self.propose: float | None = None  # seconds of a steady drafted step's proposal
@@ -222,12 +228,15 @@ class ChainCosts:
     def add_step(self, nodes: int, verify_seconds: float, step_seconds: float, tokens: float) -> None:
         """One step: its widest row's node count (root included), the seconds from the end of its
         proposal to the next one, its whole seconds and the tokens a row committed on average."""
-        x = float(nodes - 1)
-        self.weight = DECAY * self.weight + 1
-        self.nodes = DECAY * self.nodes + x
-        self.seconds = DECAY * self.seconds + verify_seconds
-        self.nodes2 = DECAY * self.nodes2 + x * x
-        self.cross = DECAY * self.cross + x * verify_seconds
+        if nodes <= 1:
+            self.plain = verify_seconds if self.plain is None else DECAY * self.plain + (1 - DECAY) * verify_seconds
+        else:
+            x = float(nodes - 1)
+            self.weight = DECAY * self.weight + 1
+            self.nodes = DECAY * self.nodes + x
+            self.seconds = DECAY * self.seconds + verify_seconds
+            self.nodes2 = DECAY * self.nodes2 + x * x
+            self.cross = DECAY * self.cross + x * verify_seconds
         self.step_seconds = step_seconds if self.step_seconds is None else \
             DECAY * self.step_seconds + (1 - DECAY) * step_seconds
         self.tokens = DECAY * self.tokens + (1 - DECAY) * tokens
@@ -287,22 +296,32 @@ class ChainCosts:
 
     @property
     def draft_step(self) -> float | None:
-        """Seconds of a drafted step beyond a plain one: its mean proposal and its mean verified
-        nodes beyond the root at the verify line's current slope (priced when asked, so that a
-        slope fitted before any plain step was timed is not kept in the mean); None before any
-        drafted step was counted."""
+        """Seconds of a drafted step beyond a plain one: its mean proposal, and the verify line at
+        its mean verified nodes beyond the root less a plain step's seconds (priced when asked,
+        from the line and the plain mean as they are now); None before any drafted step was
+        counted."""
         if self.propose is None:
             return None
+        line, plain = self.verify_line(), self.plain_seconds()
+        if line is None or plain is None:
+            return self.propose
+        return self.propose + max(0.0, line[0] + line[1] * self.drafted_nodes - plain)
+
+    def plain_seconds(self) -> float | None:
+        """Seconds of a plain verify step: the running mean of those timed, else the verify line's
+        intercept; None before any step was timed."""
+        if self.plain is not None:
+            return self.plain
         line = self.verify_line()
-        return self.propose + (0.0 if line is None else line[1] * self.drafted_nodes)
+        return None if line is None else line[0]
 
     def pays(self) -> bool:
         """Whether a drafted step is expected to commit tokens faster than a plain step: the
         tokens it gains exceed its extra seconds in plain steps (True until measured)."""
-        line, extra = self.verify_line(), self.draft_step
-        if line is None or extra is None:
+        plain, extra = self.plain_seconds(), self.draft_step
+        if plain is None or extra is None:
             return True
-        return self.gain > extra / line[0]
+        return self.gain > extra / max(plain, 1e-9)
 
     def draft_now(self) -> bool:
         """Draft at this step: it pays, or the plain steps since the last draft reached the probe interval."""
@@ -312,9 +331,10 @@ class ChainCosts:
         return False
 
     def verify_line(self) -> tuple[float, float] | None:
-        """``(intercept, slope)`` seconds of a verify step, None before any step was measured."""
+        """``(intercept, slope)`` seconds of a drafted verify step; before one was timed, through a
+        plain step's seconds at the prior slope; None before any step was timed."""
         if self.weight == 0:
-            return None
+            return None if self.plain is None else (self.plain, NODE_PRIOR * self.plain)
         mean_x, mean_y = self.nodes / self.weight, self.seconds / self.weight
         intercept0 = max(mean_y, 1e-9)
         slope = ((self.cross - self.weight * mean_x * mean_y) + SLOPE_WEIGHT * NODE_PRIOR * intercept0) / \
@@ -328,7 +348,7 @@ class ChainCosts:
         line = self.verify_line()
         if line is None or self.step_seconds is None:
             return DRAFT_PRIOR, NODE_PRIOR
-        intercept, slope = line
+        slope = line[1]
         rate = self.tokens / self.step_seconds  # tokens a row commits per second
-        draft = self.draft if self.draft is not None else DRAFT_PRIOR * intercept
+        draft = self.draft if self.draft is not None else DRAFT_PRIOR * self.plain_seconds()
         return draft * rate, slope * rate

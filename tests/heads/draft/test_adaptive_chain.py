@@ -249,6 +249,27 @@ def test_the_verify_line_and_the_probes():
 
 
 
+def test_the_second_query_jump_is_priced_to_drafting_not_to_nodes():
+    """On a CPU a forward of two queries costs far more than one, and each query after that little
+    (here: plain steps 7.5 ms, drafted steps 9.5 ms + 0.15 ms a node). A verified node is priced at
+    the drafted steps' slope; the jump counts once, in what drafting at all costs against a plain step."""
+    costs = ChainCosts()
+    for nodes in (1, 2, 4, 6, 9) * 8:
+        costs.add_step(nodes, 0.0075 if nodes == 1 else 0.0095 + 0.00015 * (nodes - 1), 0.011, 1.6)
+    intercept, slope = costs.verify_line()
+    assert intercept == pytest.approx(0.0095, rel=0.02) and slope == pytest.approx(0.00015, rel=0.1)
+    assert costs.plain_seconds() == pytest.approx(0.0075)
+    costs.add_draft(0.001)
+    for _ in range(40):  # steps of 4 nodes beyond the root, proposed in 1 ms, that keep 0.4 tokens
+        costs.add_drafted(0.4, 0.001, 5)
+    # beyond a plain step: 1 ms + (9.5 + 4 x 0.15 - 7.5) ms = 3.6 ms, i.e. 0.48 plain steps
+    assert costs.draft_step == pytest.approx(0.0036, rel=0.05)
+    assert not costs.pays()
+    for _ in range(40):
+        costs.add_drafted(0.6, 0.001, 5)
+    assert costs.pays()
+
+
 def test_replayed_plain_steps_price_one_token_chains():
     """A replayed plain step is a one-token chain: its gain comes with its own seconds (a steady
     feeding forward and one node), not weighed against the seconds of the long chain drafted last.
