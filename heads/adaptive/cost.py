@@ -3,9 +3,11 @@
 Verify cost depends on the rows a step decodes and the nodes it verifies per row, not on which
 drafter proposed them, so every verify forward (plain steps included) teaches one table: per
 power-of-two rows bucket, each width's median of its latest timings. A width never verified is
-interpolated linearly between measured ones (past the widest: that width's cost). A width's excess
-over a plain step counts as if one more sample had cost a plain step, its samples' weight halving
-every ``HALF_LIFE`` steps, so a width timed on few steps or long ago is priced optimistically. No
+interpolated linearly between measured ones (past the widest: that width's cost). At one row a
+width's excess over a plain step (a tenth to a third of a step) counts as if one more sample had
+cost a plain step, its samples' weight halving every ``HALF_LIFE`` steps: a width timed on few steps
+or long ago is priced optimistically. Over more rows, where the excess is one to three plain steps
+and most steps go untimed (rows finish), a width is priced at its median. No
 width is priced above a wider one, nor above the same width over more rows (noise only adds time).
 Drafting seconds, and the verify seconds of each option's own steps, are kept per drafting option
 and rows bucket, shrunk the same way; a request's first ``propose`` (catching up on the prompt) is
@@ -161,8 +163,8 @@ class CostCurve:
 
     def verify_curve(self, rows: int, widths: np.ndarray, aged: bool = True) -> np.ndarray | None:
         """Predicted seconds of a verify forward over ``rows`` rows of each of ``widths`` nodes per
-        row (None: none timed yet); each width's excess over a plain step shrunk as if one more sample
-        had cost a plain step, its samples weighed by their age (``aged``) or their count alone."""
+        row (None: none timed yet); at one row each width's excess shrunk as in the module docstring,
+        its samples weighed by their age (``aged``) or their count alone."""
         curve = self._stored_curve(rows, widths, aged)
         return None if curve is None else curve * self.speed
 
@@ -177,7 +179,7 @@ class CostCurve:
             measured = sorted(table)
             seconds = np.array([table[width].value for width in measured])
             plain = table.get(1)
-            if plain is not None:
+            if plain is not None and bucket == 1:  # the optimism at one row only (module docstring)
                 weights = np.array([table[width].weight(self.clock, aged) for width in measured])
                 seconds = plain.value + (seconds - plain.value) * weights / (weights + 1)
                 seconds[0] = plain.value
