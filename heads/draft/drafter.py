@@ -274,7 +274,9 @@ class DraftModelDrafter:
         one draft forward per level for the rows still growing (others ride along); under greedy
         decoding, beside each chain node up to ``siblings`` of the draft's next-best tokens there,
         each kept while the chance that its parent is accepted times its calibrated acceptance pays
-        for a verified node (leaves: they cost no draft forward). The decisions are host arithmetic
+        for a verified node (leaves: they cost no draft forward). A step whose nodes together are
+        expected to add fewer tokens than they cost, a drafted verify's jump over a plain one
+        (:meth:`ChainCosts.jump_price`) included, verifies the roots alone. The decisions are host arithmetic
         on each row's draft probabilities (one transfer per level, where the loop synchronises
         anyway)."""
         rows, device = roots.shape[0], roots.device
@@ -285,8 +287,10 @@ class DraftModelDrafter:
         draft_price, node_price = self.costs.prices()  # tokens
         tokens, draws, side_tokens = [roots], [], []
         sizes, growing, chance = [1] * rows, [True] * rows, [1.0] * rows  # chance: the target accepts all so far
+        expected = [0.0] * rows  # per row: the tokens its kept chain nodes are expected to add
         bins: list[list[int]] = [[] for _ in range(rows)]
         alternatives: list[list[tuple[int, int, int, float, bool]]] = [[] for _ in range(rows)]
+        worths: list[list[float]] = [[] for _ in range(rows)]  # each alternative's expected tokens
         start = self.committed - 1  # (R,) the roots' positions
         forward_began = None  # when the forward that made this level's logits began
         for level in range(1, self.depth + 1):
@@ -310,11 +314,14 @@ class DraftModelDrafter:
                 chance[row] *= acceptance
                 keep = growing[row] and chance[row] > node_price
                 sizes[row] += keep
+                expected[row] += chance[row] if keep else 0.0
                 if growing[row] and side:  # this level has a parent: its alternatives are known after the step
                     scale = scales[depth_bucket(level)]
                     for rank, (other, probability) in enumerate(zip(other_tokens[row], other_probabilities[row])):
-                        verified = keep and reach * min(1.0, scale * probability) > node_price
+                        worth = reach * min(1.0, scale * probability)
+                        verified = keep and worth > node_price
                         alternatives[row].append((level, rank, other, probability, verified))
+                        worths[row].append(worth)
                 gain = chance[row] * next_rates[depth_bucket(level + 1)][index]  # expected from one more level
                 growing[row] = keep and sure >= self.config.confidence and gain > node_price
                 wanted = wanted or (growing[row] and gain > draft_price + node_price)
@@ -336,7 +343,16 @@ class DraftModelDrafter:
                     real[row, (level - 1) * side + rank] = True
                 elif verified:
                     others[index] = (level, rank, token, probability, False)
+        nodes = sum(size - 1 for size in sizes) + (0 if real is None else int(real.sum()))
+        gain = sum(expected) + sum(worth for others, values in zip(alternatives, worths)
+                                   for (*_, verified), worth in zip(others, values) if verified)
         self.chains = (chain.tolist(), sizes, bins, mode, alternatives)
+        if nodes and gain < rows * self.costs.jump_price() + nodes * node_price:
+            # the step's nodes do not pay for a drafted verify over a plain one: verify the roots
+            # alone (the chains still teach the calibration its depth-1 verdicts)
+            self.chains = (chain.tolist(), sizes, bins, mode,
+                           [[(*other[:4], False) for other in others] for others in alternatives])
+            return TreeBatch.roots_only(roots)
         if real is not None:
             return chain_with_siblings(chain, torch.tensor(sizes, device=device), torch.cat(side_tokens, dim=1),
                                        real.to(device))

@@ -271,6 +271,7 @@ def test_auto_steps_sample_the_target(model, spec, eagle_spec, kind, monkeypatch
         prices = torch.Generator().manual_seed(13)
         monkeypatch.setattr(ChainCosts, "prices", lambda self: tuple((torch.rand(2, generator=prices) * torch.tensor(
             [0.6, 0.3])).tolist()))  # (draft forward, verified node) in tokens
+        monkeypatch.setattr(ChainCosts, "jump_price", lambda self: float(torch.rand(1, generator=prices)) * 0.5)
         chosen = heads.attach_heads(model, kind="draft", draft_model=noisy_copy(model))
     else:
         chosen = spec if kind == "medusa" else eagle_spec

@@ -31,9 +31,9 @@ from tree_attention.decode import speculative_generate
 from tree_attention.verify import SamplingRule
 
 
-def force(spec, prices=(0.2, 0.02), plain_every: int | None = 2):
-    """Decisions independent of timings: fixed prices (draft forward, node) in tokens, and every
-    ``plain_every``-th step plain (None: none)."""
+def force(spec, prices=(0.2, 0.02), plain_every: int | None = 2, jump: float = 0.0):
+    """Decisions independent of timings: fixed prices (draft forward, node, and a drafted verify's
+    jump over a plain one) in tokens, and every ``plain_every``-th step plain (None: none)."""
     costs, calls = spec.heads.costs, [0]
 
     def draft_now():
@@ -41,6 +41,7 @@ def force(spec, prices=(0.2, 0.02), plain_every: int | None = 2):
         return plain_every is None or calls[0] % plain_every != 0
 
     costs.prices = lambda: prices
+    costs.jump_price = lambda: jump
     costs.draft_now = draft_now
 
 
@@ -268,6 +269,23 @@ def test_the_second_query_jump_is_priced_to_drafting_not_to_nodes():
     for _ in range(40):
         costs.add_drafted(0.6, 0.001, 5)
     assert costs.pays()
+
+
+def test_a_step_whose_nodes_do_not_pay_for_the_jump_verifies_the_roots_alone():
+    """Where a drafted verify's jump over a plain one costs more than a step's nodes are expected to
+    add, the drafted step verifies its root alone (output unchanged), and its chain still teaches
+    the calibration the depth-1 verdict (greedy knows the target's token there)."""
+    model = build_model("llama", seed=2)
+    prompt = random_prompt(9, seed=3)
+    expected = reference(model, prompt, torch.ones_like(prompt), 30)
+    for jump, chains in ((1e9, False), (0.0, True)):
+        spec = heads.attach_heads(model, kind="draft", draft_model=noisy_copy(model, 0.1))
+        force(spec, prices=(0.0, 0.0), plain_every=None, jump=jump)
+        recorder = Recorder(spec.drafter)
+        output, stats = speculative_generate(spec.target, recorder, prompt, 30, (), None, None, spec.pad_token_id)
+        assert torch.equal(output, expected)
+        assert (max(recorder.sizes) > 1) == chains, recorder.sizes
+        assert int(spec.heads.calibration.seen["greedy"][0].sum()) >= len(recorder.sizes) - 1
 
 
 def test_replayed_plain_steps_price_one_token_chains():
