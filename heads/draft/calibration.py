@@ -346,10 +346,9 @@ class ChainCosts:
         """Tokens: what a drafted verify step costs over a plain one beyond its nodes' slope (the
         second query's jump, module docstring of :class:`ChainCosts`) at the rate the steps commit
         tokens; 0 until plain and drafted steps were both timed."""
-        line = self.verify_line()
-        if self.plain is None or self.weight == 0 or line is None or self.step_seconds is None:
+        if self.plain is None or self.weight == 0 or self.step_seconds is None:
             return 0.0
-        return max(0.0, line[0] - self.plain) * self.tokens / self.step_seconds
+        return max(0.0, self.verify_line()[0] - self.plain) * self.tokens / self.step_seconds
 
     def prices(self) -> tuple[float, float]:
         """``(draft forward, verified node)`` in tokens: their seconds at the tokens per second the

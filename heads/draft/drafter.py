@@ -288,6 +288,7 @@ class DraftModelDrafter:
         tokens, draws, side_tokens = [roots], [], []
         sizes, growing, chance = [1] * rows, [True] * rows, [1.0] * rows  # chance: the target accepts all so far
         expected = [0.0] * rows  # per row: the tokens its kept chain nodes are expected to add
+        first = [0, 0.0]  # kept depth-1 nodes and their expected tokens (known before any token is drawn)
         bins: list[list[int]] = [[] for _ in range(rows)]
         alternatives: list[list[tuple[int, int, int, float, bool]]] = [[] for _ in range(rows)]
         worths: list[list[float]] = [[] for _ in range(rows)]  # each alternative's expected tokens
@@ -315,6 +316,8 @@ class DraftModelDrafter:
                 keep = growing[row] and chance[row] > node_price
                 sizes[row] += keep
                 expected[row] += chance[row] if keep else 0.0
+                if level == 1 and keep:
+                    first[0], first[1] = first[0] + 1, first[1] + chance[row]
                 if growing[row] and side:  # this level has a parent: its alternatives are known after the step
                     scale = scales[depth_bucket(level)]
                     for rank, (other, probability) in enumerate(zip(other_tokens[row], other_probabilities[row])):
@@ -333,25 +336,29 @@ class DraftModelDrafter:
             logits = self._chain_level(token, start, level)
         chain = torch.stack(tokens, dim=1)  # (R, W)
         real = None
+        nodes, gain = sum(size - 1 for size in sizes), sum(expected)  # verified beyond the roots; their tokens
         for row, others in enumerate(alternatives):  # the budget counts them too, shallower first
             room = self.total_tokens - (sizes[row] - 1)
             for index, (level, rank, token, probability, verified) in enumerate(others):
                 if verified and room > 0:
                     room -= 1
+                    nodes, gain = nodes + 1, gain + worths[row][index]
                     if real is None:
                         real = torch.zeros(rows, (chain.shape[1] - 1) * side, dtype=torch.bool)
                     real[row, (level - 1) * side + rank] = True
                 elif verified:
                     others[index] = (level, rank, token, probability, False)
-        nodes = sum(size - 1 for size in sizes) + (0 if real is None else int(real.sum()))
-        gain = sum(expected) + sum(worth for others, values in zip(alternatives, worths)
-                                   for (*_, verified), worth in zip(others, values) if verified)
+        # nodes that do not pay for a drafted verify over a plain one: verify the roots alone (the
+        # chains still teach the calibration its depth-1 verdicts). Sampled chains decide from their
+        # depth-1 nodes alone: deeper nodes' confidences follow the drawn depth-1 tokens, and
+        # dropping a drawn token for what it is would bias the output.
+        if self.sampling:
+            nodes, gain = first
+        unpaid = nodes and gain < rows * self.costs.jump_price() + nodes * node_price
+        if unpaid:
+            alternatives = [[(*other[:4], False) for other in others] for others in alternatives]
         self.chains = (chain.tolist(), sizes, bins, mode, alternatives)
-        if nodes and gain < rows * self.costs.jump_price() + nodes * node_price:
-            # the step's nodes do not pay for a drafted verify over a plain one: verify the roots
-            # alone (the chains still teach the calibration its depth-1 verdicts)
-            self.chains = (chain.tolist(), sizes, bins, mode,
-                           [[(*other[:4], False) for other in others] for others in alternatives])
+        if unpaid:
             return TreeBatch.roots_only(roots)
         if real is not None:
             return chain_with_siblings(chain, torch.tensor(sizes, device=device), torch.cat(side_tokens, dim=1),
