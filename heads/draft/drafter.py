@@ -13,7 +13,7 @@ from tree_attention.dynamic import advance_growth, grow_dynamic_tree
 from tree_attention.mask import causal_visibility
 from tree_attention.tree import Tree, TreeBatch, chain_batch, chain_with_siblings
 
-from .calibration import confidence_bin, confidence_bins, depth_bucket
+from .calibration import confidence_bin, confidence_bins, depth_bucket, dominance
 from .config import DraftConfig
 from .modules import DraftModel
 
@@ -142,9 +142,9 @@ class DraftModelDrafter:
         and as one-token drafted steps of the costs."""
         probabilities = torch.softmax(self.draft.logits(features).float(), dim=-1)  # (R, p, V)
         best = probabilities.topk(1 + self.config.siblings, dim=-1)  # (R, p, 1 + s)
-        confidence, guess = best.values[..., 0], best.indices[..., 0]
+        guess = best.indices[..., 0]
         kept = guess == following  # (R, p)
-        for index, verdict in zip(confidence_bins(confidence).view(-1).tolist(), kept.view(-1).tolist()):
+        for index, verdict in zip(confidence_bins(dominance(probabilities)).view(-1).tolist(), kept.view(-1).tolist()):
             self.calibration.observe("greedy", 1, index, verdict)
         others = best.indices[..., 1:] == following[..., None]  # (R, p, s)
         for probability, verdict in zip(best.values[..., 1:].reshape(-1).tolist(), others.view(-1).tolist()):
@@ -157,15 +157,17 @@ class DraftModelDrafter:
         best = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.top_k, dim=-1)
         return best.indices, best.values
 
-    def _next(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _next(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A chain's next tokens ``[R]`` from logits ``[R, V]``, the largest probability of each
-        row's distribution ``[R]`` and, for sampled chains, the rows of q they were drawn from."""
+        row's distribution ``[R]``, its :func:`~heads.draft.calibration.dominance` ``[R]`` and, for
+        sampled chains, the rows of q they were drawn from."""
         if not self.sampling:
-            confidence, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-            return tokens, confidence, None
+            probabilities = torch.softmax(logits.float(), dim=-1)
+            confidence, tokens = probabilities.max(dim=-1)
+            return tokens, confidence, dominance(probabilities), None
         q = torch.softmax(self.warp(logits.float()), dim=-1)  # (R, V)
         tokens = torch.multinomial(q, 1, generator=self.generator)[:, 0]
-        return tokens, q.max(dim=-1).values, q
+        return tokens, q.max(dim=-1).values, dominance(q), q
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> TreeBatch:
@@ -247,7 +249,7 @@ class DraftModelDrafter:
         growing = torch.ones(rows, dtype=torch.bool, device=device)
         start = self.committed - 1  # (R,) the roots' positions
         for level in range(1, depth + 1):
-            token, confidence, q = self._next(logits)
+            token, confidence, _, q = self._next(logits)
             tokens.append(token)
             draws.append(q)
             sizes = sizes + growing.long()
@@ -296,17 +298,18 @@ class DraftModelDrafter:
         forward_began = None  # when the forward that made this level's logits began
         for level in range(1, self.depth + 1):
             if side:
-                best = torch.softmax(logits.float(), dim=-1).topk(1 + side, dim=-1)  # (R, 1 + s)
-                token, confidence, q = best.indices[:, 0], best.values[:, 0], None
+                probabilities = torch.softmax(logits.float(), dim=-1)
+                best = probabilities.topk(1 + side, dim=-1)  # (R, 1 + s)
+                token, confidence, signal, q = best.indices[:, 0], best.values[:, 0], dominance(probabilities), None
                 side_tokens.append(best.indices[:, 1:])
                 other_tokens, other_probabilities = best.indices[:, 1:].tolist(), best.values[:, 1:].tolist()
             else:
-                token, confidence, q = self._next(logits)
+                token, confidence, signal, q = self._next(logits)
             tokens.append(token)
             draws.append(q)
             wanted = False
-            for row, sure in enumerate(confidence.tolist()):
-                index = confidence_bin(sure)
+            for row, (sure, stands_out) in enumerate(zip(confidence.tolist(), signal.tolist())):
+                index = confidence_bin(stands_out)
                 acceptance = rates[depth_bucket(level)][index]
                 if level > 1 and growing[row]:  # what the forward bought the rows it ran for
                     self.calibration.observe_following(mode, level, bins[row][-1], index)

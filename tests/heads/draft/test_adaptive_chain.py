@@ -20,7 +20,9 @@ import torch
 import heads
 from heads.adapter import AdapterError
 from heads.draft import DraftConfig, DraftModelDrafter, bind_rule
-from heads.draft.calibration import BINS, DEPTHS, MAX_PROBE_INTERVAL, ChainCalibration, ChainCosts
+from heads.draft.calibration import (
+    BINS, CALIBRATION_VERSION, DEPTHS, MAX_PROBE_INTERVAL, ChainCalibration, ChainCosts, check_calibration, dominance,
+)
 from heads.generation import acceptance_rule
 from tests.conftest import ARCHITECTURES, build_model, left_pad, random_prompt
 from tests.heads.draft.test_draft_kind import (  # noqa: F401  (toy_pair: a fixture)
@@ -131,8 +133,8 @@ def adaptive_sampled_chain(toy_pair, settings, prices=(0.03, 0.005), calibration
 
 SETTINGS = dict(temperature=1.0, top_k=0, top_p=None)
 # recorded rates that keep no node whose confidence is under 0.1 (the toy draft's largest
-# probability is always above it, the probability of the token it draws often is not)
-CAUTIOUS = {"version": 1, "bins": BINS, "depths": DEPTHS, "modes": {"sampled": {
+# probability, and so its dominance, is always above it, the probability of the token it draws often is not)
+CAUTIOUS = {"version": CALIBRATION_VERSION, "bins": BINS, "depths": DEPTHS, "modes": {"sampled": {
     "acceptance": [[0.0] + [0.9] * (BINS - 1)] * DEPTHS, "following": [[0.0] + [0.9] * (BINS - 1)] * DEPTHS}}}
 
 
@@ -159,15 +161,15 @@ def test_a_wrong_residual_is_caught_with_adaptive_chains(toy_pair, monkeypatch):
 
 
 def test_a_length_rule_that_reads_the_drawn_token_is_caught(toy_pair, monkeypatch):
-    """Keeping a node by its own token's probability (instead of its distribution's largest) drops
+    """Keeping a node by its own token's probability (instead of its distribution's dominance) drops
     unlikely draws after they were drawn: no longer lossless, and the test sees it."""
     original = DraftModelDrafter._next
 
     def own_probability(self, logits):
-        tokens, confidence, q = original(self, logits)
+        tokens, confidence, signal, q = original(self, logits)
         if q is not None:
-            confidence = q.gather(1, tokens[:, None])[:, 0]
-        return tokens, confidence, q
+            signal = q.gather(1, tokens[:, None])[:, 0]
+        return tokens, confidence, signal, q
 
     monkeypatch.setattr(DraftModelDrafter, "_next", own_probability)
     samples, _ = adaptive_sampled_chain(toy_pair, SETTINGS, (0.3, 0.05), CAUTIOUS, least=0.2, runs=CONTROL_RUNS)
@@ -206,6 +208,27 @@ def test_the_calibration_round_trips_through_the_adapter(tmp_path):
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
     old = heads.load_heads(model, tmp_path / "adapter")
     assert old.config.adaptive and torch.equal(old.heads.calibration.rates("greedy"), ChainCalibration().rates("greedy"))
+
+
+def test_dominance_is_the_top_tokens_share_of_the_collision_mass():
+    probabilities = torch.tensor([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0], [0.2, 0.2, 0.6]])
+    # 0.25 / (0.25 + 0.0625 + 0.0625); a point mass; 0.36 / (0.04 + 0.04 + 0.36)
+    assert torch.allclose(dominance(probabilities), torch.tensor([2 / 3, 1.0, 9 / 11]))
+    # a flat tail lowers the largest probability, not the dominance of a top token that stands out
+    tail = torch.full((1000,), 0.8 / 1000)
+    flat = torch.cat([torch.tensor([0.2]), tail])
+    assert flat.max() == 0.2 and dominance(flat) > 0.98
+
+
+def test_a_table_of_the_first_version_loads_as_no_table():
+    """Version 1 binned the largest probability, not the dominance: its rates would be read against
+    the wrong bins, so it is accepted (old adapters load) and not used."""
+    old = ChainCalibration().to_dict() | {"version": 1}
+    old["modes"]["greedy"]["acceptance"] = [[0.0] * BINS] * DEPTHS
+    check_calibration(old)
+    assert torch.equal(ChainCalibration(old).rates("greedy"), ChainCalibration().rates("greedy"))
+    current = old | {"version": CALIBRATION_VERSION}
+    assert not torch.equal(ChainCalibration(current).rates("greedy"), ChainCalibration().rates("greedy"))
 
 
 def test_config_checks():
