@@ -352,11 +352,8 @@ class DraftModelDrafter:
                 elif verified:
                     others[index] = (level, rank, token, probability, False)
         # nodes that do not pay for a drafted verify over a plain one: verify the roots alone (the
-        # chains still teach the calibration its depth-1 verdicts). Sampled chains decide from their
-        # depth-1 nodes alone: deeper nodes' confidences follow the drawn depth-1 tokens, and
-        # dropping a drawn token for what it is would bias the output.
-        if self.sampling:
-            nodes, gain = first
+        # chains still teach the calibration its depth-1 verdicts)
+        nodes, gain = self._jump_evidence((nodes, gain), tuple(first))
         unpaid = nodes and gain < rows * self.costs.jump_price() + nodes * node_price
         if unpaid:
             alternatives = [[(*other[:4], False) for other in others] for others in alternatives]
@@ -367,6 +364,13 @@ class DraftModelDrafter:
             return chain_with_siblings(chain, torch.tensor(sizes, device=device), torch.cat(side_tokens, dim=1),
                                        real.to(device))
         return chain_batch(chain, torch.tensor(sizes, device=device), draws if self.sampling else None)
+
+    def _jump_evidence(self, chains: tuple[int, float], first: tuple[int, float]) -> tuple[int, float]:
+        """What decides whether a step's nodes pay for a drafted verify's jump: ``(nodes, expected
+        tokens)`` of its kept chain nodes and alternatives (``chains``) or of its depth-1 nodes alone
+        (``first``). Sampled chains decide from ``first``: deeper nodes' confidences follow the drawn
+        depth-1 tokens, and dropping a drawn token for what it is would bias the output."""
+        return first if self.sampling else chains
 
     def _tree(self, roots: list[int], root_logits: torch.Tensor) -> TreeBatch:
         """Every row's dynamic tree (EAGLE-2 growth), one draft forward per level for all rows."""

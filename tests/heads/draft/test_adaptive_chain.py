@@ -109,12 +109,13 @@ def test_the_calibration_counts_what_the_target_accepted():
 # ------------------------------------------------------------------------------ lossless sampling
 
 
-def adaptive_sampled_chain(toy_pair, settings, prices=(0.03, 0.005), calibration=None, least=0.4, runs=RUNS):
+def adaptive_sampled_chain(toy_pair, settings, prices=(0.03, 0.005), calibration=None, least=0.4, runs=RUNS,
+                           jump=0.0):
     """Through the decode loop with the bound drafter: adaptive chains (up to 4) of tokens drawn from
     the draft's q, one step in four plain (the draft catches up at the next drafted step)."""
     target, draft = toy_pair
     spec = heads.attach_heads(target, kind="draft", draft_model=draft, depth=4, total_tokens=4)
-    force(spec, prices=prices, plain_every=4)
+    force(spec, prices=prices, plain_every=4, jump=jump)
     if calibration is not None:
         spec.heads.calibration = ChainCalibration(calibration)
 
@@ -309,6 +310,44 @@ def test_a_step_whose_nodes_do_not_pay_for_the_jump_verifies_the_roots_alone():
         assert torch.equal(output, expected)
         assert (max(recorder.sizes) > 1) == chains, recorder.sizes
         assert int(spec.heads.calibration.seen["greedy"][0].sum()) >= len(recorder.sizes) - 1
+
+
+@pytest.mark.parametrize("rule, jump", [("depth-1 nodes", 0.6), ("whole chains", 1.9)])
+def test_the_sampled_jump_decision_reads_the_depth_one_nodes_alone(toy_pair, monkeypatch, rule, jump):
+    """Under sampling, whether a step's nodes pay for a drafted verify's jump is decided from its
+    depth-1 nodes alone (their distributions are known before any token is drawn), so steps whose
+    depth-1 confidence bins agree get the same decision. Deciding from whole chains reads deeper
+    nodes' distributions, which follow the drawn tokens: that wrong rule (lossy) breaks the
+    invariance, which a chi-square over this toy pair hardly sees (p 0.02-0.3 in 2000 samples)."""
+    target, draft = toy_pair
+    spec = heads.attach_heads(target, kind="draft", draft_model=draft, depth=4, total_tokens=4)
+    # jump 0.6: depth-1 nodes of bin 2 (0.3 tokens) do not pay for it, those of bins 3-4 (0.9) do;
+    # 1.9: no depth-1 node pays for it alone, so the whole-chain rule keeps chains by their deeper nodes
+    force(spec, prices=(0.3, 0.05), plain_every=None, jump=jump)
+    # fixed rates: bins 0-2 accept little or nothing, the rest 0.9 (the toy draft's bins are 2-4)
+    acceptance = [[0.0, 0.0, 0.3] + [0.9] * (BINS - 3)] + [[0.0, 0.0, 0.0] + [0.9] * (BINS - 3)] * (DEPTHS - 1)
+    following = [[0.0] + [0.9] * (BINS - 1)] * DEPTHS
+    spec.heads.calibration.rate_lists = lambda mode: (acceptance, following)
+    if rule == "whole chains":
+        monkeypatch.setattr(DraftModelDrafter, "_jump_evidence", lambda self, chains, first: chains)
+    decisions: dict[int, set[bool]] = {}
+    original = DraftModelDrafter._adaptive_chain
+
+    def recorded(self, roots, logits):
+        trees = original(self, roots, logits)
+        first_bin = self.chains[2][0][0]  # batch 1: the depth-1 node's confidence bin
+        decisions.setdefault(first_bin, set()).add(trees.width == 1)
+        return trees
+
+    monkeypatch.setattr(DraftModelDrafter, "_adaptive_chain", recorded)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        spec.generate(PROMPT, max_new_tokens=6, do_sample=True, temperature=1.0, top_k=0, generator=generator)
+    mixed = [index for index, seen in decisions.items() if len(seen) > 1]
+    if rule == "depth-1 nodes":
+        assert not mixed and {True, False} <= set().union(*decisions.values()), decisions
+    else:
+        assert mixed, decisions
 
 
 def test_replayed_plain_steps_price_one_token_chains():
