@@ -172,7 +172,8 @@ class CallPlanner:
     def _plan(self, rows: int) -> Choice:
         if self.costs.plain_timings(rows) < PRIOR_TIMINGS:  # the reference every option is judged against
             return Choice(False, reason="time plain steps")
-        for (mode, size), model in zip(self.options, self.models):
+        # largest sizes first: where sizes are nested, the largest shows what every smaller one accepts
+        for (mode, size), model in reversed(list(zip(self.options, self.models))):
             if model.rows_seen < REPLAN_EVERY:  # see every model's trees on a plan's worth of rows: a
                 # prior says little of this text (one step at a time: a batch's step brings many rows)
                 return Choice(True, mode, size, nodes=model.width, reason="measure an option never drafted",

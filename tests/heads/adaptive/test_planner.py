@@ -436,3 +436,35 @@ def test_a_switch_between_plain_and_drafting_is_timed_apart_and_paid_once_a_plan
         planner.models[0].observe(*chain)
     choice = planner._plan(1)
     assert choice.plain_seconds == pytest.approx(1.0 + 0.8 / REPLAN_EVERY)
+
+
+class _Sized:
+    """A SizedDrafter stub: records the sizes it is set to."""
+
+    def __init__(self, nested: bool) -> None:
+        self.nested, self.sizes = nested, []
+
+    def resize(self, tree):
+        self.sizes.append(tree)
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_options_are_first_measured_at_their_largest_size(nested):
+    """Nested sizes share one acceptance model, which a step at the largest size fills for every
+    smaller size: exploring starts there (one model to fill, not one step at each size). Sizes that
+    are not nested each get their own steps, the largest first."""
+    adaptive = Adaptive([0.9] * 8, width=9, sizes=(2, 4, 8))
+    drafter = _Sized(nested)
+    planner = adaptive.planner("greedy", True, drafter)
+    for _ in range(4):  # the plain reference
+        adaptive.costs.observe_verify(1, 1, 1.0)
+    assert planner.draft(1) and planner.choice.reason == "measure an option never drafted"
+    assert drafter.sizes == [8]
+    for _ in range(8):  # a plan's worth of rows drafted at size 8
+        planner.acceptance.observe(_chain_batch(9), torch.arange(3)[None], torch.tensor([3]), 9)
+    planner._age = 1
+    planner.draft(1)
+    if nested:
+        assert planner.choice.reason != "measure an option never drafted"
+    else:
+        assert planner.choice.reason == "measure an option never drafted" and drafter.sizes[-1] == 4
