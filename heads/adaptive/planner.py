@@ -29,7 +29,7 @@ from tree_attention.capabilities import SizedDrafter
 from tree_attention.planning import ModalDrafter, StepRecord
 from tree_attention.tree import TreeBatch
 
-from .acceptance import HALF_LIFE, AcceptanceModel
+from .acceptance import AcceptanceModel
 from .cost import PRIOR_TIMINGS, CostCurve
 
 REPLAN_EVERY = 8
@@ -116,9 +116,6 @@ class Adaptive:
         self.sampled_prior = list(sampled_prior or ())  # the prior of sampling rules (recorded sampled)
         self._sampled: set[str] = set()  # rule keys of sampling rules (planner: not deterministic)
         self.plans: dict[str, tuple[Choice, int, int]] = {}  # per rule key: the last call's (plan, rows, age)
-        # per rule key, in a plain stretch (the last plan on estimates chose plain steps): plain steps
-        # to wait between exploring steps, and plain steps since the last one (None: not in one)
-        self.probes: dict[str, list[int] | None] = {}
         self.width, self.sizes, self.extra = width, tuple(sorted(set(sizes))), extra
 
     def model(self, key: str, option: Option = (None, None)) -> AcceptanceModel:
@@ -206,29 +203,6 @@ class CallPlanner:
                       plain, "it may pay" if exploring else "drafting pays",
                       exploring or not self.costs.known(rows, widths[best], self.options[best]))
 
-    def _paced(self, choice: Choice) -> Choice:
-        """``choice``, unless it explores (drafting pays only by the optimism of the bounds) within a
-        plain stretch sooner than the stretch's pace allows: then plain steps until it does. In a
-        stretch the wait doubles after each exploring step, from 1 up to
-        :data:`~heads.adaptive.acceptance.HALF_LIFE` steps (the time evidence takes to fade): where
-        drafting does not pay, exploring costs a step or two per half-life, not one in a few steps.
-        A plan on estimates that chooses plain steps starts a stretch; one that drafts ends it."""
-        pace = self.adaptive.probes.get(self.key)
-        if choice.reason == "plain is fastest":
-            if pace is None:
-                self.adaptive.probes[self.key] = [1, 0]
-            return choice
-        if choice.reason == "drafting pays" and not choice.tentative:
-            self.adaptive.probes[self.key] = None
-        if pace is None or choice.reason != "it may pay":
-            return choice
-        if pace[1] < pace[0]:
-            self._age = max(0, REPLAN_EVERY - (pace[0] - pace[1]))  # (planned again when the wait is over)
-            return Choice(False, seconds=choice.plain_seconds, plain_seconds=choice.plain_seconds,
-                          reason="wait to explore")
-        pace[0], pace[1] = min(2 * pace[0], HALF_LIFE), 0
-        return choice
-
     def release(self) -> None:
         """The call is over: the drafter drafts as configured again (``speculate=None`` calls)."""
         if self.choice is not None:
@@ -245,8 +219,8 @@ class CallPlanner:
         # a plan stands for a few steps (the estimates it rests on move over tens of steps)
         if (choice is None or not choice.nodes or rows != self._rows
                 or self._age >= (1 if choice.tentative else REPLAN_EVERY)):
+            choice = self.choice = self._plan(rows)
             self._rows, self._age = rows, 0
-            choice = self.choice = self._paced(self._plan(rows))
             self.summary.reasons[choice.reason] = self.summary.reasons.get(choice.reason, 0) + 1
             self.summary.last = choice
         self._age += 1
@@ -278,9 +252,6 @@ class CallPlanner:
                 seconds = record.verify_seconds if record.kind == "plain" else record.draft_seconds
                 self.costs.observe_switch(record.kind != "plain", seconds - usual)
         self._last_rows, self._last_plain = record.rows, record.kind == "plain"
-        pace = self.adaptive.probes.get(self.key)
-        if pace is not None and record.kind == "plain":
-            pace[1] += 1
         if record.kind != "plain":
             self.costs.observe_draft(record.rows, record.draft_seconds, record.first_draft or not steady, option)
         for model in self._distinct:

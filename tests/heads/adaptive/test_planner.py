@@ -12,7 +12,7 @@ import torch
 
 import heads
 from heads.adapter import recorded_acceptance
-from heads.adaptive import AcceptanceModel, Adaptive, Choice, CostCurve
+from heads.adaptive import AcceptanceModel, Adaptive, CostCurve
 from tests.conftest import build_model, left_pad, random_prompt
 from tree_attention.decode import PerRowDrafter, SpeculativeDecoder
 from tree_attention.tree import TreeBatch, from_choices, prefix_batch
@@ -468,34 +468,3 @@ def test_options_are_first_measured_at_their_largest_size(nested):
         assert planner.choice.reason != "measure an option never drafted"
     else:
         assert planner.choice.reason == "measure an option never drafted" and drafter.sizes[-1] == 4
-
-
-def test_exploring_out_of_a_plain_stretch_waits_twice_as_long_each_time():
-    """Where a plan on estimates chose plain steps, an exploring step (drafting pays only by the
-    bounds' optimism) waits for plain steps, 1, 2, 4, ... up to HALF_LIFE of them, between one and the
-    next; a plan that finds drafting pays on its estimates ends the stretch (no wait after it)."""
-    from heads.adaptive.acceptance import HALF_LIFE
-    from tree_attention.planning import StepRecord
-
-    adaptive = Adaptive([0.9] * 4, width=5)
-    planner = adaptive.planner("greedy", True)
-    roots = (TreeBatch.roots_only(torch.zeros(1, dtype=torch.long)), torch.zeros(1, 1, dtype=torch.long),
-             torch.ones(1, dtype=torch.long))
-    explore = Choice(True, nodes=5, expected_tokens=1.5, seconds=2.0, plain_seconds=1.0, reason="it may pay",
-                     tentative=True)
-    assert planner._paced(explore) is explore  # no plain stretch yet: explores at once
-    planner.choice = planner._paced(Choice(False, reason="plain is fastest"))
-    gaps, waited = [], 0
-    for _ in range(400):
-        planner.choice = choice = planner._paced(explore)
-        if choice.draft:
-            gaps.append(waited)
-            waited = 0
-        else:
-            assert choice.reason == "wait to explore"
-            planner.observe(StepRecord("plain", 1, 1, 0.0, 1.0, 1), *roots)
-            waited += 1
-    assert gaps[:7] == [1, 2, 4, 8, 16, 32, 64] and set(gaps[7:]) == {HALF_LIFE}, gaps
-    pays = Choice(True, nodes=5, expected_tokens=3.0, seconds=2.0, plain_seconds=1.0, reason="drafting pays")
-    planner.choice = planner._paced(pays)
-    assert planner._paced(explore) is explore  # the stretch is over
