@@ -46,14 +46,16 @@ MAX_PROBE_INTERVAL = 16
 interval doubles after each probe that did not pay, from 1)."""
 
 
-def dominance(probabilities: torch.Tensor) -> torch.Tensor:
+def dominance(probabilities: torch.Tensor, largest: torch.Tensor | None = None) -> torch.Tensor:
     """``[...]`` of distributions ``[..., V]``: the largest probability's share of the collision
-    mass, ``p1^2 / sum_i p_i^2``, in ``[p1, 1]`` (1 for a point mass). It measures how far the top
-    token stands out from its competitors, where the largest probability itself also falls with the
-    mass a small draft spreads over its long tail: a 2-layer draft of an 8k vocabulary gives its
-    top token 0.02-0.2 on most text, so bins of that probability lump together tokens the target
-    accepts 1% and 90% of the time."""
-    return probabilities.amax(dim=-1).square() / probabilities.square().sum(dim=-1)
+    mass, ``p1^2 / sum_i p_i^2``, in ``[p1, 1]`` (1 for a point mass); ``largest``: ``p1`` where the
+    caller has it. It measures how far the top token stands out from its competitors, where ``p1``
+    itself also falls with the mass a small draft spreads over a long tail of its vocabulary, so
+    bins of ``p1`` lump together tokens the target accepts rarely and almost always
+    (docs/draft.md)."""
+    if largest is None:
+        largest = probabilities.amax(dim=-1)
+    return largest.square() / probabilities.square().sum(dim=-1)
 
 
 def confidence_bins(confidence: torch.Tensor) -> torch.Tensor:
@@ -191,7 +193,8 @@ def check_calibration(table: object) -> None:
     """ValueError unless ``table`` is what :meth:`ChainCalibration.to_dict` writes."""
     if not isinstance(table, Mapping):
         raise ValueError(f"calibration must be an object; got {type(table).__name__}")
-    if table.get("version") not in (1, CALIBRATION_VERSION) or table.get("bins") != BINS or table.get("depths") != DEPTHS:
+    if (table.get("version") not in (1, CALIBRATION_VERSION) or table.get("bins") != BINS
+            or table.get("depths") != DEPTHS):
         raise ValueError(f"calibration must have version {CALIBRATION_VERSION} (or 1), {BINS} bins and {DEPTHS} depth "
                          f"buckets; got version {table.get('version')!r}, bins {table.get('bins')!r}, depths "
                          f"{table.get('depths')!r}")

@@ -144,7 +144,8 @@ class DraftModelDrafter:
         best = probabilities.topk(1 + self.config.siblings, dim=-1)  # (R, p, 1 + s)
         guess = best.indices[..., 0]
         kept = guess == following  # (R, p)
-        for index, verdict in zip(confidence_bins(dominance(probabilities)).view(-1).tolist(), kept.view(-1).tolist()):
+        bins = confidence_bins(dominance(probabilities, best.values[..., 0]))
+        for index, verdict in zip(bins.view(-1).tolist(), kept.view(-1).tolist()):
             self.calibration.observe("greedy", 1, index, verdict)
         others = best.indices[..., 1:] == following[..., None]  # (R, p, s)
         for probability, verdict in zip(best.values[..., 1:].reshape(-1).tolist(), others.view(-1).tolist()):
@@ -164,10 +165,11 @@ class DraftModelDrafter:
         if not self.sampling:
             probabilities = torch.softmax(logits.float(), dim=-1)
             confidence, tokens = probabilities.max(dim=-1)
-            return tokens, confidence, dominance(probabilities), None
+            return tokens, confidence, dominance(probabilities, confidence), None
         q = torch.softmax(self.warp(logits.float()), dim=-1)  # (R, V)
         tokens = torch.multinomial(q, 1, generator=self.generator)[:, 0]
-        return tokens, q.max(dim=-1).values, dominance(q), q
+        largest = q.amax(dim=-1)
+        return tokens, largest, dominance(q, largest), q
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> TreeBatch:
@@ -300,7 +302,8 @@ class DraftModelDrafter:
             if side:
                 probabilities = torch.softmax(logits.float(), dim=-1)
                 best = probabilities.topk(1 + side, dim=-1)  # (R, 1 + s)
-                token, confidence, signal, q = best.indices[:, 0], best.values[:, 0], dominance(probabilities), None
+                token, confidence, q = best.indices[:, 0], best.values[:, 0], None
+                signal = dominance(probabilities, confidence)
                 side_tokens.append(best.indices[:, 1:])
                 other_tokens, other_probabilities = best.indices[:, 1:].tolist(), best.values[:, 1:].tolist()
             else:

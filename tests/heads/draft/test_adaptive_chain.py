@@ -318,7 +318,7 @@ def test_the_sampled_jump_decision_reads_the_depth_one_nodes_alone(toy_pair, mon
     depth-1 nodes alone (their distributions are known before any token is drawn), so steps whose
     depth-1 confidence bins agree get the same decision. Deciding from whole chains reads deeper
     nodes' distributions, which follow the drawn tokens: that wrong rule (lossy) breaks the
-    invariance, which a chi-square over this toy pair hardly sees (p 0.02-0.3 in 2000 samples)."""
+    invariance, a bias too small on this toy pair for a chi-square of a test's size to see."""
     target, draft = toy_pair
     spec = heads.attach_heads(target, kind="draft", draft_model=draft, depth=4, total_tokens=4)
     # jump 0.6: depth-1 nodes of bin 2 (0.3 tokens) do not pay for it, those of bins 3-4 (0.9) do;
