@@ -5,7 +5,7 @@ the defaults from here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DIVERGENCE_TEMPERATURE = 1.0
 """``--temperature`` when not given."""
@@ -53,7 +53,18 @@ class Recipe:
 DEFAULT_RECIPE = Recipe(temperature=DIVERGENCE_TEMPERATURE, data_temperatures=(0.0, 0.7), on_policy_ratio=0.0,
                         on_policy_temperature=None, serving="any", evaluated_at=(0.0, 0.7))
 """The recipe of ``selfdraft train`` without a recipe flag: every other prompt's continuation greedy,
-the others sampled at 0.7, forward KL at temperature 1; measured at greedy and 0.7."""
+the others sampled at 0.7, forward KL at temperature 1; measured at greedy and 0.7. A kind may name
+other data temperatures (:func:`default_recipe`)."""
+
+
+def default_recipe(kind: str | None = None) -> Recipe:
+    """:data:`DEFAULT_RECIPE` with ``kind``'s own default data temperatures where its command-line
+    module names them (``DATA_TEMPERATURES``; Medusa: greedy continuations only). Still trained for,
+    recorded as and measured at any serving temperature."""
+    from heads import kinds
+
+    data = getattr(kinds.command_lines().get(kind), "DATA_TEMPERATURES", None) if kind else None
+    return DEFAULT_RECIPE if data is None else replace(DEFAULT_RECIPE, data_temperatures=tuple(data))
 
 
 def on_policy_ratio(args) -> float:
@@ -67,13 +78,13 @@ def on_policy_ratio(args) -> float:
 
 
 def recipe(args) -> Recipe:
-    """The :class:`Recipe` of the flags: :data:`DEFAULT_RECIPE` when no flag of :data:`RECIPE_FLAGS`
-    was given, else the flags as given with the specialised defaults (divergence at
+    """The :class:`Recipe` of the flags: :func:`default_recipe` of ``--kind`` when no flag of
+    :data:`RECIPE_FLAGS` was given, else the flags as given with the specialised defaults (divergence at
     :data:`DIVERGENCE_TEMPERATURE`, greedy data, no on-policy share; measured greedy, and at the
     on-policy temperature when there is an on-policy share)."""
     given = [name for name in RECIPE_FLAGS if getattr(args, name, None) not in (None, False)]
     if not given:
-        return DEFAULT_RECIPE
+        return default_recipe(getattr(args, "kind", None))
     temperature = DIVERGENCE_TEMPERATURE if args.temperature is None else args.temperature
     ratio = on_policy_ratio(args)
     on_policy_temperature = temperature if args.on_policy_temperature is None else args.on_policy_temperature

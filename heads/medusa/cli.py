@@ -13,6 +13,14 @@ LEARNING_RATE = 1e-2
 the few hundred steps a CPU run affords (set by the EAGLE-recipe study,
 ``benchmarks/studies/eagle_recipe``; figures in CHANGELOG.md, 2026-12-03)."""
 
+DATA_TEMPERATURES = (0.0,)
+"""The default recipe's data temperatures for Medusa (``training.recipe.default_recipe``): the
+target's greedy continuations only. Head ``k`` predicts the token ``k + 1`` places ahead from one
+feature, without the tokens in between; where those were sampled, its target is the continuation
+averaged over random intermediate tokens, which ranks the greedy path's tokens lower (greedy serving
+loses depths 2-4) and teaches sampled serving nothing a head can use. Measured in
+``benchmarks/studies/temperature_recipes`` (docs/training.md)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Medusa heads (--kind medusa)")

@@ -1,6 +1,7 @@
 """The default training recipe (issue 39 item 3): without a recipe flag `selfdraft train` distils on
-greedy and sampled continuations mixed and records that the adapter serves any temperature; any
-recipe flag specialises the run exactly as before."""
+greedy and sampled continuations mixed (Medusa: greedy continuations alone, its kind's own default)
+and records that the adapter serves any temperature; any recipe flag specialises the run exactly as
+before."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from training import distill_data
 from training.cli import build_parser, main
 from training.commands.train import train_config
 from training.prompts import tokenize_prompts
-from training.recipe import DEFAULT_RECIPE, recipe
+from training.recipe import DEFAULT_RECIPE, default_recipe, recipe
 
 WORDS = ["the cat sat", "a dog ran far away", "one two three", "the dog sat", "a cat ran", "two three one",
          "far away the cat", "one dog"]
@@ -63,13 +64,23 @@ def test_repeated_temperatures_set_the_shares(model, tokenizer):  # noqa: F811
 
 
 def test_no_recipe_flag_is_the_default_recipe():
-    chosen = recipe(_args())
-    assert chosen is DEFAULT_RECIPE and chosen.serving == "any" and chosen.evaluated_at == (0.0, 0.7)
-    config = train_config(_args())
+    for kind in ("eagle", "draft"):
+        chosen = recipe(_args("--kind", kind))
+        assert chosen is DEFAULT_RECIPE and chosen.serving == "any" and chosen.evaluated_at == (0.0, 0.7)
+    config = train_config(_args("--kind", "eagle"))
     assert config.temperature == DEFAULT_RECIPE.temperature == 1.0
     assert config.on_policy_ratio == DEFAULT_RECIPE.on_policy_ratio
     # flags that tune a run without choosing what it is trained for keep the default
-    assert recipe(_args("--steps", "5", "--on-policy-refresh", "7", "--loss", "jsd")) is DEFAULT_RECIPE
+    assert recipe(_args("--kind", "eagle", "--steps", "5", "--on-policy-refresh", "7", "--loss", "jsd")) is DEFAULT_RECIPE
+
+
+def test_medusas_default_recipe_distils_greedy_continuations_for_any_temperature():
+    chosen = recipe(_args())  # --kind medusa, the default kind
+    assert chosen == default_recipe("medusa") != DEFAULT_RECIPE
+    assert chosen.data_temperatures == (0.0,)
+    assert (chosen.serving, chosen.evaluated_at, chosen.temperature, chosen.on_policy_ratio) == (
+        "any", (0.0, 0.7), DEFAULT_RECIPE.temperature, DEFAULT_RECIPE.on_policy_ratio)
+    assert default_recipe(None) is default_recipe("eagle") is DEFAULT_RECIPE
 
 
 @pytest.mark.parametrize("flags, temperature, data, ratio, evaluated", [
@@ -108,23 +119,36 @@ def test_the_default_recipe_is_recorded_and_measured_at_both_temperatures(model_
     cache = tmp_path / "cache"
     assert main(_train_args(model_dir, data, tmp_path / "default", cache, tmp_path / "d.json", steps=4)) == 0
     config = json.loads((tmp_path / "default" / "adapter_config.json").read_text())
-    training = config["training"]
+    training = config["training"]  # Medusa's default recipe: greedy data, served at any temperature
     assert training["serving"] == "any" and training["serving_temperatures"] == [0.0, 0.7]
-    assert training["data_temperature"] == [0.0, 0.7] and training["temperature"] == 1.0
+    assert training["data_temperature"] == 0.0 and training["temperature"] == 1.0
     assert training["on_policy"] is (DEFAULT_RECIPE.on_policy_ratio > 0)
     entries = config["acceptance"]["prompts"]
     assert [entry.get("temperature", 0.0) for entry in entries] == [0.0, 0.7]
     assert all(entry["split"] == "held-out" and entry["tau"] >= 1.0 for entry in entries)
-    assert len(list(cache.glob("distill-*.safetensors"))) == 2  # one generation per data temperature
+    assert len(list(cache.glob("distill-*.safetensors"))) == 1  # one generation: greedy
 
-    args = _train_args(model_dir, data, tmp_path / "greedy", cache, tmp_path / "g.json", steps=4)
-    assert main([*args, "--data-temperature", "0"]) == 0
-    training = json.loads((tmp_path / "greedy" / "adapter_config.json").read_text())["training"]
+    args = _train_args(model_dir, data, tmp_path / "sampled", cache, tmp_path / "s.json", steps=4)
+    assert main([*args, "--data-temperature", "0.7"]) == 0
+    training = json.loads((tmp_path / "sampled" / "adapter_config.json").read_text())["training"]
     assert training["serving"] == "specialised" and training["serving_temperatures"] == [0.0]
-    assert training["data_temperature"] == 0.0 and training["on_policy"] is False
-    acceptance = json.loads((tmp_path / "greedy" / "adapter_config.json").read_text())["acceptance"]
+    assert training["data_temperature"] == 0.7 and training["on_policy"] is False
+    acceptance = json.loads((tmp_path / "sampled" / "adapter_config.json").read_text())["acceptance"]
     assert isinstance(acceptance["prompts"], dict)  # one entry, greedy, as before
-    assert len(list(cache.glob("distill-*.safetensors"))) == 3  # all prompts greedy: a new generation
+    assert len(list(cache.glob("distill-*.safetensors"))) == 2  # all prompts sampled: a new generation
     one = json.loads((tmp_path / "d.json").read_text())["losses"]
-    two = json.loads((tmp_path / "g.json").read_text())["losses"]
+    two = json.loads((tmp_path / "s.json").read_text())["losses"]
     assert not torch.allclose(torch.tensor(one), torch.tensor(two))  # different data
+
+
+def test_eagles_default_recipe_mixes_greedy_and_sampled_data(model_dir, tmp_path):  # noqa: F811
+    data = _write_prompts(tmp_path / "prompts.jsonl", 16, seed=5)
+    cache = tmp_path / "cache"
+    args = _train_args(model_dir, data, tmp_path / "eagle", cache, tmp_path / "e.json", steps=2)
+    at = args.index("--num-heads")
+    del args[at:at + 2]  # (a Medusa flag)
+    assert main([*args, "--kind", "eagle", "--for", "hf"]) == 0
+    training = json.loads((tmp_path / "eagle" / "adapter_config.json").read_text())["training"]
+    assert training["serving"] == "any" and training["serving_temperatures"] == [0.0, 0.7]
+    assert training["data_temperature"] == [0.0, 0.7]
+    assert len(list(cache.glob("distill-*.safetensors"))) == 2  # one generation per data temperature

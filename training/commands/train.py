@@ -23,7 +23,7 @@ from pathlib import Path
 from heads import _refuse_foreign_options, kinds, lora_flags
 
 from ..config import DIVERGENCES
-from ..recipe import DEFAULT_RECIPE, DIVERGENCE_TEMPERATURE, recipe
+from ..recipe import DIVERGENCE_TEMPERATURE, default_recipe, recipe
 from .common import (
     Interrupted, UsageError, add_paragraphs_argument, check_int, check_model, check_number,
     check_output_directory, check_output_file, load_model, logger, read_prompts, require, write_json,
@@ -118,8 +118,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--data-temperature", type=float, nargs="+", default=None, metavar="T",
                         help="temperature of the target's continuations (0: greedy, for greedy serving); several "
                              "values: prompt i is continued at the (i mod count)-th (default: 0, or with no "
-                             "temperature flag the default recipe's " + " ".join(
-                                 f"{value:g}" for value in DEFAULT_RECIPE.data_temperatures) + ")")
+                             "temperature flag the kind's default recipe: " + ", ".join(
+                                 f"{name} " + " ".join(f"{value:g}" for value in default_recipe(name).data_temperatures)
+                                 for name in kinds.command_lines()) + ")")
     _add_on_policy_arguments(parser)
     parser.add_argument("--original-text", action="store_true",
                         help="train on the prompts' original text instead of the target's continuations")

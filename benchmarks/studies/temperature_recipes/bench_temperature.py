@@ -9,7 +9,7 @@ distilled several ways (``--recipes``, :data:`RECIPES`) on the same step budget 
 - ``T0.7-on``: divergence at T=0.7 on the target's samples at 0.7, half of each batch on-policy
   (sequences speculative generation with the current drafter samples at 0.7, refreshed 4 times);
 - ``T1.0-on``: the same at T=1.0;
-- ``default``: no recipe flag, the CLI's default recipe (:data:`training.recipe.DEFAULT_RECIPE`);
+- ``default``: no recipe flag, the CLI's default recipe of the kind (:func:`training.recipe.default_recipe`);
 - ``mix-*``: candidates that were tuned against it.
 
 Each is served at T in ``--serve`` on ``--prompts`` prompts of the ``--split`` of each mix (code,
@@ -43,7 +43,7 @@ import torch
 
 from benchmarks.harness.prompts import SPLITS, TARGETS, mix_prompts, mixed_training_file, target_directory
 from benchmarks.studies.common import RESULTS, table, write_json
-from training.recipe import DEFAULT_RECIPE
+from training.recipe import default_recipe
 
 HERE = Path(__file__).resolve().parent
 TARGETS = {name: TARGETS[name] for name in ("demo-llama", "stories260K")}
@@ -103,7 +103,7 @@ def train(kind: str, recipe: str, data: Path, args) -> tuple[Path, dict]:
     optional += ["--for", args.eagle_for] if kind == "eagle" else []
     prompts = len(TARGETS[args.target]["mixes"]) * args.train_prompts
     summary = adapter.parent / f"{adapter.name}.json"
-    flags = [f"--steps={steps}", *optional, *(RECIPES[recipe] or [repr(DEFAULT_RECIPE)])]  # changed: retrained
+    flags = [f"--steps={steps}", *optional, *(RECIPES[recipe] or [repr(default_recipe(kind))])]  # changed: retrained
     stale = not summary.is_file() or json.loads(summary.read_text()).get("recipe_flags") != flags
     if not (adapter / "adapter_config.json").is_file() or stale or args.retrain:
         started = time.perf_counter()
