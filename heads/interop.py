@@ -167,9 +167,10 @@ def export_adapter(adapter_dir: str | os.PathLike, fmt: str, out: str | os.PathL
     if options is None:
         options = ExportOptions(out=str(out), target=target_name(config, None, model))
     layout = kinds.formats()[fmt][1]
+    served = serving(config, fmt, options)  # (of the adapter as trained: the export may describe less of it)
     files = layout.export(config, read_weights(adapter_dir), fmt, model, adapter_dir, options)
     files[SIDECAR_NAME] = json_writer(_sidecar(config, fmt))
-    readme = export_readme(config, fmt, adapter_dir, serving(config, fmt, options))
+    readme = export_readme(config, fmt, adapter_dir, served)
     files[README_NAME] = lambda path: path.write_text(readme)
     write_directory(Path(out), files, replaceable=export_file_names())
     logger.info("exported %s as %s to %s", adapter_dir, fmt, out)

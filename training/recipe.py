@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from heads import kinds
+
 DIVERGENCE_TEMPERATURE = 1.0
 """``--temperature`` when not given."""
 RECIPE_FLAGS = ("temperature", "data_temperature", "on_policy", "on_policy_ratio", "on_policy_temperature",
@@ -61,8 +63,6 @@ def default_recipe(kind: str | None = None) -> Recipe:
     """:data:`DEFAULT_RECIPE` with ``kind``'s own default data temperatures where its command-line
     module names them (``DATA_TEMPERATURES``; Medusa: greedy continuations only). Still trained for,
     recorded as and measured at any serving temperature."""
-    from heads import kinds
-
     data = getattr(kinds.command_lines().get(kind), "DATA_TEMPERATURES", None) if kind else None
     return DEFAULT_RECIPE if data is None else replace(DEFAULT_RECIPE, data_temperatures=tuple(data))
 

@@ -85,9 +85,11 @@ def eagle_refusals(config: dict, fmt: str, target_layers: int | None = None) -> 
     drafter, family = config["drafter"], config["target"].get("model_type")
     label, layout = _LABEL[fmt], drafter.get("layout", "native")
     reasons = []
-    if drafter.get("parallel", 1) > 1:
-        reasons.append(f"this drafter drafts {drafter['parallel']} depths in parallel (parallel heads or mask queries) "
-                       "(parallel > 1), which EAGLE checkpoint layouts cannot hold: train with --parallel 1")
+    if drafter.get("parallel", 1) > 1 and not separable_heads(drafter):
+        reasons.append(f"this drafter drafts {drafter['parallel']} depths in parallel with "
+                       f"{drafter.get('parallel_mode', 'heads')} (parallel > 1), which shares the drafter's layer and "
+                       "which EAGLE checkpoint layouts cannot hold: train with --parallel 1, or with "
+                       "--parallel-mode heads (the heads stay behind and engines draft sequentially)")
     if not is_llama(family):
         reasons.append(f"{label} loaders build Llama decoder layers; the target is {family!r} "
                        "(train on a Llama target)")
@@ -115,6 +117,18 @@ def eagle_refusals(config: dict, fmt: str, target_layers: int | None = None) -> 
                        f"must lie in 1..{target_layers - 1} (0, the embeddings, and the post-norm top layer have "
                        "no id)")
     return reasons
+
+
+def separable_heads(drafter: dict) -> bool:
+    """Whether a parallel drafter's extra depths come from Medusa-style heads (``parallel_mode``
+    ``heads``): trained with their input's gradient stopped, they leave the drafter's layer exactly a
+    sequential drafter's, so an export writes that layer alone and engines draft sequentially
+    (``mask`` and ``block`` train the layer on their mask queries as well)."""
+    return drafter.get("parallel", 1) > 1 and drafter.get("parallel_mode", "heads") == "heads"
+
+
+PARALLEL_HEADS = "parallel_heads."
+"""Prefix of a ``heads`` mode drafter's parallel heads' tensors (not exported)."""
 
 
 def layout_refusals(config: dict, fmt: str, options: ExportOptions) -> list[str]:
@@ -246,6 +260,9 @@ def export_files(config: dict, tensors: dict[str, torch.Tensor], fmt: str, model
                            "predicts: " + "; ".join(reasons))
     model = _pinned_model(model, config, adapter_dir, fmt)
     drafter, dtype = config["drafter"], config["target"].get("dtype") or "float32"
+    if separable_heads(drafter):  # the sequential drafter alone; the sidecar describes it as exported
+        tensors = {name: tensor for name, tensor in tensors.items() if not name.startswith(PARALLEL_HEADS)}
+        drafter.update(parallel=1, drafting="sequential")
     external = {theirs: tensors[ours].contiguous() for ours, theirs in eagle_name_map(tensors, fmt).items()}
     if fmt == "eagle":
         if not options.fc_bias:
@@ -289,6 +306,10 @@ def serve_commands(config: dict, fmt: str, options: ExportOptions) -> dict:
                               f"{method.upper()} --speculative-draft-model-path {out} --speculative-num-steps {steps} "
                               f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}")
     notes = []
+    if separable_heads(config["drafter"]):
+        notes.append(f"the adapter's {config['drafter']['parallel'] - 1} parallel heads are not in this export: "
+                     "engines draft one depth at a time with the drafter's layer, which the heads never trained; "
+                     "selfdraft serves the adapter itself with its parallel drafting")
     if fmt == "eagle" and options.fc_bias:
         notes.append("fc.bias: SafeAILab EAGLE and SGLang (LlamaForCausalLMEagle) load it; vLLM's EAGLE-1 model "
                      "(EagleLlamaForCausalLM) builds fc without a bias and drops fc.bias silently, so under vLLM this "

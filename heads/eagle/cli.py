@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "sequential")
     group.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
                        help="--parallel > 1: where depths 2..K come from: heads (default; Medusa-style heads with their "
-                            "own output rows, see --head-input, which leave the drafter's layer to sequential drafting), mask "
+                            "own output rows, see --head-input, which leave the drafter's layer to sequential drafting; "
+                            "with --for vllm/sglang/any the export holds that layer alone), mask "
                             "(learned mask queries in the drafter forward, sharing its layer) or block (mask queries and a "
                             "sequential head that conditions each depth on the token drafted above it; dynamic trees, "
                             "drafting parallel by default)")
@@ -178,13 +179,23 @@ def default_feature_layers(num_layers: int) -> list[int]:
     return [1, num_layers // 2, num_layers - 1]
 
 
+def _parallel_heads(args: argparse.Namespace) -> bool:
+    """``--parallel K > 1`` in ``heads`` mode (the default mode): depths 2..K from heads that leave
+    the drafter's layer a sequential drafter's, so an export holds the layer alone (engines draft
+    sequentially; selfdraft drafts with the heads too)."""
+    return (args.parallel is not None and args.parallel > 1
+            and getattr(args, "parallel_mode", None) in (None, "heads"))
+
+
 def _engine_conflicts(args: argparse.Namespace) -> list[str]:
-    """The given flags that ask for what EAGLE checkpoint formats cannot hold (parallel depths, the
-    native layout, other than three fused layers or several EAGLE-3 midlayers)."""
+    """The given flags that ask for what EAGLE checkpoint formats cannot hold (parallel depths that
+    share the drafter's layer, the native layout, other than three fused layers or several EAGLE-3
+    midlayers). Parallel heads are no conflict: the export leaves them behind."""
     conflicts = []
-    if args.parallel is not None and args.parallel > 1:
+    heads = _parallel_heads(args)
+    if args.parallel is not None and args.parallel > 1 and not heads:
         conflicts.append(f"--parallel {args.parallel}")
-    if args.drafting in ("auto", "parallel"):
+    if args.drafting in ("auto", "parallel") and not heads:
         conflicts.append(f"--drafting {args.drafting}")
     if args.eagle_layout == "native":
         conflicts.append("--eagle-layout native")
@@ -194,7 +205,7 @@ def _engine_conflicts(args: argparse.Namespace) -> list[str]:
         conflicts.append(f"--num-layers {args.num_layers}")
     for flag, dest in (("--parallel-mode", "parallel_mode"), ("--parallel-tokens", "parallel_tokens"),
                        ("--head-input", "head_input")):
-        if getattr(args, dest, None) is not None:
+        if getattr(args, dest, None) is not None and not heads:
             conflicts.append(flag)
     return conflicts
 
@@ -205,8 +216,10 @@ def deploy(args: argparse.Namespace, engine: str | None, model_config) -> str:
     :data:`ENGINE_LAYOUT` or ``eagle1`` layout, sequential drafting, three feature layers).
 
     ``engine`` None (``--for`` not given) means ``any`` unless a given flag asks for selfdraft-only
-    drafting or the target cannot hold an exportable drafter: then ``hf`` (the export line says
-    why). A Llama target too shallow for EAGLE-3 (fewer than 4 layers) gets the EAGLE-1 layout under
+    drafting (``--parallel K`` included: selfdraft's native layout drafts parallel depths best) or the
+    target cannot hold an exportable drafter: then ``hf`` (the export line says why). Under a named
+    engine, ``--parallel K`` in ``heads`` mode trains the engine layout plus parallel heads that the
+    export leaves behind. A Llama target too shallow for EAGLE-3 (fewer than 4 layers) gets the EAGLE-1 layout under
     ``any`` and ``sglang``. An explicit engine with such a flag or target is a ValueError naming them."""
     from ..families import LLAMA_EXPORT_FAMILIES, is_llama
 
@@ -225,15 +238,16 @@ def deploy(args: argparse.Namespace, engine: str | None, model_config) -> str:
     elif args.eagle_layout != "eagle1" and layers < 4:
         target = (f"EAGLE-3 fuses three of the target's decoder-layer outputs 1..{layers - 1}; this target has "
                   f"{layers} layers (train with --eagle-layout eagle1)")
-    if engine is None and (conflicts or target):
-        return "hf"
+    if engine is None and (conflicts or target or _parallel_heads(args)):
+        return "hf"  # (parallel depths asked for with no engine named: selfdraft's own layout drafts them best)
     if target:
         raise ValueError(f"{label}: {target}; use --for hf for a drafter only selfdraft serves")
     if conflicts:
         raise ValueError(f"{label}: {', '.join(conflicts)}: engines load sequential EAGLE drafters of the eagle1 or "
                          "eagle3 layout; drop these flags, or use --for hf for selfdraft-only drafting")
     args.eagle_layout = args.eagle_layout or ENGINE_LAYOUT
-    args.parallel = 1
+    if not _parallel_heads(args):
+        args.parallel = 1
     if args.unroll_steps is None:
         args.unroll_steps = ENGINE_UNROLL_STEPS
     if args.eagle_layout == ENGINE_LAYOUT and args.feature_layers is None:

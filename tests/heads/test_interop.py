@@ -412,6 +412,27 @@ def test_eagle_round_trip(deep_model, tmp_path, fmt, options):
     _same_drafts(spec, bare)
 
 
+@pytest.mark.parametrize("fmt, options", [
+    ("eagle", dict(layout="eagle1")),
+    ("eagle3", dict(layout="eagle3", feature_layers=(1, 2, 3), draft_vocab_size=32)),
+])
+def test_parallel_heads_stay_behind_and_the_export_drafts_as_the_sequential_drafter(deep_model, tmp_path, fmt,
+                                                                                   options):
+    """A drafter with parallel heads (``parallel_mode="heads"``) exports its layer alone: the heads
+    never train it, so the export drafts exactly what the adapter drafts sequentially."""
+    spec, adapter = _eagle_adapter(deep_model, tmp_path, parallel=3, drafting="sequential", **options)
+    assert any(name.startswith("parallel_heads.") for name in spec.heads.state_dict())
+    out = interop.export_adapter(adapter, fmt, tmp_path / fmt, model=deep_model)
+    assert not any("parallel_heads" in name for name in load_file(str(out / "model.safetensors")))
+    drafter = json.loads((out / interop.SIDECAR_NAME).read_text())["selfdraft_adapter"]["drafter"]
+    assert drafter["parallel"] == 1 and drafter["drafting"] == "sequential"
+    assert "parallel heads are not in this export" in (out / interop.README_NAME).read_text()
+    assert json.loads((adapter / "adapter_config.json").read_text())["drafter"]["parallel"] == 3  # (unchanged)
+    loaded = heads.load_heads(deep_model, out)
+    assert loaded.config.parallel == 1 and loaded.heads.parallel_heads is None
+    _same_drafts(spec, loaded)
+
+
 @pytest.mark.parametrize("feature_layers", [(3, 1, 2), (2, 3, 1), (1, 2, 3)])
 def test_eagle3_export_computes_as_the_loaders_whatever_the_layer_order(deep_model, tmp_path, feature_layers):
     """Issue 15 items 12-14, against the loaders' own conventions: the exported checkpoint, run as

@@ -74,7 +74,7 @@ def test_for_hf_keeps_selfdraft_settings_and_says_what_will_not_export(deep_mode
     args, (_, engine, line) = _checked(_args(deep_model_dir, data, tmp_path / "a", "--for", "hf"))
     assert engine == "hf" and train_command.drafter_options(args)["parallel"] == 4
     assert line.startswith("--for hf: this eagle adapter will export to no engine format; it will not load in vLLM "
-                           "or SGLang: this drafter drafts 4 depths in parallel"), line
+                           "or SGLang: this drafter has layout 'native'"), line
     assert line.endswith("(train with --for vllm or --for sglang for an engine)")
 
 
@@ -112,8 +112,21 @@ def test_default_on_a_target_too_shallow_for_eagle3_is_the_eagle1_layout(shallow
     assert "will export to eagle" in line, line
 
 
+def test_an_engine_with_parallel_heads_keeps_them_for_selfdraft(deep_model_dir, tmp_path, no_model_loading):
+    """``--for vllm --parallel 4``: the EAGLE-3 layer engines load, trained sequentially (unrolled), plus
+    parallel heads selfdraft drafts with; the export leaves the heads behind."""
+    data = _write_prompts(tmp_path / "prompts.jsonl", 4, seed=1)
+    args, (config, engine, line) = _checked(_args(deep_model_dir, data, tmp_path / "a", "--for", "vllm",
+                                                  "--parallel", "4"))
+    options = train_command.drafter_options(args)
+    assert engine == "vllm" and options["layout"] == "eagle3" and options["parallel"] == 4
+    assert options["drafting"] == "auto" and config.unroll_steps == 2
+    assert "will export to eagle3 (vLLM, SGLang), speculators (vLLM)" in line, line
+
+
 @pytest.mark.parametrize("extra, message", [
-    (["--for", "vllm", "--parallel", "4"], "--for vllm: --parallel 4: engines load sequential EAGLE drafters"),
+    (["--for", "vllm", "--parallel", "4", "--parallel-mode", "mask"],
+     "--for vllm: --parallel 4, --parallel-mode: engines load sequential EAGLE drafters"),
     (["--for", "sglang", "--eagle-layout", "native", "--drafting", "auto"],
      "--for sglang: --drafting auto, --eagle-layout native"),
     (["--for", "any", "--feature-layers", "1,2"], "--for any: --feature-layers 1,2"),

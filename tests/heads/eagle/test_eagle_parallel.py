@@ -310,10 +310,11 @@ def test_adapter_round_trip_and_older_adapters(trained, tmp_path):
     assert heads.load_heads(spec.backbone, tmp_path / "older").config.parallel == 1
 
 
-def test_export_refuses_parallel_drafters(tmp_path):
+def test_export_refuses_parallel_depths_that_share_the_drafters_layer(tmp_path):
     model = build_model("llama", seed=2)
-    heads.attach_heads(model, kind="eagle", layout="eagle1", parallel=2).save_pretrained(tmp_path / "eagle")
-    with pytest.raises(heads.AdapterError, match=r"parallel > 1.*--parallel 1"):
+    heads.attach_heads(model, kind="eagle", layout="eagle1", parallel=2,
+                       parallel_mode="mask").save_pretrained(tmp_path / "eagle")
+    with pytest.raises(heads.AdapterError, match=r"mask \(parallel > 1\).*--parallel 1, or with --parallel-mode heads"):
         interop.export_adapter(tmp_path / "eagle", "eagle", tmp_path / "out", model=model)
     assert not (tmp_path / "out").exists()
 
