@@ -62,8 +62,12 @@ other data temperatures (:func:`default_recipe`)."""
 def default_recipe(kind: str | None = None) -> Recipe:
     """:data:`DEFAULT_RECIPE` with ``kind``'s own default data temperatures where its command-line
     module names them (``DATA_TEMPERATURES``; Medusa: greedy continuations only). Still trained for,
-    recorded as and measured at any serving temperature."""
-    data = getattr(kinds.command_lines().get(kind), "DATA_TEMPERATURES", None) if kind else None
+    recorded as and measured at any serving temperature. ValueError for a kind ``selfdraft train``
+    does not know."""
+    lines = kinds.command_lines()
+    if kind is not None and kind not in lines:
+        raise ValueError(f"kind must be one of {tuple(lines)} (or None); got {kind!r}")
+    data = getattr(lines.get(kind), "DATA_TEMPERATURES", None) if kind else None
     return DEFAULT_RECIPE if data is None else replace(DEFAULT_RECIPE, data_temperatures=tuple(data))
 
 

@@ -81,6 +81,8 @@ def test_medusas_default_recipe_distils_greedy_continuations_for_any_temperature
     assert (chosen.serving, chosen.evaluated_at, chosen.temperature, chosen.on_policy_ratio) == (
         "any", (0.0, 0.7), DEFAULT_RECIPE.temperature, DEFAULT_RECIPE.on_policy_ratio)
     assert default_recipe(None) is default_recipe("eagle") is DEFAULT_RECIPE
+    with pytest.raises(ValueError, match=r"kind must be one of .*got 'medusa2'"):
+        default_recipe("medusa2")
 
 
 @pytest.mark.parametrize("flags, temperature, data, ratio, evaluated", [
