@@ -17,9 +17,8 @@ DATA_TEMPERATURES = (0.0,)
 """The default recipe's data temperatures for Medusa (``training.recipe.default_recipe``): the
 target's greedy continuations only. Head ``k`` predicts the token ``k + 1`` places ahead from one
 feature, without the tokens in between; where those were sampled, its target is the continuation
-averaged over random intermediate tokens, which ranks the greedy path's tokens lower (greedy serving
-loses depths 2-4) and teaches sampled serving nothing a head can use. Measured in
-``benchmarks/studies/temperature_recipes`` (docs/training.md)."""
+averaged over random intermediate tokens, which ranks the greedy path's tokens lower and teaches
+sampled serving nothing a head can use (figures: docs/training.md)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
