@@ -1,29 +1,29 @@
 """Calibrated acceptance: how many tokens a prefix of a step's tree is expected to commit.
 
-A row commits its accepted path plus one token, and the path holds at most one node per depth, so
-a tree's expected accepted length is the sum over its nodes of the chance each is on the path. The
-model keeps, per node index (parents before children, better candidates first), how often the node
-existed in a row's tree (every one is verified) and how often it was on the accepted path. A prefix
-of node order is itself a tree, and under greedy decoding its nodes are accepted exactly when they
-are in the whole tree (under sampling with the same chance, where a node's acceptance depends only
-on the nodes before it), so each drafted step shows what every smaller nested size would have got.
+A row commits its accepted path (at most one node per depth) plus one token, so a tree's expected
+accepted length is the sum over its nodes of the chance each is on the path. The model keeps, per
+node index (parents before children, better candidates first), how often the node existed in a
+row's tree (all are verified) and how often it was on the accepted path. A prefix of node order is
+itself a tree whose nodes are accepted as in the whole tree (under sampling, with the same chance),
+so each drafted step shows what every smaller nested size would have got.
 
 Evidence fades with a half-life in steps, plain steps included, and choices use an upper confidence
-bound on a prefix's total: after a plain stretch the question is open again, so no size is locked
-out by a few early steps. The prior (the acceptance by depth the adapter recorded at save time,
-spread over each depth's nodes when first seen) fades with the evidence: the bound widens, the
-estimate does not drift back to a prior measured on other text.
+bound on a prefix's total, so no size is locked out by a few early steps. The prior (the acceptance
+by depth the adapter recorded at save time) fades with the evidence: the bound widens, the estimate
+does not drift back to a prior measured on other text. At a request's start the evidence of earlier
+requests is weighed by how much requests differ (:meth:`AcceptanceModel.new_request`).
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Sequence
 
 import numpy as np
 import torch
 
 HALF_LIFE = 64
-"""Steps after which a step's evidence counts half: long enough that a choice rests on a few
-replies' worth of steps, short enough that a stretch of plain steps reopens the question."""
+"""Steps after which a step's evidence counts half: a choice rests on a few replies' worth of steps,
+and a stretch of plain steps reopens the question."""
 
 CONFIDENCE = 1.0
 """Standard errors added to an option's expected accepted tokens in choices (an upper confidence
@@ -36,6 +36,7 @@ UNINFORMED = 0.5
 """Prior chance that a drafted token is accepted, given its parent was, when the adapter recorded no
 acceptance (lookup, untrained drafters): the accepted path reaches depth ``d`` with ``UNINFORMED ** d``."""
 
+_REQUESTS = 32  # earlier requests the spread of acceptance between requests is measured over
 _RESCALE = 1e-150  # the running weight is folded back into the counts below this (float64 range)
 _REFRESH = max(1, HALF_LIFE // 8)  # fades between refreshes of the estimates (weights move < 9%)
 
@@ -58,49 +59,74 @@ class AcceptanceModel:
         self.asked = np.zeros(0)  # rows of drafted steps whose tree could hold node i (stored)
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
-        self.steps = 0
-        self.rows_seen = 0  # rows of drafted steps observed (unfaded)
+        self.steps, self.rows_seen = 0, 0  # drafted steps and their rows observed (unfaded)
         self._pending: list[tuple] = []  # (weight, trees, paths, lengths, capacity) of steps not yet counted
+        self._request = [0.0, 0]  # this request's rows whose tree held node 1: accepted, held (unfaded)
+        self._requests: deque[tuple[float, int]] = deque(maxlen=_REQUESTS)  # earlier ones': (rate, rows)
         self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._faded = 0  # fades since the estimates were computed
-        self._gains_key: tuple[int, int] | None = None  # prefix_gains' last arguments, and its result
-        self._gains: tuple[np.ndarray, np.ndarray] | None = None
+        self._gains_key, self._gains = None, None  # prefix_estimates' last arguments, and its result
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
         self._grow(self.width)
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen
 
     def _grow(self, width: int) -> None:
         grow = width - self.exists.size
         if grow > 0:
             self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen = (
-                np.concatenate([array, np.zeros(grow)]) for array in
-                (self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen))
+                np.concatenate([array, np.zeros(grow)]) for array in self._arrays())
 
     def fade(self) -> None:
         """One step passed (any step): earlier evidence counts a little less."""
         self.scale *= self._decay
         if self.scale < _RESCALE:
             self._count()  # (pending steps carry weights of the current scale)
-            for array in (self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen):
+            for array in self._arrays():
                 array *= self.scale
-            self.scale = 1.0
-            self._cache = None
+            self.scale, self._cache = 1.0, None
         self._faded += 1
-        if self._faded >= _REFRESH:  # the weights moved enough to move the confidence bounds
-            self._cache = None
+        self._cache = None if self._faded >= _REFRESH else self._cache  # (the bounds moved enough)
 
     def observe(self, trees, paths: torch.Tensor, lengths: torch.Tensor, capacity: int | None = None) -> None:
-        """One drafted step: the trees verified whole (a ``TreeBatch``; roots alone where the drafter
-        proposed nothing) and what was accepted (``paths`` ``[R, L]`` node indices, ``lengths``
-        ``[R]`` with the root); ``capacity``: the most nodes (root included) the drafter was asked
-        for, so that a node beyond it counts neither as proposed nor as missing (a nested model's
-        smaller sizes; None: the model's width). Counted when the estimates are next read (a plan is
-        made every few steps; counting the steps together there costs less than one at a time in
-        the loop)."""
+        """One drafted step: the trees verified whole (a ``TreeBatch``; roots alone where nothing was
+        proposed), what was accepted (``paths`` ``[R, L]`` node indices, ``lengths`` ``[R]`` with the
+        root), ``capacity``: the most nodes (root included) the drafter was asked for (a node beyond
+        it counts neither as proposed nor as missing; None: the model's width). Counted when the
+        estimates are next read (together, cheaper than a step at a time in the loop)."""
         self.width = max(self.width, trees.width)
         self.rows_seen += trees.rows
         self._pending.append((1.0 / self.scale, trees, paths, lengths, capacity))
         self.steps += 1
         self._cache = None
+
+    def new_request(self) -> float | None:
+        """A new request begins: earlier requests' evidence becomes its prior, each node's rates kept,
+        worth at most the empirical-Bayes weight of the first node's acceptance (in rows): a row's
+        variance within a request over the variance of the requests' true rates (their spread less
+        what their row counts explain). Where requests differ (repetitive code, fresh prose) its own
+        steps take over within a few; where they are alike the evidence stands. Returns the weight
+        (None: no cut, under 3 earlier requests or no spread)."""
+        self._count()
+        accepted, held = self._request
+        if held > 0:
+            self._requests.append((accepted / held, held))
+        self._request = [0.0, 0]
+        if len(self._requests) < 3:
+            return None
+        rates, counts = np.array(self._requests).T
+        within = max(float(rates.mean() * (1.0 - rates.mean())), 1e-6)
+        between = float(rates.var(ddof=1)) - within * float((1.0 / counts).mean())
+        if between <= 0.0:
+            return None
+        rows = max(1.0, within / between)
+        seen = (self.exists + self.prior_seen) * self.scale
+        cut = np.minimum(1.0, rows / np.maximum(seen, 1e-300))
+        for array in self._arrays():
+            array *= cut[:array.size]
+        self._cache = None
+        return rows
 
     def _count(self) -> None:
         """Count the pending steps: which nodes each row's tree held (every one of them verified)
@@ -112,15 +138,16 @@ class AcceptanceModel:
             self.asked[:self.width if capacity is None else max(capacity, width)] += rows * weight
             if trees.uniform:  # every row holds every node (a template's)
                 self.exists[:width] += rows * weight
-                held, row = width, 0
+                held, row, first = width, 0, rows if width > 1 else 0
             elif rows == 1:
                 held, row = int(trees.sizes[0]), 0
                 self.exists[:held] += weight
+                first = int(held > 1)
             else:
                 sizes = trees.sizes.numpy()
                 self.exists[:width] += weight * np.bincount(sizes - 1, minlength=width)[::-1].cumsum()[::-1][:width]
                 row = int(sizes.argmax())
-                held = int(sizes[row])
+                held, first = int(sizes[row]), int((sizes > 1).sum())
             if held > 1 and self.prior_seen[held - 1] == 0:  # (a root alone has no prior)
                 self._spread_prior(trees.depths[row, :held].numpy(), weight)
             paths, lengths = paths.numpy(), lengths.numpy()
@@ -129,12 +156,14 @@ class AcceptanceModel:
             else:
                 accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
                 self.on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
+            if paths.shape[1] > 1:  # (node 1: the first child of the root in node order)
+                self._request[0] += float(((lengths > 1) & (paths[:, 1] == 1)).sum())
+            self._request[1] += first
         self._pending.clear()
 
     def _spread_prior(self, depths: np.ndarray, weight: float) -> None:
         """Give the nodes of one row's tree (``depths``, one per node) seen for the first time their
-        share of the prior acceptance of their depth, stored with the ``weight`` of the step that
-        showed them (as its evidence is)."""
+        share of their depth's prior acceptance, with the ``weight`` of the step that showed them."""
         for index in np.flatnonzero(self.prior_seen[:depths.size] == 0).tolist():
             depth = int(depths[index])
             if depth == 0:
@@ -146,10 +175,9 @@ class AcceptanceModel:
             self.prior_seen[index] = PRIOR_STEPS * weight
 
     def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per node index: the chance it exists in a row's tree, its acceptance given it was
-        verified, and the rows' worth of (faded) evidence, the prior's included. Existence starts
-        from a prior of 1 (weight :data:`PRIOR_STEPS`): a drafter that proposed nothing for a while
-        (lookup before the text repeats) is asked again once that evidence has faded."""
+        """Per node index: the chance it exists in a row's tree, its acceptance given it was verified,
+        and the rows' worth of (faded) evidence with the prior's. Existence starts from a prior of 1
+        (weight :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again once that fades."""
         if self._cache is None:
             self._count()
             seen = (self.exists + self.prior_seen) * self.scale
@@ -162,10 +190,9 @@ class AcceptanceModel:
 
     def prefix_gains(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """For ``n = 1 .. width`` (index ``n - 1``; n = 1: the root alone): the drafted tokens a row
-        accepts from the first ``n`` nodes of its tree, as an upper confidence bound (the expected
-        count plus :data:`CONFIDENCE` standard errors of it), and the expected padded width of
-        ``rows`` such trees. The bound is on each prefix's total, not per node: per-node bounds
-        would add up and favour whichever option has more nodes."""
+        accepts from the first ``n`` nodes of its tree as an upper confidence bound (plus
+        :data:`CONFIDENCE` standard errors of each prefix's total: per-node bounds would add up and
+        favour more nodes), and the expected padded width of ``rows`` such trees."""
         expected, bonus, padded = self.prefix_estimates(width, rows)
         return expected + bonus, padded
 

@@ -1,21 +1,16 @@
 """The cost curve: seconds of one verify forward by rows and tree width, and seconds of drafting.
 
-Verify cost depends on the rows a step decodes and the nodes it verifies per row, not on which
-drafter proposed them, so every verify forward (plain steps included) teaches one table: per
-power-of-two rows bucket, each width's median of its latest timings. A width never verified is
-interpolated linearly between measured ones (past the widest: that width's cost). At one row a
-width's excess over a plain step (a tenth to a third of a step) counts as if one more sample had
-cost a plain step, its samples' weight halving every ``HALF_LIFE`` steps: a width timed on few steps
-or long ago is priced optimistically. Over more rows, where the excess is one to three plain steps
-and most steps go untimed (rows finish), a width is priced at its median. No
-width is priced above a wider one, nor above the same width over more rows (noise only adds time).
-Drafting seconds, and the verify seconds of each option's own steps, are kept per drafting option
-and rows bucket, shrunk the same way; a request's first ``propose`` (catching up on the prompt) is
-kept apart. A step after a switch between plain and drafting steps costs more on a CPU (a drafter
-catches up on plain steps' tokens; caches refill): its extra seconds are kept apart, a median per
-direction, and a plan that switches pays them once. Timings are stored divided by the machine's
-current speed (a shared machine drifts by tens of percent over seconds): the median, over the
-latest steady plain steps, of their seconds over the plain step's stored cost.
+Verify cost depends on the rows and the nodes per row, not on the drafter, so every verify forward
+(plain steps included) teaches one table: per power-of-two rows bucket, each width's median of its
+latest timings, interpolated linearly in between (past the widest: its cost). At one row a width's
+excess over a plain step counts as if one more sample had cost a plain step, its samples' weight
+halving every ``HALF_LIFE`` steps (optimism: a width timed on few steps or long ago is tried again);
+over more rows a width is priced at its median. No width is priced above a wider one, nor above the
+same width over more rows. Drafting seconds and each option's own verify seconds are means (their
+work varies by step) per option and rows bucket, shrunk the same way; a request's first ``propose``
+is kept apart, and so are the extra seconds of a step after a switch between plain and drafting (a
+median per direction, paid once a plan). Timings are stored divided by the machine's speed: the
+median, over the latest steady plain steps, of their seconds over the plain step's stored cost.
 """
 
 from __future__ import annotations
@@ -31,32 +26,31 @@ from .acceptance import HALF_LIFE
 _REFRESH = PRIOR_TIMINGS = max(1, HALF_LIFE // 16)  # steps a priced curve serves; a width's first timings
 
 COST_HORIZON = 32
-"""Latest observations a cost is the median of: enough that one step's timing noise (a shared
-machine only ever adds time, in bursts) does not move it, few enough to follow the cache growing and
-the machine's load changing."""
+"""Latest observations a cost summarises: enough that one step's timing noise (it only ever adds
+time, in bursts) does not move it, few enough to follow the cache growing and the machine's load."""
 
 
-class RecentMedian:
-    """The median of the latest :data:`COST_HORIZON` samples (one slow step must not write off a size)."""
+class RecentTimings:
+    """The latest :data:`COST_HORIZON` timings of one cost: their median where every step does the
+    same work (one verify width: the spread is noise), their mean where the work varies (``varies``:
+    chains cut by confidence, whose median understates the expected seconds of a skewed spread)."""
 
-    __slots__ = ("samples", "count", "stamp", "_value")
+    __slots__ = ("samples", "count", "stamp", "varies", "_value")
 
-    def __init__(self) -> None:
+    def __init__(self, varies: bool = False) -> None:
         self.samples: deque[float] = deque(maxlen=COST_HORIZON)
-        self.count = 0
-        self.stamp = 0  # the cost curve's clock (steps) at the latest sample
+        self.count, self.stamp, self.varies = 0, 0, varies  # (stamp: the curve's clock at the latest sample)
         self._value: float | None = None
 
     def add(self, sample: float, stamp: int) -> None:
         self.samples.append(sample)
-        self.count += 1
-        self.stamp = stamp
-        self._value = None
+        self.count, self.stamp, self._value = self.count + 1, stamp, None
 
     @property
     def value(self) -> float:
         if self._value is None:
-            self._value = statistics.median(self.samples) if self.samples else 0.0
+            summary = statistics.fmean if self.varies else statistics.median
+            self._value = summary(self.samples) if self.samples else 0.0
         return self._value
 
     @property
@@ -82,13 +76,11 @@ class CostCurve:
     """Verify and drafting seconds learned from the steps served (one per spec, all calls)."""
 
     def __init__(self) -> None:
-        self.verify: dict[int, dict[int, RecentMedian]] = {}
-        self.drafting: dict[object, dict[int, RecentMedian]] = {}  # per drafting option, per rows bucket
-        self.first_drafting: dict[object, dict[int, RecentMedian]] = {}
-        self.verify_by_option: dict[object, dict[int, RecentMedian]] = {}  # per option, per rows bucket
-        self.switching = {True: RecentMedian(), False: RecentMedian()}  # a switch's extra seconds, into drafting (True)
-        self.clock = 0  # verify forwards observed (steps)
-        self.speed = 1.0  # the machine's current seconds per stored second (module docstring)
+        self.verify: dict[int, dict[int, RecentTimings]] = {}
+        self.drafting, self.first_drafting = {}, {}  # per drafting option, per rows bucket: RecentTimings
+        self.verify_by_option: dict[object, dict[int, RecentTimings]] = {}  # per option, per rows bucket
+        self.switching = {True: RecentTimings(), False: RecentTimings()}  # a switch's extra seconds, into drafting (True)
+        self.clock, self.speed = 0, 1.0  # verify forwards observed; the machine's seconds per stored second
         self._ratios: deque[float] = deque(maxlen=_SPEED_HORIZON)  # latest plain steps' seconds / stored cost
         self._curves: dict[tuple, tuple[int, np.ndarray, np.ndarray]] = {}  # per (bucket, aged): (clock, widths, seconds)
 
@@ -98,7 +90,7 @@ class CostCurve:
         table = self.verify.setdefault(bucket, {})
         timed = table.get(width)
         if timed is None:
-            timed = table[width] = RecentMedian()
+            timed = table[width] = RecentTimings()
         elif width == 1 and timed.value > 0:  # (plain steps alone: see the module docstring)
             self._ratios.append(seconds / timed.value)
             self.speed = statistics.median(self._ratios)
@@ -110,11 +102,7 @@ class CostCurve:
     def observe_draft(self, rows: int, seconds: float, first: bool, mode: object = None) -> None:
         """A drafting step's seconds (``first``: a ``propose`` that catches up, kept apart)."""
         table = (self.first_drafting if first else self.drafting).setdefault(mode, {})
-        bucket = rows_bucket(rows)
-        timed = table.get(bucket)
-        if timed is None:
-            timed = table[bucket] = RecentMedian()
-        timed.add(seconds / self.speed, self.clock)
+        table.setdefault(rows_bucket(rows), RecentTimings(varies=True)).add(seconds / self.speed, self.clock)
 
     def observe_switch(self, into_drafting: bool, extra: float) -> None:
         """The seconds a step after a switch between plain and drafting cost over a steady one."""
@@ -124,17 +112,14 @@ class CostCurve:
         return max(0.0, self.switching[into_drafting].value) * self.speed  # (none measured: 0)
 
     def observe_option_verify(self, rows: int, seconds: float, option: object) -> None:
-        """A drafted step's verify seconds, kept per drafting option as well as per width (see
-        :meth:`verify_prices`)."""
+        """A drafted step's verify seconds, per drafting option as well as per width (:meth:`verify_prices`)."""
         table = self.verify_by_option.setdefault(option, {})
-        timed = table.setdefault(rows_bucket(rows), RecentMedian())
-        timed.add(seconds / self.speed, self.clock)
+        table.setdefault(rows_bucket(rows), RecentTimings(varies=True)).add(seconds / self.speed, self.clock)
 
     def verify_prices(self, rows: int, options: list, widths: np.ndarray, aged: bool = True) -> np.ndarray:
-        """Verify seconds of a step of each of ``options`` (expected padded ``widths``): the median of its
-        own steps (at least :data:`PRIOR_TIMINGS` in ``rows``' bucket; shrunk as in :meth:`verify_curve`),
-        else the width curve's. Trees of varying width (chains cut by confidence, lookup) verify widths
-        each timed rarely: the curve there stays optimistic however often the option drafts."""
+        """Verify seconds of a step of each of ``options`` (expected padded ``widths``): the mean of its own
+        steps (at least :data:`PRIOR_TIMINGS` in ``rows``' bucket, shrunk), else the width curve's, which
+        stays optimistic for trees of varying width (each width timed rarely) however often they draft."""
         prices, bucket = self.verify_curve(rows, widths, aged), rows_bucket(rows)
         plain = self.verify.get(bucket, {}).get(1)
         for index, option in enumerate(options):
@@ -157,14 +142,12 @@ class CostCurve:
         """Whether a step of ``option`` over ``rows`` rows of ``width`` nodes is priced from timings in
         ``rows``' own bucket (a verify at least as wide, the option's drafting), not extrapolated."""
         bucket = rows_bucket(rows)
-        timed = self.verify.get(bucket, {})
-        return (any(other >= width for other in timed)
+        return (any(other >= width for other in self.verify.get(bucket, {}))
                 and (option is None or bucket in self.drafting.get(option, {})))
 
     def verify_curve(self, rows: int, widths: np.ndarray, aged: bool = True) -> np.ndarray | None:
-        """Predicted seconds of a verify forward over ``rows`` rows of each of ``widths`` nodes per
-        row (None: none timed yet); at one row each width's excess shrunk as in the module docstring,
-        its samples weighed by their age (``aged``) or their count alone."""
+        """Predicted seconds of a verify over ``rows`` rows of each of ``widths`` nodes (None: none timed
+        yet); at one row each width's excess shrunk, its samples weighed by age (``aged``) or count."""
         curve = self._stored_curve(rows, widths, aged)
         return None if curve is None else curve * self.speed
 
@@ -204,8 +187,8 @@ class CostCurve:
         return None if curve is None else float(curve[0])
 
     def draft_seconds(self, rows: int, mode: object = None, aged: bool = True) -> float:
-        """Seconds of one steady drafting step of ``mode`` (an option) over ``rows`` rows, shrunk toward
-        0 as if one more sample had cost nothing, as in :meth:`verify_curve` (0 before any is timed)."""
+        """Seconds of a steady drafting step of ``mode`` (an option) over ``rows`` rows, shrunk toward 0
+        as if one more sample had cost nothing (0 before any is timed)."""
         tables = self.drafting.get(mode)
         if not tables:
             return 0.0
@@ -216,10 +199,8 @@ class CostCurve:
 
     def summary(self) -> dict:
         """Measured costs in milliseconds at the machine's current speed, for ``last_stats.speculation``."""
-        scale = 1e3 * self.speed
-        return {"speed": round(self.speed, 3), "verify_ms": {bucket: {width: round(scale * mean.value, 3) for width, mean in sorted(table.items())}
-                              for bucket, table in sorted(self.verify.items())},
-                "draft_ms": {str(mode): {bucket: round(scale * mean.value, 3) for bucket, mean in sorted(table.items())}
-                             for mode, table in self.drafting.items()},
-                "first_draft_ms": {str(mode): {bucket: round(scale * mean.value, 3) for bucket, mean in sorted(table.items())}
-                                   for mode, table in self.first_drafting.items()}}
+        def ms(tables: dict, name=lambda key: key) -> dict:
+            return {name(key): {inner: round(1e3 * self.speed * timed.value, 3) for inner, timed in sorted(table.items())}
+                    for key, table in tables.items()}
+        return {"speed": round(self.speed, 3), "verify_ms": ms(dict(sorted(self.verify.items()))),
+                "draft_ms": ms(self.drafting, str), "first_draft_ms": ms(self.first_drafting, str)}

@@ -1,24 +1,22 @@
-"""``speculate="auto"``: each step, the tree size (none at all: a plain step), and the drafting
-mode where a drafter has several, with the most expected tokens per second, from the cost curve
-(:mod:`.cost`) and calibrated acceptance (:mod:`.acceptance`).
+"""``speculate="auto"``: each step, the tree size (none: a plain step) and the drafting mode with
+the most expected tokens per second, from the cost curve (:mod:`.cost`) and calibrated acceptance
+(:mod:`.acceptance`).
 
-Before a step, for the rows still decoding, a plain step (one token a row at a width-1 verify's
-cost) is compared with each option the drafter offers: a size of its trees (a
-:class:`~tree_attention.capabilities.SizedDrafter`'s) in each mode (a
-:class:`~tree_attention.planning.ModalDrafter`'s), priced at its drafting plus verify seconds
-against the tokens it is expected to commit. Where sizes are nested (a smaller size's tree is the
-first nodes of a larger one's; under sampling, in distribution) one acceptance model per mode
-serves every size. The size is chosen before drafting, so it never depends on what is drafted:
-outputs are those of any fixed choice. Drafted trees are verified whole (cutting them after
-drafting cost more than it saved: ``docs/auto.md``).
+Before a step, for the rows still decoding, a plain step is compared with each option the drafter
+offers (a :class:`~tree_attention.capabilities.SizedDrafter`'s sizes in each of a
+:class:`~tree_attention.planning.ModalDrafter`'s modes), priced at drafting plus verify seconds
+against the tokens it is expected to commit. Nested sizes (a smaller size's tree is the first nodes
+of a larger one's) share one acceptance model per mode. The size is chosen before drafting, so
+outputs are those of any fixed choice; drafted trees are verified whole.
 
-A rows bucket's first plan is a run of plain steps, which times the reference; then each acceptance
-model drafts until it has seen :data:`REPLAN_EVERY` rows. A plan priced from a cost not yet timed in
-its rows' bucket, or paying only by the optimism of the bounds, serves one step. Untimed: a call's
+A rows bucket's first plan is a run of plain steps (the reference); then each acceptance model
+drafts until it has seen :data:`REPLAN_EVERY` rows. A plan priced from a cost not yet timed in its
+rows' bucket, or paying only by the optimism of the bounds, serves one step. Untimed: a call's
 first step, the first after rows finished or a switch between plain and drafting, and empty steps.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -45,18 +43,14 @@ class Choice:
     """What the planner chose for one step, and the figures it chose from (per row and step)."""
 
     draft: bool
-    mode: str | None = None
-    """The drafting mode (a :class:`~tree_attention.planning.ModalDrafter`'s), None for other drafters."""
-    size: int | None = None
-    """Drafted nodes per row the drafter was resized to (None: its configured tree)."""
-    nodes: int = 1
-    """Nodes a row is expected to verify, root included (1: a plain step)."""
+    mode: str | None = None  # a ModalDrafter's drafting mode (None: other drafters)
+    size: int | None = None  # drafted nodes per row the drafter is resized to (None: as configured)
+    nodes: int = 1  # nodes a row is expected to verify, root included (1: a plain step)
     expected_tokens: float = 1.0
     seconds: float | None = None
     plain_seconds: float | None = None
     reason: str = ""
-    tentative: bool = False
-    """Priced from untimed costs, or paying only by optimism: the plan serves one step."""
+    tentative: bool = False  # priced from untimed costs, or paying only by optimism: serves one step
 
     @property
     def option(self) -> Option:
@@ -65,9 +59,8 @@ class Choice:
     @property
     def speedup(self) -> float | None:
         """Predicted tokens per second over a plain step's."""
-        if self.seconds is None or self.plain_seconds is None or self.seconds <= 0:
-            return None
-        return self.expected_tokens * self.plain_seconds / self.seconds
+        ok = self.seconds is not None and self.plain_seconds is not None and self.seconds > 0
+        return self.expected_tokens * self.plain_seconds / self.seconds if ok else None
 
 
 def _label(option: Option) -> str:
@@ -79,16 +72,18 @@ class CallSummary:
     """What ``auto`` did in one call (``last_stats.speculation``)."""
 
     steps: dict[str, int] = field(default_factory=lambda: {"plain": 0, "empty": 0, "drafted": 0})
-    cuts: dict[int, int] = field(default_factory=dict)  # verified width -> drafted steps
-    options: dict[str, int] = field(default_factory=dict)  # "mode/size" -> steps that drafted with it
-    reasons: dict[str, int] = field(default_factory=dict)
+    cuts: Counter = field(default_factory=Counter)  # verified width -> drafted steps
+    options: Counter = field(default_factory=Counter)  # "mode/size" -> steps that drafted with it
+    reasons: Counter = field(default_factory=Counter)
     last: Choice | None = None
+    request_prior_rows: float | None = None  # earlier requests' evidence, in rows (None: not cut)
 
     def as_dict(self, adaptive: "Adaptive", key: str) -> dict:
         models = {_label(option): model for (rule, *option), model in adaptive.models.items() if rule == key}
         last = self.last
         return {"auto": True, "rule": key, "steps": dict(self.steps), "verified_widths": dict(sorted(self.cuts.items())),
                 "options": dict(self.options), "reasons": dict(self.reasons),
+                "request_prior_rows": None if self.request_prior_rows is None else round(self.request_prior_rows, 1),
                 "last_choice": None if last is None else {
                     "draft": last.draft, "mode": last.mode, "size": last.size, "nodes": last.nodes,
                     "expected_tokens": round(last.expected_tokens, 3),
@@ -99,17 +94,14 @@ class CallSummary:
 
 
 class Adaptive:
-    """The state ``auto`` keeps for one spec across calls: one cost curve, one acceptance model per
-    rule key (greedy, each sampling setting) and drafting option, seeded from the adapter's recorded
-    acceptance."""
+    """What ``auto`` keeps for one spec across calls: one cost curve, one acceptance model per rule key
+    (greedy, each sampling setting) and drafting option, seeded from the adapter's recorded acceptance."""
 
     def __init__(self, prior_by_depth: Sequence[float] | None = None, width: int = 1,
                  sizes: Sequence[int] = (), extra: int = 0, sampled_prior: Sequence[float] | None = None) -> None:
-        """``prior_by_depth``: the acceptance by depth recorded at save time under greedy decoding
-        (``sampled_prior``: at a temperature, the prior of sampling rules); ``width``: the widest
-        tree the drafter is configured to propose (root included); ``sizes``: the drafted-node counts
-        a :class:`~tree_attention.capabilities.SizedDrafter` may be resized to; ``extra``: nodes a
-        row's tree may hold beyond its size (a hybrid's lookup budget)."""
+        """``prior_by_depth``: the acceptance by depth recorded at save time, greedy (``sampled_prior``:
+        at a temperature); ``width``: the widest configured tree (root included); ``sizes``: what a
+        SizedDrafter may be resized to; ``extra``: nodes beyond the size (a hybrid's lookup budget)."""
         self.costs = CostCurve()
         self.models: dict[tuple, AcceptanceModel] = {}
         self.prior_by_depth = list(prior_by_depth or ())
@@ -150,8 +142,7 @@ class CallPlanner:
         sizes = (None,) if self.sized is None else adaptive.sizes
         self.options: list[Option] = [(mode, size) for mode in modes
                                       for size in ((None,) if mode in fixed else sizes)]
-        # nested sizes share one model per mode: a step drafted at any size shows what its first
-        # nodes, every smaller size's tree, accepted
+        # nested sizes share one model per mode: a step shows what every smaller size would accept
         nested = self.sized is not None and self.sized.nested
         self.models = [adaptive.model(key, (mode, None if nested else size)) for mode, size in self.options]
         # per option: the nodes of its trees in its model's node order (None: all the model has seen)
@@ -159,11 +150,14 @@ class CallPlanner:
         self.acceptance = self.models[-1]
         self._distinct = list({id(model): model for model in self.models}.values())
         self.summary = CallSummary()
-        # the last call's plan serves on for the steps it has left (a call is one request; the
-        # estimates a plan rests on move over many requests' steps)
+        # a call is a request: earlier requests' evidence weighs as much as requests are alike, and
+        # the last call's plan serves on for its steps left unless that evidence was cut
+        weights = [model.new_request() for model in self._distinct]
+        self.summary.request_prior_rows = min((weight for weight in weights if weight is not None), default=None)
         self.choice, self._rows, self._age = adaptive.plans.get(key, (None, 0, 0))
-        if self.choice is not None and self.choice.draft and self.choice.option not in self.options:
-            self.choice = None  # (the drafter offers other options now)
+        if self.choice is not None and (self.summary.request_prior_rows is not None
+                                        or self.choice.draft and self.choice.option not in self.options):
+            self.choice = None  # (replanned now; or the drafter offers other options now)
         self.summary.last = self.choice
         self._applied: Option | None = None  # the option the drafter is set to (None: as configured)
         self._capacity: int | None = None  # nodes the drafter is asked for, in its model's node order
@@ -174,8 +168,7 @@ class CallPlanner:
             return Choice(False, reason="time plain steps")
         # largest sizes first: where sizes are nested, the largest shows what every smaller one accepts
         for (mode, size), model in reversed(list(zip(self.options, self.models))):
-            if model.rows_seen < REPLAN_EVERY:  # see every model's trees on a plan's worth of rows: a
-                # prior says little of this text (one step at a time: a batch's step brings many rows)
+            if model.rows_seen < REPLAN_EVERY:  # a plan's worth of rows of every model (a step at a time)
                 return Choice(True, mode, size, nodes=model.width, reason="measure an option never drafted",
                               tentative=True)
         # a plan that switches between plain and drafting steps pays the switch once over its steps
@@ -194,8 +187,7 @@ class CallPlanner:
         if rates[best] <= 1.0 / plain:
             return Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
         mode, size = self.options[best]
-        # paying only by the optimism (its expected tokens over its costs' samples unaged lose to a
-        # plain step): one step at a time, each adding evidence, until the estimate itself pays
+        # paying only by the bounds' optimism (unaged costs lose to a plain step): a step at a time
         steady = (self.costs.draft_seconds(rows, self.options[best], aged=False)
                   + self.costs.verify_prices(rows, self.options[best:best + 1], widths[best:best + 1], aged=False)[0])
         exploring = (1.0 + expected[best]) / max(steady, 1e-9) <= 1.0 / plain
@@ -221,7 +213,7 @@ class CallPlanner:
                 or self._age >= (1 if choice.tentative else REPLAN_EVERY)):
             choice = self.choice = self._plan(rows)
             self._rows, self._age = rows, 0
-            self.summary.reasons[choice.reason] = self.summary.reasons.get(choice.reason, 0) + 1
+            self.summary.reasons[choice.reason] += 1
             self.summary.last = choice
         self._age += 1
         if choice.draft and choice.option != self._applied:
@@ -236,8 +228,7 @@ class CallPlanner:
 
     def observe(self, record: StepRecord, trees: TreeBatch | None, paths: torch.Tensor,
                 lengths: torch.Tensor) -> None:
-        # steady costs only: a step after a switch between plain and drafting costs more (a drafter
-        # catches up), which would price the side the planner is not on too high (module docstring)
+        # steady costs only: a step after a switch costs more, and would price the other side too high
         steady = self._last_plain == (record.kind == "plain")
         option = self.choice.option if self.choice is not None else (None, None)
         timed = record.rows == self._last_rows and not record.first_draft and record.kind != "empty"
@@ -261,6 +252,5 @@ class CallPlanner:
         if record.kind != "plain" and trees is not None:  # (an empty step: the drafter proposed nothing)
             self.acceptance.observe(trees, paths, lengths, self._capacity)
         if record.kind == "drafted":
-            label = _label(option)
-            summary.options[label] = summary.options.get(label, 0) + 1
-            summary.cuts[record.width] = summary.cuts.get(record.width, 0) + 1
+            summary.options[_label(option)] += 1
+            summary.cuts[record.width] += 1

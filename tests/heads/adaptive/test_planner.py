@@ -103,6 +103,53 @@ def test_an_option_of_varying_widths_is_priced_from_its_own_steps():
     assert costs.verify_prices(1, [(None, 4)], np.array([6.0]))[0] == pytest.approx(curve)  # another option: the curve
 
 
+def test_drafting_is_priced_at_its_mean_and_a_verify_width_at_its_median():
+    """A verify of one width does the same work every step: its spread is the machine's noise, and
+    one slow step must not price it. A drafter's work varies (chains stop by confidence): most steps
+    stop early, a few run deep, and the median of such steps understates what drafting costs."""
+    costs, option = CostCurve(), (None, 8)
+    for seconds in (1.0, 1.0, 1.0, 9.0):
+        costs.observe_verify(1, 1, seconds)
+        costs.observe_draft(1, seconds, first=False, mode=option)
+        costs.observe_option_verify(1, 10.0 + seconds, option)
+    assert costs.verify_seconds(1, 1) == pytest.approx(1.0)
+    assert costs.draft_seconds(1, option, aged=False) == pytest.approx(3.0 * 4 / 5)  # the mean, shrunk
+    price = costs.verify_prices(1, [option], np.array([3.0]), aged=False)[0]
+    assert price == pytest.approx(1.0 + (13.0 - 1.0) * 4 / 5)  # the option's own steps: their mean
+    assert costs.summary()["draft_ms"][str(option)][1] == pytest.approx(3000.0)
+
+
+def _request(model: AcceptanceModel, outcomes: list[int]) -> None:
+    """One request's drafted steps on a chain of 4: ``outcomes`` drafted tokens accepted per step."""
+    for accepted in outcomes:
+        model.observe(_chain_batch(5), torch.arange(accepted + 1)[None], torch.tensor([accepted + 1]))
+
+
+def test_a_new_request_weighs_earlier_ones_by_how_much_requests_differ():
+    """Acceptance varies between requests (repetitive code, fresh prose): where earlier requests'
+    first-node acceptance spread widely, a new request gets their evidence as a prior of a few rows
+    (the rates kept) and its own steps take over; where they were alike, their evidence stands."""
+    def trained(rates: list[float]) -> tuple[AcceptanceModel, float | None]:
+        model, weight = AcceptanceModel(width=5), None
+        for rate in rates:
+            weight = model.new_request()
+            hits = int(round(40 * rate))
+            _request(model, [1] * hits + [0] * (40 - hits))
+        before = model._estimates()[1].copy()
+        weight = model.new_request()
+        if weight is not None:
+            assert np.allclose(model._estimates()[1], before)  # the rates stand
+            assert model._estimates()[2][1] == pytest.approx(weight)  # their evidence: the weight's rows
+        _request(model, [4] * 8)  # this request: every drafted node accepted
+        return model, weight
+
+    differ, weight = trained([0.2, 0.95, 0.3, 0.9, 0.25])
+    alike, none = trained([0.5, 0.55, 0.45, 0.5, 0.5])
+    assert none is None and 1.0 <= weight < 8.0, (none, weight)
+    assert differ.prefix_estimates(5, 1)[0][-1] > 2.0 > 1.0 > alike.prefix_estimates(5, 1)[0][-1]
+    assert AcceptanceModel(width=5).new_request() is None  # no earlier requests: nothing to cut
+
+
 def test_steps_that_also_compact_the_cache_are_not_timed_and_untimed_prices_plan_one_step():
     from tree_attention.planning import StepRecord
 
