@@ -130,9 +130,9 @@ def test_a_new_request_weighs_earlier_ones_by_how_much_requests_differ():
     first-node acceptance spread widely, a new request gets their evidence as a prior of a few rows
     (the rates kept) and its own steps take over; where they were alike, their evidence stands."""
     def trained(rates: list[float]) -> tuple[AcceptanceModel, float | None]:
-        model, weight = AcceptanceModel(width=5), None
+        model = AcceptanceModel(width=5)
         for rate in rates:
-            weight = model.new_request()
+            model.new_request()  # (each request's start, as a call's)
             hits = int(round(40 * rate))
             _request(model, [1] * hits + [0] * (40 - hits))
         before = model._estimates()[1].copy()
