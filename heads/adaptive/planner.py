@@ -178,21 +178,21 @@ class CallPlanner:
             gain, bonus, padded = model.prefix_estimates(model.width, rows)
             last = model.width - 1 if nodes is None else min(nodes, model.width) - 1
             expected[index], bonuses[index], widths[index] = gain[last], bonus[last], padded[last]
-        gains = expected + bonuses
         drafting = np.array([self.costs.draft_seconds(rows, option) for option in self.options])
         seconds = drafting + self.costs.verify_prices(rows, self.options, widths)
         seconds += self.costs.switch_seconds(True) / REPLAN_EVERY if self._last_plain else 0.0
-        rates = (1.0 + gains) / np.maximum(seconds, 1e-9)
+        rates = (1.0 + expected + bonuses) / np.maximum(seconds, 1e-9)
         best = int(rates.argmax())
         if rates[best] <= 1.0 / plain:
             return Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
-        mode, size = self.options[best]
-        # paying only by the bounds' optimism (unaged costs lose to a plain step): a step at a time
-        steady = (self.costs.draft_seconds(rows, self.options[best], aged=False)
-                  + self.costs.verify_prices(rows, self.options[best:best + 1], widths[best:best + 1], aged=False)[0])
-        exploring = (1.0 + expected[best]) / max(steady, 1e-9) <= 1.0 / plain
-        return Choice(True, mode, size, int(round(widths[best])), 1.0 + float(gains[best]), float(seconds[best]),
-                      plain, "it may pay" if exploring else "drafting pays",
+        # chosen by the bounds' optimism alone (at point estimates and unaged costs it loses to a plain
+        # step or to another option): it serves one step, then the plan is made again
+        steady = (np.array([self.costs.draft_seconds(rows, option, aged=False) for option in self.options])
+                  + self.costs.verify_prices(rows, self.options, widths, aged=False))
+        points = (1.0 + expected) / np.maximum(steady, 1e-9)
+        exploring = points[best] < max(points.max(), 1.0 / plain)
+        return Choice(True, *self.options[best], int(round(widths[best])), 1.0 + float(expected[best] + bonuses[best]),
+                      float(seconds[best]), plain, "it may pay" if exploring else "drafting pays",
                       exploring or not self.costs.known(rows, widths[best], self.options[best]))
 
     def release(self) -> None:

@@ -207,6 +207,26 @@ def test_a_plan_priced_from_an_untimed_width_serves_one_step():
     assert not planner._plan(1).tentative
 
 
+def test_an_option_ahead_only_by_optimism_over_another_option_serves_one_step():
+    """The bounds' optimism (a cost timed long ago is shrunk) may choose an option that, at point
+    estimates, loses to another drafting option though it beats a plain step: that is exploring, so
+    it serves one step, not a plan's worth (a two-mode drafter explored its slow mode for 8 steps)."""
+    adaptive = Adaptive([0.9] * 8, width=9, sizes=(2, 8))
+    planner = adaptive.planner("greedy", True, _Sized(nested=False))
+    for model, width in zip(planner.models, (3, 9)):  # both sizes accepted whole on 8 rows
+        for _ in range(8):
+            model.observe(_chain_batch(width), torch.arange(width)[None], torch.tensor([width]), width)
+    adaptive.costs.observe_draft(1, 10.0, False, (None, 8))  # size 8 drafts slowly, timed long ago
+    for width in (1, 3, 9) * 300:  # ... 900 verify forwards ago (its timing's weight halves every 64)
+        adaptive.costs.observe_verify(1, width, 1.0)
+    adaptive.costs.observe_draft(1, 0.1, False, (None, 2))  # size 2: cheap, timed now
+    choice = planner._plan(1)  # point estimates: size 2 at 3 / 1.1 s, size 8 at 9 / 11 s, plain at 1 / 1 s
+    assert choice.option == (None, 8) and choice.tentative and choice.reason == "it may pay"
+    adaptive.costs.observe_draft(1, 10.0, False, (None, 8))  # timed again: its price is its cost
+    choice = planner._plan(1)
+    assert choice.option == (None, 2) and not choice.tentative and choice.reason == "drafting pays"
+
+
 def _chain_batch(width: int) -> TreeBatch:
     template = from_choices([(0,) * depth for depth in range(1, width)])
     return TreeBatch.from_template(template, torch.zeros(1, width, dtype=torch.long))
