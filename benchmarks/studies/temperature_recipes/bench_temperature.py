@@ -57,13 +57,18 @@ RECIPES = {
     "mix-data-T0.7": ["--temperature", "0.7", "--data-temperature", "0", "0.7"],
     "mix-data-on": ["--data-temperature", "0", "0.7", "--on-policy", "--on-policy-temperature", "0.7",
                     "--on-policy-ratio", "0.25"],
+    "mix-data-on-T0.7": ["--temperature", "0.7", "--data-temperature", "0", "0.7", "--on-policy",
+                         "--on-policy-temperature", "0.7", "--on-policy-ratio", "0.25"],
+    "mix-data-half-on": ["--data-temperature", "0", "0.7", "--on-policy", "--on-policy-temperature", "0.7",
+                         "--on-policy-ratio", "0.5"],
     "mix-2to1": ["--data-temperature", "0", "0", "0.7"],
 }
 """Recipe name -> its ``selfdraft train`` flags. ``default``: no recipe flag (the CLI's default recipe,
 whatever it is at the time of the run); ``mix-*``: candidates for that default, tuned on the tuning
 split (``mix-on``: greedy data plus half of each batch on-policy at 0.7; ``mix-data-T0.7``: the
 default's mixed data with the divergence at 0.7; ``mix-data-on``: the mixed data plus a quarter
-on-policy at 0.7; ``mix-2to1``: two greedy continuations for each one sampled at 0.7)."""
+on-policy at 0.7, ``mix-data-on-T0.7`` with the divergence at 0.7, ``mix-data-half-on`` with half
+on-policy; ``mix-2to1``: two greedy continuations for each one sampled at 0.7)."""
 MATCHED = {0.0: "greedy-off", 0.7: "T0.7-on", 1.0: "T1.0-on"}
 """The draft trained for each serving temperature (0.5 has none)."""
 SERVING = (0.0, 0.5, 0.7, 1.0)
