@@ -118,21 +118,42 @@ def vocabulary_tokens(vocab: int) -> torch.Tensor:
     return entry[0]
 
 
-def _host_noise(keys: torch.Tensor, positions: torch.Tensor, token_words: np.ndarray) -> torch.Tensor:
-    """:func:`gumbel_noise` on the host from the tokens' words ``(token + 1) * golden`` (uint64,
-    ``[..., K]`` or ``[K]``, not modified): the integer hashing in numpy, in place after one copy."""
+_MASK = (1 << 64) - 1
+
+
+def _mix_word(value: int) -> int:
+    """:func:`mix` of one word as a Python int in ``[0, 2**64)`` (numpy's per-call cost is most of
+    hashing one row's stream; Python integers do it in a few microseconds)."""
+    for bits, factor in ((30, int(_WORDS["mix_1"])), (27, int(_WORDS["mix_2"]))):
+        value = ((value ^ (value >> bits)) * factor) & _MASK
+    return value ^ (value >> 31)
+
+
+def _streams(keys: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
+    """``stream(key, position)`` (uint64, shape of ``keys``): the start of each draw's sequence."""
+    if keys.numel() == 1 and positions.numel() == 1:  # one draw (a step at batch 1)
+        word = _mix_word(int(keys) & _MASK ^ _mix_word((int(positions) + int(_WORDS["position"])) & _MASK))
+        return np.full(tuple(keys.shape), word, dtype=np.uint64)
     with np.errstate(over="ignore"):  # (multiplication wraps, by design)
         key = keys.long().numpy().astype(np.uint64)
-        stream = _mix_host(key ^ _mix_host(positions.long().numpy().astype(np.uint64) + _WORDS["position"]))
-        words = _mix_host(token_words + stream[..., None])
+        return _mix_host(key ^ _mix_host(positions.long().numpy().astype(np.uint64) + _WORDS["position"]))
+
+
+def _host_noise(keys: torch.Tensor, positions: torch.Tensor, token_words: np.ndarray) -> torch.Tensor:
+    """:func:`gumbel_noise` on the host from the tokens' words ``(token + 1) * golden`` (uint64,
+    ``[..., K]`` or ``[K]``, not modified): the integer hashing and the logarithms in numpy, in place
+    after one copy (numpy's float64 logarithm is about twice torch's speed on a vocabulary; the two
+    agree to one unit in the last place)."""
+    with np.errstate(over="ignore"):
+        words = _mix_host(token_words + _streams(keys, positions)[..., None])
         np.right_shift(words, np.uint64(11), out=words)
-    return _gumbel_of_words(torch.from_numpy(words.astype(np.float64)))
-
-
-def _gumbel_of_words(uniform: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise from 53-bit words as float64, in place: ``-log(-log u)``, ``u`` in (0, 1)."""
-    uniform = uniform.add_(0.5).mul_(2.0 ** -53)  # (0, 1): never log(0)
-    return uniform.log_().neg_().log_().neg_()
+    uniform = words.astype(np.float64)
+    uniform += 0.5  # (0, 1) after the scaling: never log(0)
+    uniform *= 2.0 ** -53
+    for _ in range(2):  # -log(-log u)
+        np.log(uniform, out=uniform)
+        np.negative(uniform, out=uniform)
+    return torch.from_numpy(uniform)
 
 
 def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -181,14 +202,18 @@ def perturbed_top_k(warped: torch.Tensor, keys: torch.Tensor, positions: torch.T
     tokens outside it, which no draw ever picks."""
     vocab = warped.shape[-1]
     scores = warped.double()
-    support = int(torch.isfinite(scores).sum(dim=-1).max()) if scores.numel() else 0
+    if not scores.numel():
+        support = 0
+    else:  # (one reduction where nothing was truncated: a temperature alone)
+        support = vocab if bool(scores.min() > -torch.inf) else int(torch.isfinite(scores).sum(dim=-1).max())
     if 0 < max(support, count) * SUPPORT_SHARE < vocab:
         values, tokens = torch.topk(scores, max(support, count), dim=-1)  # every finite entry of every row
         best = torch.topk(values + gumbel_noise(keys, positions, tokens), count, dim=-1).indices
         return tokens.gather(-1, best)
     tokens = vocabulary_tokens(vocab) if warped.device.type == "cpu" else torch.arange(vocab, device=warped.device)
     noise = gumbel_noise(keys, positions, tokens)
-    return torch.topk(scores.add_(noise) if scores is not warped else scores + noise, count, dim=-1).indices
+    scores = scores.add_(noise) if scores is not warped else scores + noise
+    return scores.argmax(dim=-1, keepdim=True) if count == 1 else torch.topk(scores, count, dim=-1).indices
 
 
 COUPLED_POOL = 32
@@ -215,12 +240,13 @@ class GumbelRule(GreedyRule):
         self.warp = warp
         self.seeds = seeds
         self.keys: torch.Tensor | None = None  # (B,) int64 row keys, once bound
+        self._rows: tuple | None = None  # ((batch rows, device), their keys) of the latest draw
 
     def for_prompts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> "GumbelRule":
         rows = int(input_ids.shape[0])
         seeds = [self.seeds] * rows if isinstance(self.seeds, int) else list(self.seeds)
         bound = copy.copy(self)
-        bound.keys = row_keys(seeds, input_ids, attention_mask)
+        bound.keys, bound._rows = row_keys(seeds, input_ids, attention_mask), None
         return bound
 
     def choices(self, logits: torch.Tensor, batch_rows: list[int] | None, positions: torch.Tensor | None
@@ -237,9 +263,11 @@ class GumbelRule(GreedyRule):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' keys broadcast to ``positions`` ``[R, ...]`` and ``logits`` ``[R, ..., V]`` warped
         (float32), both on the logits' device."""
-        index = torch.as_tensor(batch_rows, dtype=torch.long, device=self.keys.device)
-        keys = self.keys[index].to(logits.device)
-        keys = keys.view(-1, *([1] * (positions.dim() - 1))).expand(positions.shape)
+        rows = (tuple(batch_rows), logits.device)
+        if self._rows is None or self._rows[0] != rows:  # (the rows change only when some finish)
+            index = torch.as_tensor(rows[0], dtype=torch.long, device=self.keys.device)
+            self._rows = (rows, self.keys[index].to(logits.device))
+        keys = self._rows[1].view(-1, *([1] * (positions.dim() - 1))).expand(positions.shape)
         return keys, self.warp(logits.reshape(-1, logits.shape[-1]).float()).view(logits.shape)
 
     def coupled_candidates(self, draft_logits: torch.Tensor, batch_rows: list[int], positions: torch.Tensor,

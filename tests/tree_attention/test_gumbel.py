@@ -219,18 +219,24 @@ def test_coupled_candidates_of_the_targets_own_logits_start_with_its_draw():
     assert torch.equal(candidates[..., 0], draws)
 
 
-def test_host_noise_is_the_tensor_paths_bit_for_bit():
-    """On the host the words are hashed in numpy; they must be the tensor path's (the one a GPU runs),
-    so a seeded call draws the same tokens on either."""
+def test_host_noise_is_the_tensor_paths_to_one_unit_in_the_last_place():
+    """On the host the words are hashed in numpy (one draw's stream in Python integers) and their
+    logarithms taken in numpy; the words must be the tensor path's (the one a GPU runs) bit for bit,
+    so a seeded call draws the same tokens on either (a different word moves the noise by far more
+    than the logarithms' last-place rounding)."""
     from tree_attention import gumbel
 
-    keys = torch.tensor([[123456789, -5, 2**62 + 7], [0, -(2**63), 99]])
-    positions = torch.tensor([[17, 40, 0], [3, 2**40, 5]])
-    for tokens in (torch.arange(600), torch.randint(0, 50_000, (2, 3, 9))):
-        stream = gumbel.mix(keys ^ gumbel.mix(positions + gumbel._POSITION))[..., None]
-        words = gumbel.mix(stream + (tokens + 1) * gumbel.GOLDEN)
-        expected = gumbel._shift(words, 11).double().add_(0.5).mul_(2.0 ** -53).log_().neg_().log_().neg_()
-        assert torch.equal(gumbel_noise(keys, positions, tokens), expected)
+    cases = [(torch.tensor([[123456789, -5, 2**62 + 7], [0, -(2**63), 99]]), torch.tensor([[17, 40, 0], [3, 2**40, 5]])),
+             (torch.tensor([-(2**63) + 3]), torch.tensor([2**40 + 1])),  # one draw: the Python-integer stream
+             (torch.tensor([[-7]]), torch.tensor([[0]]))]
+    for keys, positions in cases:
+        for tokens in (torch.arange(600), torch.randint(0, 50_000, (*keys.shape, 9))):
+            stream = gumbel.mix(keys ^ gumbel.mix(positions + gumbel._POSITION))[..., None]
+            words = gumbel.mix(stream + (tokens + 1) * gumbel.GOLDEN)
+            expected = gumbel._shift(words, 11).double().add_(0.5).mul_(2.0 ** -53).log_().neg_().log_().neg_()
+            noise = gumbel_noise(keys, positions, tokens)
+            assert noise.shape == expected.shape and noise.dtype == torch.float64
+            assert torch.allclose(noise, expected, rtol=1e-14, atol=1e-14)
 
 
 def test_coupled_pool_reads_the_noise_of_a_few_tokens_and_keeps_the_targets_draw():
