@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The check-split grid of bench_auto.py (one cell per run, resumable: a cell whose result exists is skipped).
-# Usage: [SPLIT=tuning OUT=DIR CORE=N] bash benchmarks/auto_grid.sh [PHASE...]   phases: b1 t07 b4 t10 b16 (default: all)
+# Usage: [SPLIT=tuning OUT=DIR CORE=N TWIN=1] bash benchmarks/auto_grid.sh [PHASE...]   phases: b1 t07 b4 t10 b16 (default: all)
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -10,7 +10,7 @@ run() {  # name, then bench_auto arguments
   local name=$1; shift
   [ -f "$OUT/$name.json" ] && return 0
   echo "== $name: $*"
-  OMP_NUM_THREADS=1 taskset -c "${CORE:-1}" "$PY" benchmarks/bench_auto.py "$@" --name "$name" --split "$SPLIT" \
+  OMP_NUM_THREADS=1 taskset -c "${CORE:-1}" "$PY" benchmarks/bench_auto.py "$@" ${TWIN:+--twin} --name "$name" --split "$SPLIT" \
     --results "$OUT" 2>&1 | grep -v "Loading\|^batch" | tail -3
 }
 cells() {  # temperature, batch, prompts for stories260K, prompts for demo-llama

@@ -13,7 +13,8 @@ in time alone, not in what they happened to sample. Reported per method: the med
 of the speedup over ``generate`` in tokens per second (sampled, ``generate`` draws a text of its own,
 of another length) and tau; for ``auto``, its ratio to the best fixed size (the size with
 the best median), and the median over its first three calls (cold start) against that size's on the
-same batches. Writes the cell's JSON to ``--results``; ``bench_auto.py --merge DIR`` collects a
+same batches; with ``--twin``, a second copy of the largest size, whose ratio to that size is the
+run's noise between identical methods. Writes the cell's JSON to ``--results``; ``bench_auto.py --merge DIR`` collects a
 grid's cells into ``benchmarks/results/auto.json`` (``auto_grid.sh`` does both).
 
     python benchmarks/bench_auto.py --target stories260K --mix stories --drafter eagle=benchmarks/adapters/stories260K-eagle-T0.7 \\
@@ -126,6 +127,10 @@ def main(argv=None) -> int:
     parser.add_argument("--split", choices=("tuning", "check"), default="check")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of each method per batch; the fastest counts (load on a shared machine only adds time)")
+    parser.add_argument("--twin", action="store_true",
+                        help="also run a second, separately built copy of the largest fixed size (the "
+                             "twin; not a candidate for the best size): its ratio to that size is this "
+                             "run's timing noise between two identical methods")
     parser.add_argument("--name", default=None)
     parser.add_argument("--results", default=str(ROOT / "benchmarks/results/cache/auto-grid"),
                         help="directory the cell's result JSON is written to (--merge collects them)")
@@ -158,6 +163,8 @@ def main(argv=None) -> int:
     sizes = fixed_sizes(probe)
     methods = {"generate": None, **{f"size {size}": make_spec(model, args.drafter, size) for size in sizes},
                "auto": make_spec(model, args.drafter, None)}
+    if args.twin:
+        methods[f"twin {sizes[-1]}"] = make_spec(model, args.drafter, sizes[-1])
     # warm-up on the other split's prompts: a spec with lookup history must not have seen a measured prompt
     other = split_prompts(tokenizer, args.mix, "check" if args.split == "tuning" else "tuning", args.batch)
     warm = tokenizer(other, return_tensors="pt", padding=True)
@@ -207,6 +214,10 @@ def main(argv=None) -> int:
                                             / statistics.median(results[best]["speedup"][:3]), 3),
         "auto_speculation": methods["auto"].last_stats.speculation,
     }
+    if args.twin:  # the same method twice: how far apart two identical methods read in this run
+        twin, size = f"twin {sizes[-1]}", f"size {sizes[-1]}"
+        report["twin_over_its_size"] = round(medians[twin] / medians[size], 3)
+        report["twin_over_best_fixed"] = round(medians[twin] / medians[best], 3)
     name = args.name or f"{args.target}_{args.mix}_{args.drafter.split('=')[0]}_T{args.temperature:g}_b{args.batch}"
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
@@ -214,8 +225,8 @@ def main(argv=None) -> int:
     temporary.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                      "torch": torch.__version__, **report}, indent=2) + "\n")
     os.replace(temporary, out / f"{name}.json")
-    print(json.dumps({key: report[key] for key in ("median_speedup", "median_tau", "best_fixed",
-                                                   "auto_over_best_fixed", "cold_start_over_best_fixed")}))
+    print(json.dumps({key: report[key] for key in ("median_speedup", "median_tau", "best_fixed", "auto_over_best_fixed",
+                                                   "cold_start_over_best_fixed", "twin_over_its_size") if key in report}))
     return 0
 
 

@@ -210,3 +210,19 @@ def test_the_plot_is_skipped_with_a_line_without_matplotlib(tmp_path, capsys, mo
     assert report.plot([cell], tmp_path / "x.png") is None
     assert "plot skipped: matplotlib is not installed" in capsys.readouterr().out
     assert not (tmp_path / "x.png").exists()
+
+
+def test_bench_auto_twin_reports_the_noise_between_identical_methods(tmp_path):
+    """``bench_auto.py --twin``: a second copy of the largest size runs beside the others, is never
+    the best fixed size, and its ratio to that size is reported."""
+    from benchmarks import bench_auto
+
+    argv = ["--target", "stories260K", "--mix", "stories", "--drafter", "lookup", "--prompts", "1",
+            "--max-new-tokens", "4", "--repeats", "1", "--twin", "--name", "cell", "--results", str(tmp_path)]
+    assert bench_auto.main(argv) == 0  # greedy: every method's output (the twin's too) equals generate's
+    cell = json.loads((tmp_path / "cell.json").read_text())
+    twin = [name for name in cell["median_speedup"] if name.startswith("twin")]
+    assert twin == [f"twin {max(int(name.split()[1]) for name in cell['median_speedup'] if name.startswith('size'))}"]
+    assert cell["best_fixed"].startswith("size ")
+    assert cell["twin_over_its_size"] == pytest.approx(
+        cell["median_speedup"][twin[0]] / cell["median_speedup"][f"size {twin[0].split()[1]}"], abs=2e-3)
