@@ -208,8 +208,7 @@ class AcceptanceModel:
             gain[:count] = np.cumsum(exists[:count] * rate[:count])
             padded[:count] += np.cumsum(exists[:count] if rows == 1 else 1.0 - (1.0 - exists[:count]) ** rows)
             gain[count:], padded[count:] = gain[count - 1], padded[count - 1]
-            # the standard error of a prefix's total: each node's rate seen over its own evidence,
-            # weighted by how often the node exists (a node rarely proposed moves the total little)
+            # a prefix total's standard error: each node's rate over its evidence, weighted by its presence
             spread = exists[:count] ** 2 * np.maximum(rate[:count] * (1 - rate[:count]), 0.01) / (seen[:count] + 1)
             bonus[:count] = CONFIDENCE * np.sqrt(np.cumsum(spread))
             gain[0] = bonus[0] = 0.0

@@ -166,8 +166,7 @@ class CostCurve:
                 weights = np.array([table[width].weight(self.clock, aged) for width in measured])
                 seconds = plain.value + (seconds - plain.value) * weights / (weights + 1)
                 seconds[0] = plain.value
-            # the lower envelope: none above a wider one timed often enough to bound it (one fast
-            # step of a wide tree, e.g. over a short cache, must not price every narrower width)
+            # the lower envelope: none above a wider one timed often enough (one fast step must not do)
             settled = np.array([table[width].count >= PRIOR_TIMINGS for width in measured])
             settled[0] = True
             seconds = np.minimum(seconds, np.minimum.accumulate(np.where(settled, seconds, np.inf)[::-1])[::-1])

@@ -11,9 +11,9 @@ outputs are those of any fixed choice; drafted trees are verified whole.
 
 A rows bucket's first plan is a run of plain steps (the reference); then each acceptance model
 drafts until it has seen :data:`REPLAN_EVERY` rows. A plan priced from a cost not yet timed in its
-rows' bucket, or paying only by the optimism of the bounds, serves one step. Untimed: a call's
-first step, the first after rows finished or a switch between plain and drafting, and empty steps.
-"""
+rows' bucket serves one step; one chosen by the bounds' optimism alone explores for one step and
+serves the point estimates' best for the rest. Untimed: a call's first step, the first after rows
+finished or a switch between plain and drafting, and empty steps."""
 from __future__ import annotations
 
 from collections import Counter
@@ -50,7 +50,8 @@ class Choice:
     seconds: float | None = None
     plain_seconds: float | None = None
     reason: str = ""
-    tentative: bool = False  # priced from untimed costs, or paying only by optimism: serves one step
+    tentative: bool = False  # priced from untimed costs: serves one step, then a plan is made again
+    then: "Choice | None" = None  # chosen by optimism alone: after its one step, the rest of the plan
 
     @property
     def option(self) -> Option:
@@ -150,8 +151,7 @@ class CallPlanner:
         self.acceptance = self.models[-1]
         self._distinct = list({id(model): model for model in self.models}.values())
         self.summary = CallSummary()
-        # a call is a request: earlier requests' evidence weighs as much as requests are alike, and
-        # the last call's plan serves on for its steps left unless that evidence was cut
+        # a call is a request: earlier ones' evidence is cut as they differ; else the last plan serves on
         weights = [model.new_request() for model in self._distinct]
         self.summary.request_prior_rows = min((weight for weight in weights if weight is not None), default=None)
         self.choice, self._rows, self._age = adaptive.plans.get(key, (None, 0, 0))
@@ -178,22 +178,25 @@ class CallPlanner:
             gain, bonus, padded = model.prefix_estimates(model.width, rows)
             last = model.width - 1 if nodes is None else min(nodes, model.width) - 1
             expected[index], bonuses[index], widths[index] = gain[last], bonus[last], padded[last]
-        drafting = np.array([self.costs.draft_seconds(rows, option) for option in self.options])
-        seconds = drafting + self.costs.verify_prices(rows, self.options, widths)
+        seconds = (np.array([self.costs.draft_seconds(rows, option) for option in self.options])
+                   + self.costs.verify_prices(rows, self.options, widths))
         seconds += self.costs.switch_seconds(True) / REPLAN_EVERY if self._last_plain else 0.0
         rates = (1.0 + expected + bonuses) / np.maximum(seconds, 1e-9)
         best = int(rates.argmax())
         if rates[best] <= 1.0 / plain:
             return Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
-        # chosen by the bounds' optimism alone (at point estimates and unaged costs it loses to a plain
-        # step or to another option): it serves one step, then the plan is made again
+        # exploring (at point estimates and unaged costs, plain or another option wins): one step, then it
         steady = (np.array([self.costs.draft_seconds(rows, option, aged=False) for option in self.options])
                   + self.costs.verify_prices(rows, self.options, widths, aged=False))
         points = (1.0 + expected) / np.maximum(steady, 1e-9)
-        exploring = points[best] < max(points.max(), 1.0 / plain)
-        return Choice(True, *self.options[best], int(round(widths[best])), 1.0 + float(expected[best] + bonuses[best]),
-                      float(seconds[best]), plain, "it may pay" if exploring else "drafting pays",
-                      exploring or not self.costs.known(rows, widths[best], self.options[best]))
+        top = int(points.argmax())
+        def planned(index: int, tokens: float, cost: float, reason: str, then: Choice | None = None) -> Choice:
+            return Choice(True, *self.options[index], int(round(widths[index])), tokens, cost, plain, reason,
+                          not self.costs.known(rows, widths[index], self.options[index]), then)
+        then = (Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest") if points[top] <= 1.0 / plain
+                else None if top == best else planned(top, 1.0 + float(expected[top]), float(steady[top]), "drafting pays"))
+        return planned(best, 1.0 + float(expected[best] + bonuses[best]), float(seconds[best]),
+                       "drafting pays" if then is None else "it may pay", then)
 
     def release(self) -> None:
         """The call is over: the drafter drafts as configured again (``speculate=None`` calls)."""
@@ -204,11 +207,10 @@ class CallPlanner:
         if self.sized is not None:
             self.sized.resize(None)
 
-    # -- the Planner protocol -----------------------------------------------------------------
-
     def draft(self, rows: int) -> bool:
         choice = self.choice
-        # a plan stands for a few steps (the estimates it rests on move over tens of steps)
+        if choice is not None and choice.then is not None and self._age >= 1 and not choice.tentative:
+            choice = self.choice = choice.then  # (the plan's exploring step is done)
         if (choice is None or not choice.nodes or rows != self._rows
                 or self._age >= (1 if choice.tentative else REPLAN_EVERY)):
             choice = self.choice = self._plan(rows)
