@@ -11,9 +11,9 @@ outputs are those of any fixed choice; drafted trees are verified whole.
 
 A rows bucket's first plan is a run of plain steps (the reference); then each acceptance model
 drafts until it has seen :data:`REPLAN_EVERY` rows. A plan priced from a cost not yet timed in its
-rows' bucket serves one step; one chosen by the bounds' optimism alone explores for one step and
-serves the point estimates' best for the rest. Untimed: a call's first step, the first after rows
-finished or a switch between plain and drafting, and empty steps."""
+rows' bucket, or paying against a plain step only by optimism, serves one step; one ahead of the
+others only by a cost aged toward 0 is timed in one step, the best at unaged costs serving the rest.
+Untimed: a call's first step, the first after rows finished or a switch, and empty steps."""
 from __future__ import annotations
 
 from collections import Counter
@@ -51,7 +51,7 @@ class Choice:
     plain_seconds: float | None = None
     reason: str = ""
     tentative: bool = False  # priced from untimed costs: serves one step, then a plan is made again
-    then: "Choice | None" = None  # chosen by optimism alone: after its one step, the rest of the plan
+    then: "Choice | None" = None  # ahead by cost optimism alone: after its one step, the rest of the plan
 
     @property
     def option(self) -> Option:
@@ -181,22 +181,22 @@ class CallPlanner:
         seconds = (np.array([self.costs.draft_seconds(rows, option) for option in self.options])
                    + self.costs.verify_prices(rows, self.options, widths))
         seconds += self.costs.switch_seconds(True) / REPLAN_EVERY if self._last_plain else 0.0
-        rates = (1.0 + expected + bonuses) / np.maximum(seconds, 1e-9)
+        rates = (1.0 + (gains := expected + bonuses)) / np.maximum(seconds, 1e-9)
         best = int(rates.argmax())
         if rates[best] <= 1.0 / plain:
             return Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
-        # exploring (at point estimates and unaged costs, plain or another option wins): one step, then it
+        # ahead by cost optimism alone (a price aged toward 0): timed in one step, the best at unaged costs
+        # the rest; paying by optimism alone (no bound either) against a plain step: one step; the bound: a plan
         steady = (np.array([self.costs.draft_seconds(rows, option, aged=False) for option in self.options])
                   + self.costs.verify_prices(rows, self.options, widths, aged=False))
-        points = (1.0 + expected) / np.maximum(steady, 1e-9)
-        top = int(points.argmax())
-        def planned(index: int, tokens: float, cost: float, reason: str, then: Choice | None = None) -> Choice:
-            return Choice(True, *self.options[index], int(round(widths[index])), tokens, cost, plain, reason,
-                          not self.costs.known(rows, widths[index], self.options[index]), then)
-        then = (Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest") if points[top] <= 1.0 / plain
-                else None if top == best else planned(top, 1.0 + float(expected[top]), float(steady[top]), "drafting pays"))
-        return planned(best, 1.0 + float(expected[best] + bonuses[best]), float(seconds[best]),
-                       "drafting pays" if then is None else "it may pay", then)
+        timed = (1.0 + gains) / np.maximum(steady, 1e-9)
+        top = int(timed.argmax())
+        def planned(index: int, reason: str, then: Choice | None = None, exploring: bool = False) -> Choice:
+            return Choice(True, *self.options[index], int(round(widths[index])), 1.0 + float(gains[index]), float(seconds[index]),
+                          plain, reason, exploring or not self.costs.known(rows, widths[index], self.options[index]), then)
+        if (1.0 + expected[best]) / max(steady[best], 1e-9) <= 1.0 / plain:
+            return planned(best, "it may pay", exploring=True)
+        return planned(best, "drafting pays") if top == best else planned(best, "timed again", planned(top, "drafting pays"))
 
     def release(self) -> None:
         """The call is over: the drafter drafts as configured again (``speculate=None`` calls)."""

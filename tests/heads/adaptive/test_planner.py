@@ -207,11 +207,11 @@ def test_a_plan_priced_from_an_untimed_width_serves_one_step():
     assert not planner._plan(1).tentative
 
 
-def test_an_option_ahead_only_by_optimism_explores_one_step_then_the_point_estimates_best_serves():
-    """The bounds' optimism (a cost timed long ago is shrunk) may choose an option that, at point
-    estimates, loses to another drafting option though it beats a plain step: that is exploring, so
-    it serves one step, not a plan's worth (a two-mode drafter explored its slow mode for 8 steps),
-    and the point estimates' best serves the rest of the plan without planning again."""
+def test_an_option_ahead_only_by_an_aged_cost_is_timed_in_one_step_then_the_best_at_unaged_costs_serves():
+    """A cost timed long ago is priced toward 0 (so that it is timed again), which may choose an
+    option that at its unaged costs loses to another drafting option though it beats a plain step:
+    one step times it again (a two-mode drafter drafted its slow mode for 8 steps at a time), and the
+    best at unaged costs serves the rest of the plan without planning again."""
     adaptive = Adaptive([0.9] * 8, width=9, sizes=(2, 8))
     planner = adaptive.planner("greedy", True, _Sized(nested=False))
     for model, width in zip(planner.models, (3, 9)):  # both sizes accepted whole on 8 rows
@@ -223,12 +223,12 @@ def test_an_option_ahead_only_by_optimism_explores_one_step_then_the_point_estim
     adaptive.costs.observe_draft(1, 0.1, False, (None, 2))  # size 2: cheap, timed now
     assert planner.draft(1)  # point estimates: size 2 at 3 / 1.1 s, size 8 at 9 / 11 s, plain at 1 / 1 s
     choice = planner.choice
-    assert choice.option == (None, 8) and choice.reason == "it may pay" and not choice.tentative
+    assert choice.option == (None, 8) and choice.reason == "timed again" and not choice.tentative
     assert choice.then.draft and choice.then.option == (None, 2) and choice.then.then is None
     assert planner.draft(1) and planner.choice is choice.then and planner._age == 2
     for _ in range(6):
         assert planner.draft(1) and planner.choice is choice.then
-    assert dict(planner.summary.reasons) == {"it may pay": 1}  # one plan: 8 steps
+    assert dict(planner.summary.reasons) == {"timed again": 1}  # one plan: 8 steps
     adaptive.costs.observe_draft(1, 10.0, False, (None, 8))  # timed again: its price is its cost
     choice = planner._plan(1)
     assert choice.option == (None, 2) and not choice.tentative and choice.reason == "drafting pays"
