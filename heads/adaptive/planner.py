@@ -50,7 +50,7 @@ class Choice:
     seconds: float | None = None
     plain_seconds: float | None = None
     reason: str = ""
-    tentative: bool = False  # priced from untimed costs: serves one step, then a plan is made again
+    tentative: bool = False  # untimed costs, or paying over plain only by optimism: one step, then a new plan
     then: "Choice | None" = None  # ahead by cost optimism alone: after its one step, the rest of the plan
 
     @property
