@@ -410,7 +410,7 @@ class SpeculativeModel:
         if streamer is not None:
             streamer.end()
         if planner is not None:
-            stats.speculation = planner.summary.as_dict(self.adaptive, rule.key)
+            stats.speculation = functools.partial(planner.summary.as_dict, self.adaptive, rule.key)
         self.last_stats = stats
         if self.learning is not None:  # after the output is final: learning changes later calls' drafts only
             self.learning.observe(ServedCall(input_ids, attention_mask, output, settings.eos_token_ids, stats,

@@ -192,11 +192,24 @@ class DecodeStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
-    speculation: dict | None = None  # the setting an adaptive policy chose, and why
+    _speculation: dict | Callable[[], dict] | None = field(default=None, repr=False)
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the loop (:data:`PHASES`); contiguous laps, so they sum to ``total_seconds``."""
     steps: list["StepRecord"] = field(default_factory=list)
     """One :class:`StepRecord` per step after the prefill (what it verified, committed and cost)."""
+
+    @property
+    def speculation(self) -> dict | None:
+        """What an adaptive policy (``speculate="auto"``) chose in this call and why; None without one.
+        Built when first read (a policy hands a function: the call does not pay for it), so what it
+        reports of the policy's models is as they stand then."""
+        if callable(self._speculation):
+            self._speculation = self._speculation()
+        return self._speculation
+
+    @speculation.setter
+    def speculation(self, value: dict | Callable[[], dict] | None) -> None:
+        self._speculation = value
 
     @property
     def mean_accepted(self) -> float:
@@ -245,9 +258,9 @@ class DecodeStats:
         }
 
 
-PHASES = ("prefill", "draft", "tree", "mask", "forward", "accept", "cache", "commit", "result")
+PHASES = ("prefill", "plan", "draft", "tree", "mask", "forward", "accept", "cache", "commit", "result")
 """Where a ``generate`` call's time goes: the prefill forward (with its mask and first tokens); per
-step the drafter's ``propose`` (its forwards and tree building), cutting trees to the token budget,
+step the planner's choice (``speculate="auto"``), the drafter's ``propose`` (its forwards and tree building), cutting trees to the token budget,
 the verification mask, the backbone forward, the acceptance rule, the cache (keeping accepted
 slots, compaction), committing (features for the next draft, emitted tokens, finished rows); and
 assembling the output."""
@@ -310,7 +323,7 @@ class SpeculativeDecoder:
         self.rows: list[int] = list(range(batch))
         self.max_depth = 0
         self.stats.phases = dict.fromkeys(PHASES, 0.0)
-        self._stamp = time.perf_counter()
+        self._stamp, self._last_lap = time.perf_counter(), 0.0
         self.holes = 0  # slots appended since the last compaction that no row kept (a bound on any row's holes)
         self.planner = planner
         self.drafting = True  # False: plain steps until the end of the call
@@ -372,16 +385,18 @@ class SpeculativeDecoder:
     def _lap(self, phase: str) -> None:
         """Charge the time since the last lap to ``phase``."""
         now = time.perf_counter()
-        self.stats.phases[phase] += now - self._stamp
+        self._last_lap = now - self._stamp
+        self.stats.phases[phase] += self._last_lap
         self._stamp = now
 
     def step(self, draft: bool | None = None) -> None:
         """One draft → verify → accept → commit step for every row still decoding (``draft``
         False: verify the roots alone; None: as :attr:`planner` says, drafting by default)."""
-        started = time.perf_counter()
         rows = len(self.rows)
         if draft is None:
             draft = self.drafting and (self.planner is None or self.planner.draft(rows))
+        self._lap("plan")  # (the planner's own time: charged to no drafting option's cost)
+        plan_seconds, started = self._last_lap, self._stamp
         first_draft = draft and self.proposals == 0
         if draft:
             self.proposals += 1
@@ -449,7 +464,7 @@ class SpeculativeDecoder:
         self._lap("cache")
         kind = "plain" if not draft else "drafted" if trees.width > 1 else "empty"
         record = StepRecord(kind, rows, trees.width, draft_seconds, self._stamp - started - draft_seconds,
-                            sum(counts), first_draft)
+                            sum(counts), first_draft, plan_seconds)
         self.stats.steps.append(record)
         if self.planner is not None:
             # a step cut to the token budget renumbered its nodes: its acceptance says nothing of the plan

@@ -48,6 +48,7 @@ class StepRecord:
         verify_seconds: the rest of the step: mask, target forward, acceptance, cache, commit.
         tokens: tokens committed over all rows (bonus tokens included).
         first_draft: this was the call's first ``propose`` (a drafter catching up on the prompt).
+        plan_seconds: the planner's choice before the step (0 without one), in neither of the above.
     """
 
     kind: str
@@ -57,10 +58,11 @@ class StepRecord:
     verify_seconds: float
     tokens: int
     first_draft: bool = False
+    plan_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.draft_seconds + self.verify_seconds
+        return self.plan_seconds + self.draft_seconds + self.verify_seconds
 
 
 class Planner(Protocol):

@@ -23,6 +23,7 @@ DEFINITIONS = {
     "acceptance_by_position": "share of verify steps that accepted at least i + 1 drafted tokens, per depth i",
     "draft_ms_per_step": "ms per verify step in the drafter and cutting its tree (DecodeStats.phases draft, tree)",
     "verify_ms_per_step": "ms per verify step in the mask, the target forward, acceptance, cache and commit",
+    "plan_ms_per_step": "ms per verify step in speculate='auto''s planner (DecodeStats.phases plan)",
 }
 DRAFT_PHASES = ("draft", "tree")
 VERIFY_PHASES = ("mask", "forward", "accept", "cache", "commit")
@@ -51,10 +52,12 @@ def summarise(runs: list, baseline: list) -> dict:
         steps = max(1, sum(s.target_forwards - 1 for s in stats))  # verify forwards: the prefills left out
         draft = sum(s.phases.get(phase, 0.0) for s in stats for phase in DRAFT_PHASES)
         verify = sum(s.phases.get(phase, 0.0) for s in stats for phase in VERIFY_PHASES)
+        plan = sum(s.phases.get("plan", 0.0) for s in stats)
         summary.update(
             tau=sum(s.new_tokens for s in stats) / max(1, sum(s.row_forwards for s in stats)),
             acceptance_by_position=acceptance_by_position(stats),
             draft_ms_per_step=1000 * draft / steps, verify_ms_per_step=1000 * verify / steps,
+            plan_ms_per_step=1000 * plan / steps,
         )
         if stats[-1].speculation is not None:
             summary["last_speculation"] = stats[-1].speculation

@@ -82,7 +82,7 @@ class CostCurve:
         self.switching = {True: RecentTimings(), False: RecentTimings()}  # a switch's extra seconds, into drafting (True)
         self.clock, self.speed = 0, 1.0  # verify forwards observed; the machine's seconds per stored second
         self._ratios: deque[float] = deque(maxlen=_SPEED_HORIZON)  # latest plain steps' seconds / stored cost
-        self._curves: dict[tuple, tuple[int, np.ndarray, np.ndarray]] = {}  # per (bucket, aged): (clock, widths, seconds)
+        self._curves: dict[int, tuple] = {}  # per rows bucket: what _price returned
 
     def observe_verify(self, rows: int, width: int, seconds: float) -> None:
         self.clock += 1
@@ -96,8 +96,7 @@ class CostCurve:
             self.speed = statistics.median(self._ratios)
         timed.add(seconds / self.speed, self.clock)
         if timed.count <= PRIOR_TIMINGS:  # a width's first timings move its price most: priced again now
-            self._curves.pop((bucket, True), None)
-            self._curves.pop((bucket, False), None)
+            self._curves.pop(bucket, None)
 
     def observe_draft(self, rows: int, seconds: float, first: bool, mode: object = None) -> None:
         """A drafting step's seconds (``first``: a ``propose`` that catches up, kept apart)."""
@@ -157,28 +156,40 @@ class CostCurve:
             return None
         bucket = rows_bucket(rows)
         bucket = bucket if bucket in self.verify else self._nearest(bucket, self.verify)
-        table, curve = self.verify[bucket], self._curves.get((bucket, aged))
-        if curve is None or curve[0] + _REFRESH <= self.clock or curve[1].size != len(table):
-            measured = sorted(table)
-            seconds = np.array([table[width].value for width in measured])
+        curve = self._curves.get(bucket)
+        if curve is None or curve[0] + _REFRESH <= self.clock or curve[1].size != len(self.verify[bucket]):
+            curve = self._curves[bucket] = self._price(bucket)
+        return np.interp(widths, curve[1], curve[2 if aged else 3])
+
+    def _price(self, bucket: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """``bucket``'s curve: (clock, widths timed, stored seconds with samples weighed by age, by count)."""
+        table = self.verify[bucket]
+        measured = sorted(table)
+        timings = [table[width] for width in measured]
+        values, counts, stamps = np.array([(timed.value, timed.count, timed.stamp) for timed in timings]).T
+        evidence = np.minimum(counts, COST_HORIZON)  # (RecentTimings.weight, for every width at once)
+        # the lower envelope: none above a wider one timed often enough (one fast step must not do)
+        settled = counts >= PRIOR_TIMINGS
+        settled[0] = True
+        widths = np.array(measured, dtype=float)
+        larger = [other for other in self.verify if other > bucket]
+        priced = []
+        for aged in (True, False):
+            seconds = values
             plain = table.get(1)
             if plain is not None and bucket == 1:  # the optimism at one row only (module docstring)
-                weights = np.array([table[width].weight(self.clock, aged) for width in measured])
-                seconds = plain.value + (seconds - plain.value) * weights / (weights + 1)
+                weights = evidence * 0.5 ** ((self.clock - stamps) / HALF_LIFE) if aged else evidence
+                seconds = plain.value + (values - plain.value) * weights / (weights + 1)
                 seconds[0] = plain.value
-            # the lower envelope: none above a wider one timed often enough (one fast step must not do)
-            settled = np.array([table[width].count >= PRIOR_TIMINGS for width in measured])
-            settled[0] = True
             seconds = np.minimum(seconds, np.minimum.accumulate(np.where(settled, seconds, np.inf)[::-1])[::-1])
-            larger = [other for other in self.verify if other > bucket]
             if larger:  # nor above the same width over more rows (a bucket's few timings may be noisy),
                 # where those rows timed a width at least as large (not extrapolated)
                 widest = max(self.verify[min(larger)])
-                cap = self._stored_curve(min(larger), np.array(measured, dtype=float), aged)
-                seconds = np.where(np.array(measured) <= widest, np.minimum(seconds, cap), seconds)
+                cap = self._stored_curve(min(larger), widths, aged)
+                seconds = np.where(widths <= widest, np.minimum(seconds, cap), seconds)
                 seconds = np.minimum.accumulate(seconds[::-1])[::-1]
-            curve = self._curves[(bucket, aged)] = (self.clock, np.array(measured, dtype=float), seconds)
-        return np.interp(widths, curve[1], curve[2])
+            priced.append(seconds)
+        return self.clock, widths, priced[0], priced[1]
 
     def verify_seconds(self, rows: int, width: int) -> float | None:
         """:meth:`verify_curve` for one width."""

@@ -23,8 +23,8 @@ def test_phases_sum_to_the_total(kind, options):
     assert all(value >= 0.0 for value in stats.phases.values())
     assert math.isclose(sum(stats.phases.values()), stats.total_seconds, rel_tol=1e-9, abs_tol=1e-9)
     assert stats.phases["forward"] > 0 and stats.phases["prefill"] > 0
-    assert math.isclose(stats.draft_seconds + stats.verify_seconds + stats.phases["prefill"] + stats.phases["result"],
-                        stats.total_seconds, rel_tol=1e-9, abs_tol=1e-9)
+    assert math.isclose(stats.draft_seconds + stats.verify_seconds + stats.phases["prefill"] + stats.phases["result"]
+                        + stats.phases["plan"], stats.total_seconds, rel_tol=1e-9, abs_tol=1e-9)
 
 
 def test_phases_in_a_batch_and_as_dict():

@@ -4,6 +4,7 @@ planner, and outputs identical to ``generate`` whatever it decides."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import numpy as np
@@ -401,6 +402,9 @@ def test_auto_is_token_identical_on_batches(name, kind):
         assert torch.equal(spec.generate(ids, attention_mask=mask, max_new_tokens=24, speculate="auto"), expected)
     speculation = spec.last_stats.speculation
     assert speculation["auto"] and sum(speculation["steps"].values()) == len(spec.last_stats.steps)
+    # the report is built when first read, once; the plan's own seconds are a phase of their own
+    assert spec.last_stats.speculation is speculation and json.dumps(spec.last_stats.as_dict())
+    assert spec.last_stats.phases["plan"] > 0 and all(step.plan_seconds >= 0 for step in spec.last_stats.steps)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
