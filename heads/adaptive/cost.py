@@ -80,6 +80,7 @@ class CostCurve:
         self.drafting, self.first_drafting = {}, {}  # per drafting option, per rows bucket: RecentTimings
         self.verify_by_option: dict[object, dict[int, RecentTimings]] = {}  # per option, per rows bucket
         self.switching = {True: RecentTimings(), False: RecentTimings()}  # a switch's extra seconds, into drafting (True)
+        self.planning = RecentTimings()  # the planner's seconds per plan (host time: not scaled by speed)
         self.clock, self.speed = 0, 1.0  # verify forwards observed; the machine's seconds per stored second
         self._ratios: deque[float] = deque(maxlen=_SPEED_HORIZON)  # latest plain steps' seconds / stored cost
         self._curves: dict[int, tuple] = {}  # per rows bucket: what _price returned
@@ -163,30 +164,22 @@ class CostCurve:
 
     def _price(self, bucket: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         """``bucket``'s curve: (clock, widths timed, stored seconds with samples weighed by age, by count)."""
-        table = self.verify[bucket]
-        measured = sorted(table)
-        timings = [table[width] for width in measured]
-        values, counts, stamps = np.array([(timed.value, timed.count, timed.stamp) for timed in timings]).T
-        evidence = np.minimum(counts, COST_HORIZON)  # (RecentTimings.weight, for every width at once)
-        # the lower envelope: none above a wider one timed often enough (one fast step must not do)
-        settled = counts >= PRIOR_TIMINGS
-        settled[0] = True
-        widths = np.array(measured, dtype=float)
-        larger = [other for other in self.verify if other > bucket]
-        priced = []
+        table, larger, priced = self.verify[bucket], [other for other in self.verify if other > bucket], []
+        widths = np.array(sorted(table), dtype=float)
+        values, counts, stamps = np.array([(t.value, t.count, t.stamp) for _, t in sorted(table.items())]).T
+        settled = counts >= PRIOR_TIMINGS  # (the lower envelope: none above a wider one timed often enough;
+        settled[0] = True  # one fast step must not do)
         for aged in (True, False):
-            seconds = values
-            plain = table.get(1)
+            seconds, plain = values, table.get(1)
             if plain is not None and bucket == 1:  # the optimism at one row only (module docstring)
-                weights = evidence * 0.5 ** ((self.clock - stamps) / HALF_LIFE) if aged else evidence
+                weights = np.minimum(counts, COST_HORIZON) * (0.5 ** ((self.clock - stamps) / HALF_LIFE) if aged else 1.0)
                 seconds = plain.value + (values - plain.value) * weights / (weights + 1)
                 seconds[0] = plain.value
             seconds = np.minimum(seconds, np.minimum.accumulate(np.where(settled, seconds, np.inf)[::-1])[::-1])
             if larger:  # nor above the same width over more rows (a bucket's few timings may be noisy),
                 # where those rows timed a width at least as large (not extrapolated)
-                widest = max(self.verify[min(larger)])
                 cap = self._stored_curve(min(larger), widths, aged)
-                seconds = np.where(widths <= widest, np.minimum(seconds, cap), seconds)
+                seconds = np.where(widths <= max(self.verify[min(larger)]), np.minimum(seconds, cap), seconds)
                 seconds = np.minimum.accumulate(seconds[::-1])[::-1]
             priced.append(seconds)
         return self.clock, widths, priced[0], priced[1]

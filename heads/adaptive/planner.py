@@ -16,6 +16,8 @@ others only by a cost aged toward 0 is timed in one step, the best at unaged cos
 Untimed: a call's first step, the first after rows finished or a switch, and empty steps."""
 from __future__ import annotations
 
+import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -27,13 +29,18 @@ from tree_attention.capabilities import SizedDrafter
 from tree_attention.planning import ModalDrafter, StepRecord
 from tree_attention.tree import TreeBatch
 
-from .acceptance import AcceptanceModel
+from .acceptance import HALF_LIFE, AcceptanceModel
 from .cost import PRIOR_TIMINGS, CostCurve
 
 REPLAN_EVERY = 8
-"""Steps a plan serves before it is made again (sooner when the rows change): the estimates it rests
-on move over :data:`~heads.adaptive.acceptance.HALF_LIFE` steps, and a plan costs a share of a
-small model's step. Also the rows an option is first drafted on before its estimates are trusted."""
+"""Steps a plan serves before it is made again (sooner when the rows change; longer under
+:data:`PLAN_SHARE`): the estimates it rests on move over :data:`~heads.adaptive.acceptance.HALF_LIFE`
+steps. Also the rows an option is first drafted on before its estimates are trusted."""
+
+PLAN_SHARE = 0.01
+"""The most of its steps' seconds a plan may cost: where a plan (its median seconds) costs more than
+this share of :data:`REPLAN_EVERY` of the steps it chose (a small model's), it serves more steps, at
+most a :data:`~heads.adaptive.acceptance.HALF_LIFE`."""
 
 Option = tuple  # (drafting mode or None, size or None): one way to draft a step
 
@@ -74,7 +81,7 @@ class CallSummary:
 
     steps: dict[str, int] = field(default_factory=lambda: {"plain": 0, "empty": 0, "drafted": 0})
     cuts: Counter = field(default_factory=Counter)  # verified width -> drafted steps
-    options: Counter = field(default_factory=Counter)  # "mode/size" -> steps that drafted with it
+    options: Counter = field(default_factory=Counter)  # option -> steps that drafted with it
     reasons: Counter = field(default_factory=Counter)
     last: Choice | None = None
     request_prior_rows: float | None = None  # earlier requests' evidence, in rows (None: not cut)
@@ -83,7 +90,7 @@ class CallSummary:
         models = {_label(option): model for (rule, *option), model in adaptive.models.items() if rule == key}
         last = self.last
         return {"auto": True, "rule": key, "steps": dict(self.steps), "verified_widths": dict(sorted(self.cuts.items())),
-                "options": dict(self.options), "reasons": dict(self.reasons),
+                "options": {_label(option): steps for option, steps in self.options.items()}, "reasons": dict(self.reasons),
                 "request_prior_rows": None if self.request_prior_rows is None else round(self.request_prior_rows, 1),
                 "last_choice": None if last is None else {
                     "draft": last.draft, "mode": last.mode, "size": last.size, "nodes": last.nodes,
@@ -162,6 +169,7 @@ class CallPlanner:
         self._applied: Option | None = None  # the option the drafter is set to (None: as configured)
         self._capacity: int | None = None  # nodes the drafter is asked for, in its model's node order
         self._last_rows, self._last_plain = 0, True  # this call's previous step: its rows (0: none yet), plain
+        self._horizon = REPLAN_EVERY  # steps the current plan serves (PLAN_SHARE)
 
     def _plan(self, rows: int) -> Choice:
         if self.costs.plain_timings(rows) < PRIOR_TIMINGS:  # the reference every option is judged against
@@ -172,7 +180,7 @@ class CallPlanner:
                 return Choice(True, mode, size, nodes=model.width, reason="measure an option never drafted",
                               tentative=True)
         # a plan that switches between plain and drafting steps pays the switch once over its steps
-        plain = self.costs.verify_seconds(rows, 1) + (0.0 if self._last_plain else self.costs.switch_seconds(False) / REPLAN_EVERY)
+        plain = self.costs.verify_seconds(rows, 1) + (0.0 if self._last_plain else self.costs.switch_seconds(False) / self._horizon)
         expected, bonuses, widths = (np.zeros(len(self.options)) for _ in range(3))
         for index, (model, nodes) in enumerate(zip(self.models, self._nodes)):
             gain, bonus, padded = model.prefix_estimates(model.width, rows)
@@ -180,7 +188,7 @@ class CallPlanner:
             expected[index], bonuses[index], widths[index] = gain[last], bonus[last], padded[last]
         seconds = (np.array([self.costs.draft_seconds(rows, option) for option in self.options])
                    + self.costs.verify_prices(rows, self.options, widths))
-        seconds += self.costs.switch_seconds(True) / REPLAN_EVERY if self._last_plain else 0.0
+        seconds += self.costs.switch_seconds(True) / self._horizon if self._last_plain else 0.0
         rates = (1.0 + (gains := expected + bonuses)) / np.maximum(seconds, 1e-9)
         best = int(rates.argmax())
         if rates[best] <= 1.0 / plain:
@@ -212,9 +220,12 @@ class CallPlanner:
         if choice is not None and choice.then is not None and self._age >= 1 and not choice.tentative:
             choice = self.choice = choice.then  # (the plan's exploring step is done)
         if (choice is None or not choice.nodes or rows != self._rows
-                or self._age >= (1 if choice.tentative else REPLAN_EVERY)):
+                or self._age >= (1 if choice.tentative else self._horizon)):
+            started = time.perf_counter()
             choice = self.choice = self._plan(rows)
-            self._rows, self._age = rows, 0
+            self.costs.planning.add(time.perf_counter() - started, self.costs.clock)
+            share = self.costs.planning.value / (PLAN_SHARE * (choice.seconds or choice.plain_seconds or math.inf))
+            self._rows, self._age, self._horizon = rows, 0, int(min(HALF_LIFE, max(REPLAN_EVERY, math.ceil(share))))
             self.summary.reasons[choice.reason] += 1
             self.summary.last = choice
         self._age += 1
@@ -254,5 +265,5 @@ class CallPlanner:
         if record.kind != "plain" and trees is not None:  # (an empty step: the drafter proposed nothing)
             self.acceptance.observe(trees, paths, lengths, self._capacity)
         if record.kind == "drafted":
-            summary.options[_label(option)] += 1
+            summary.options[option] += 1
             summary.cuts[record.width] += 1
