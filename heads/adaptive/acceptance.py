@@ -188,17 +188,11 @@ class AcceptanceModel:
             self._cache, self._faded = (exists, rate, seen), 0
         return self._cache
 
-    def prefix_gains(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """For ``n = 1 .. width`` (index ``n - 1``; n = 1: the root alone): the drafted tokens a row
-        accepts from the first ``n`` nodes of its tree as an upper confidence bound (plus
-        :data:`CONFIDENCE` standard errors of each prefix's total: per-node bounds would add up and
-        favour more nodes), and the expected padded width of ``rows`` such trees."""
-        expected, bonus, padded = self.prefix_estimates(width, rows)
-        return expected + bonus, padded
-
     def prefix_estimates(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`prefix_gains` apart: the expected drafted tokens a row accepts from each prefix,
-        the bound's margin above it (``CONFIDENCE`` standard errors), and the padded width."""
+        """For ``n = 1 .. width`` (index ``n - 1``; n = 1: the root alone): the expected drafted tokens a
+        row accepts from the first ``n`` nodes of its tree, the margin of an upper confidence bound above
+        it (:data:`CONFIDENCE` standard errors of each prefix's total: per-node bounds would add up and
+        favour more nodes), and the expected padded width of ``rows`` such trees."""
         if self._cache is not None and self._gains_key == (width, rows):
             return self._gains
         exists, rate, seen = self._estimates()
@@ -219,8 +213,8 @@ class AcceptanceModel:
     def summary(self) -> dict:
         exists, rate, seen = self._estimates()
         shown = min(exists.size, 16)
-        gain, _ = self.prefix_gains(self.width, 1)
+        gain, bonus, _ = self.prefix_estimates(self.width, 1)
         return {"steps": self.steps, "width": self.width, "evidence_rows": round(float(seen[1]) if seen.size > 1 else 0.0, 1),
-                "expected_accepted": round(float(gain[-1]), 3),
+                "expected_accepted": round(float(gain[-1] + bonus[-1]), 3),
                 "node_acceptance": [round(float(value), 3) for value in rate[1:shown]],
                 "node_presence": [round(float(value), 3) for value in exists[1:shown]]}

@@ -80,7 +80,6 @@ class CostCurve:
         self.drafting, self.first_drafting = {}, {}  # per drafting option, per rows bucket: RecentTimings
         self.verify_by_option: dict[object, dict[int, RecentTimings]] = {}  # per option, per rows bucket
         self.switching = {True: RecentTimings(), False: RecentTimings()}  # a switch's extra seconds, into drafting (True)
-        self.planning = RecentTimings()  # the planner's seconds per plan (host time: not scaled by speed)
         self.clock, self.speed = 0, 1.0  # verify forwards observed; the machine's seconds per stored second
         self._ratios: deque[float] = deque(maxlen=_SPEED_HORIZON)  # latest plain steps' seconds / stored cost
         self._curves: dict[int, tuple] = {}  # per rows bucket: what _price returned
@@ -167,8 +166,7 @@ class CostCurve:
         table, larger, priced = self.verify[bucket], [other for other in self.verify if other > bucket], []
         widths = np.array(sorted(table), dtype=float)
         values, counts, stamps = np.array([(t.value, t.count, t.stamp) for _, t in sorted(table.items())]).T
-        settled = counts >= PRIOR_TIMINGS  # (the lower envelope: none above a wider one timed often enough;
-        settled[0] = True  # one fast step must not do)
+        settled = (counts >= PRIOR_TIMINGS) | (widths == widths[0])  # (the lower envelope: none above a wider one timed often enough; one fast step must not do)
         for aged in (True, False):
             seconds, plain = values, table.get(1)
             if plain is not None and bucket == 1:  # the optimism at one row only (module docstring)

@@ -16,8 +16,6 @@ others only by a cost aged toward 0 is timed in one step, the best at unaged cos
 Untimed: a call's first step, the first after rows finished or a switch, and empty steps."""
 from __future__ import annotations
 
-import math
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -29,18 +27,13 @@ from tree_attention.capabilities import SizedDrafter
 from tree_attention.planning import ModalDrafter, StepRecord
 from tree_attention.tree import TreeBatch
 
-from .acceptance import HALF_LIFE, AcceptanceModel
+from .acceptance import AcceptanceModel
 from .cost import PRIOR_TIMINGS, CostCurve
 
 REPLAN_EVERY = 8
-"""Steps a plan serves before it is made again (sooner when the rows change; longer under
-:data:`PLAN_SHARE`): the estimates it rests on move over :data:`~heads.adaptive.acceptance.HALF_LIFE`
-steps. Also the rows an option is first drafted on before its estimates are trusted."""
-
-PLAN_SHARE = 0.01
-"""The most of its steps' seconds a plan may cost: where a plan (its median seconds) costs more than
-this share of :data:`REPLAN_EVERY` of the steps it chose (a small model's), it serves more steps, at
-most a :data:`~heads.adaptive.acceptance.HALF_LIFE`."""
+"""Steps a plan serves before it is made again (sooner when the rows change): the estimates it rests
+on move over :data:`~heads.adaptive.acceptance.HALF_LIFE` steps, and a plan costs a share of a
+small model's step. Also the rows an option is first drafted on before its estimates are trusted."""
 
 Option = tuple  # (drafting mode or None, size or None): one way to draft a step
 
@@ -67,8 +60,7 @@ class Choice:
     @property
     def speedup(self) -> float | None:
         """Predicted tokens per second over a plain step's."""
-        ok = self.seconds is not None and self.plain_seconds is not None and self.seconds > 0
-        return self.expected_tokens * self.plain_seconds / self.seconds if ok else None
+        return self.expected_tokens * self.plain_seconds / self.seconds if self.seconds and self.plain_seconds else None
 
 
 def _label(option: Option) -> str:
@@ -87,16 +79,13 @@ class CallSummary:
     request_prior_rows: float | None = None  # earlier requests' evidence, in rows (None: not cut)
 
     def as_dict(self, adaptive: "Adaptive", key: str) -> dict:
-        models = {_label(option): model for (rule, *option), model in adaptive.models.items() if rule == key}
-        last = self.last
+        models, last = {_label(option): model for (rule, *option), model in adaptive.models.items() if rule == key}, self.last
         return {"auto": True, "rule": key, "steps": dict(self.steps), "verified_widths": dict(sorted(self.cuts.items())),
                 "options": {_label(option): steps for option, steps in self.options.items()}, "reasons": dict(self.reasons),
                 "request_prior_rows": None if self.request_prior_rows is None else round(self.request_prior_rows, 1),
                 "last_choice": None if last is None else {
-                    "draft": last.draft, "mode": last.mode, "size": last.size, "nodes": last.nodes,
-                    "expected_tokens": round(last.expected_tokens, 3),
-                    "predicted_speedup": None if last.speedup is None else round(last.speedup, 3),
-                    "reason": last.reason},
+                    "draft": last.draft, "mode": last.mode, "size": last.size, "nodes": last.nodes, "reason": last.reason,
+                    "expected_tokens": round(last.expected_tokens, 3), "predicted_speedup": last.speedup and round(last.speedup, 3)},
                 "acceptance": {label: model.summary() for label, model in models.items()},
                 "costs": adaptive.costs.summary()}
 
@@ -110,8 +99,7 @@ class Adaptive:
         """``prior_by_depth``: the acceptance by depth recorded at save time, greedy (``sampled_prior``:
         at a temperature); ``width``: the widest configured tree (root included); ``sizes``: what a
         SizedDrafter may be resized to; ``extra``: nodes beyond the size (a hybrid's lookup budget)."""
-        self.costs = CostCurve()
-        self.models: dict[tuple, AcceptanceModel] = {}
+        self.costs, self.models = CostCurve(), {}  # models: per (rule key, mode, size), an AcceptanceModel
         self.prior_by_depth = list(prior_by_depth or ())
         self.sampled_prior = list(sampled_prior or ())  # the prior of sampling rules (recorded sampled)
         self._sampled: set[str] = set()  # rule keys of sampling rules (planner: not deterministic)
@@ -122,8 +110,7 @@ class Adaptive:
         """The acceptance model of rule ``key`` and drafting ``option`` (mode, size)."""
         model = self.models.get((key, *option))
         if model is None:
-            size = option[1]
-            width = self.width if size is None else min(self.width, 1 + size + self.extra)
+            width = self.width if option[1] is None else min(self.width, 1 + option[1] + self.extra)
             prior = self.sampled_prior if key in self._sampled else self.prior_by_depth
             model = self.models[(key, *option)] = AcceptanceModel(prior, width)
         return model
@@ -169,7 +156,6 @@ class CallPlanner:
         self._applied: Option | None = None  # the option the drafter is set to (None: as configured)
         self._capacity: int | None = None  # nodes the drafter is asked for, in its model's node order
         self._last_rows, self._last_plain = 0, True  # this call's previous step: its rows (0: none yet), plain
-        self._horizon = REPLAN_EVERY  # steps the current plan serves (PLAN_SHARE)
 
     def _plan(self, rows: int) -> Choice:
         if self.costs.plain_timings(rows) < PRIOR_TIMINGS:  # the reference every option is judged against
@@ -177,10 +163,9 @@ class CallPlanner:
         # largest sizes first: where sizes are nested, the largest shows what every smaller one accepts
         for (mode, size), model in reversed(list(zip(self.options, self.models))):
             if model.rows_seen < REPLAN_EVERY:  # a plan's worth of rows of every model (a step at a time)
-                return Choice(True, mode, size, nodes=model.width, reason="measure an option never drafted",
-                              tentative=True)
+                return Choice(True, mode, size, nodes=model.width, reason="measure an option never drafted", tentative=True)
         # a plan that switches between plain and drafting steps pays the switch once over its steps
-        plain = self.costs.verify_seconds(rows, 1) + (0.0 if self._last_plain else self.costs.switch_seconds(False) / self._horizon)
+        plain = self.costs.verify_seconds(rows, 1) + (0.0 if self._last_plain else self.costs.switch_seconds(False) / REPLAN_EVERY)
         expected, bonuses, widths = (np.zeros(len(self.options)) for _ in range(3))
         for index, (model, nodes) in enumerate(zip(self.models, self._nodes)):
             gain, bonus, padded = model.prefix_estimates(model.width, rows)
@@ -188,7 +173,7 @@ class CallPlanner:
             expected[index], bonuses[index], widths[index] = gain[last], bonus[last], padded[last]
         seconds = (np.array([self.costs.draft_seconds(rows, option) for option in self.options])
                    + self.costs.verify_prices(rows, self.options, widths))
-        seconds += self.costs.switch_seconds(True) / self._horizon if self._last_plain else 0.0
+        seconds += self.costs.switch_seconds(True) / REPLAN_EVERY if self._last_plain else 0.0
         rates = (1.0 + (gains := expected + bonuses)) / np.maximum(seconds, 1e-9)
         best = int(rates.argmax())
         if rates[best] <= 1.0 / plain:
@@ -220,12 +205,9 @@ class CallPlanner:
         if choice is not None and choice.then is not None and self._age >= 1 and not choice.tentative:
             choice = self.choice = choice.then  # (the plan's exploring step is done)
         if (choice is None or not choice.nodes or rows != self._rows
-                or self._age >= (1 if choice.tentative else self._horizon)):
-            started = time.perf_counter()
+                or self._age >= (1 if choice.tentative else REPLAN_EVERY)):
             choice = self.choice = self._plan(rows)
-            self.costs.planning.add(time.perf_counter() - started, self.costs.clock)
-            share = self.costs.planning.value / (PLAN_SHARE * (choice.seconds or choice.plain_seconds or math.inf))
-            self._rows, self._age, self._horizon = rows, 0, int(min(HALF_LIFE, max(REPLAN_EVERY, math.ceil(share))))
+            self._rows, self._age = rows, 0
             self.summary.reasons[choice.reason] += 1
             self.summary.last = choice
         self._age += 1

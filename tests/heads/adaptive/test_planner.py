@@ -19,6 +19,12 @@ from tree_attention.decode import PerRowDrafter, SpeculativeDecoder
 from tree_attention.tree import TreeBatch, from_choices, prefix_batch
 
 
+def _bound(model: AcceptanceModel, width: int) -> np.ndarray:
+    """The upper confidence bound a choice weighs each prefix of one row's tree by."""
+    gain, bonus, _ = model.prefix_estimates(width, 1)
+    return gain + bonus
+
+
 def test_cost_curve_interpolates_optimistically_and_keeps_buckets_apart():
     costs = CostCurve()
     assert costs.verify_seconds(1, 4) is None and costs.draft_seconds(1) == 0.0
@@ -250,7 +256,7 @@ def test_acceptance_counts_what_each_prefix_would_have_accepted():
     # the chain's prior (uninformed): depth d reached with 0.5 ** d, weighted as 4 steps
     assert rate[1] == pytest.approx((4 + 4 * 0.5) / 8) and rate[4] == pytest.approx((0 + 4 * 0.5 ** 4) / 8)
     assert rate[1] > rate[2] > rate[4]  # node 1 always accepted, node 4 never
-    gains, _ = model.prefix_gains(5, 1)
+    gains = _bound(model, 5)
     assert np.all(np.diff(gains) >= 0) and gains[0] == 0.0
     # rows that held fewer nodes (lookup's ragged trees) count only the nodes they held
     ragged = TreeBatch.from_trees([prefix_batch(trees, 3).row(0), trees.row(0)])
@@ -276,11 +282,11 @@ def test_fading_reopens_a_question_after_plain_steps():
     trees = _chain_batch(3)
     for _ in range(8):  # node 1 rejected 8 times
         model.observe(trees, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
-    low = model.prefix_gains(3, 1)[0][1]  # the bound on what node 1 alone would accept
+    low = _bound(model, 3)[1]  # the bound on what node 1 alone would accept
     rate = model._estimates()[1][1]
     for _ in range(200):  # plain steps: no evidence, old evidence fades
         model.fade()
-    assert model.prefix_gains(3, 1)[0][1] > low + 0.1  # the bound widened: the question is open
+    assert _bound(model, 3)[1] > low + 0.1  # the bound widened: the question is open
     # the estimate itself stays where the evidence put it: the prior (0.5) fades with the evidence
     assert model._estimates()[1][1] == pytest.approx(rate)
 
@@ -302,10 +308,10 @@ def test_a_drafter_that_proposed_nothing_is_asked_again_after_plain_steps():
     model.observe(_chain_batch(4), *root)
     for _ in range(30):  # lookup before the text repeats: roots alone
         model.observe(empty, *root)
-    low = model.prefix_gains(4, 1)[0][-1]
+    low = _bound(model, 4)[-1]
     for _ in range(300):
         model.fade()
-    assert model.prefix_gains(4, 1)[0][-1] > 2 * low
+    assert _bound(model, 4)[-1] > 2 * low
 
 
 def test_recorded_acceptance_is_the_mean_over_mixes():
