@@ -260,10 +260,10 @@ class DecodeStats:
 
 PHASES = ("prefill", "plan", "draft", "tree", "mask", "forward", "accept", "cache", "commit", "result")
 """Where a ``generate`` call's time goes: the prefill forward (with its mask and first tokens); per
-step the planner's choice (``speculate="auto"``), the drafter's ``propose`` (its forwards and tree building), cutting trees to the token budget,
-the verification mask, the backbone forward, the acceptance rule, the cache (keeping accepted
-slots, compaction), committing (features for the next draft, emitted tokens, finished rows); and
-assembling the output."""
+step the planner's choice (``speculate="auto"``), the drafter's ``propose`` (its forwards and tree
+building), cutting trees to the token budget, the verification mask, the backbone forward, the
+acceptance rule, the cache (keeping accepted slots, compaction), committing (features for the next
+draft, emitted tokens, finished rows); and assembling the output."""
 
 
 def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
