@@ -323,7 +323,7 @@ class SpeculativeDecoder:
         self.rows: list[int] = list(range(batch))
         self.max_depth = 0
         self.stats.phases = dict.fromkeys(PHASES, 0.0)
-        self._stamp, self._last_lap = time.perf_counter(), 0.0
+        self._stamp = time.perf_counter()
         self.holes = 0  # slots appended since the last compaction that no row kept (a bound on any row's holes)
         self.planner = planner
         self.drafting = True  # False: plain steps until the end of the call
@@ -382,12 +382,12 @@ class SpeculativeDecoder:
                                 self.lengths.clone(), tuple(range(batch)))
         self._keep_rows([self._emit(row, [root]) for row, root in enumerate(roots.tolist())])
 
-    def _lap(self, phase: str) -> None:
-        """Charge the time since the last lap to ``phase``."""
+    def _lap(self, phase: str) -> float:
+        """Charge the time since the last lap to ``phase``; returns it (seconds)."""
         now = time.perf_counter()
-        self._last_lap = now - self._stamp
-        self.stats.phases[phase] += self._last_lap
-        self._stamp = now
+        seconds, self._stamp = now - self._stamp, now
+        self.stats.phases[phase] += seconds
+        return seconds
 
     def step(self, draft: bool | None = None) -> None:
         """One draft → verify → accept → commit step for every row still decoding (``draft``
@@ -395,8 +395,8 @@ class SpeculativeDecoder:
         rows = len(self.rows)
         if draft is None:
             draft = self.drafting and (self.planner is None or self.planner.draft(rows))
-        self._lap("plan")  # (the planner's own time: charged to no drafting option's cost)
-        plan_seconds, started = self._last_lap, self._stamp
+        plan_seconds = self._lap("plan")  # (the planner's own time: charged to no drafting option's cost)
+        started = self._stamp
         first_draft = draft and self.proposals == 0
         if draft:
             self.proposals += 1
