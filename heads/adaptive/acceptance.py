@@ -3,9 +3,12 @@
 A row commits its accepted path (at most one node per depth) plus one token, so a tree's expected
 accepted length is the sum over its nodes of the chance each is on the path. The model keeps, per
 node index (parents before children, better candidates first), how often the node existed in a
-row's tree (all are verified) and how often it was on the accepted path. A prefix of node order is
-itself a tree whose nodes are accepted as in the whole tree (under sampling, with the same chance),
-so each drafted step shows what every smaller nested size would have got.
+row's tree (all are verified), how often its parent was on the accepted path, and how often the node
+was: a node's chance is its parent's times its own acceptance given its parent was accepted. So a
+tree drafted at a small size, whose shallow nodes show the request accepting more (or less) than
+earlier ones did, moves the deeper nodes' chances with them. A prefix of node order is itself a tree
+whose nodes are accepted as in the whole tree (under sampling, with the same chance), so each
+drafted step shows what every smaller nested size would have got.
 
 Evidence fades with a half-life in steps, plain steps included, and choices use an upper confidence
 bound on a prefix's total, so no size is locked out by a few early steps. The prior (the acceptance
@@ -54,8 +57,10 @@ class AcceptanceModel:
         self.prior_by_depth = [float(rate) for rate in prior_by_depth]
         self.exists = np.zeros(0)  # rows whose tree held (and verified) node i (stored, see scale)
         self.on_path = np.zeros(0)  # rows in which node i was accepted
-        self.prior_on = np.zeros(0)  # prior pseudo-counts (stored as the counts, fading with them), per depth
+        self.reached = np.zeros(0)  # rows whose tree held node i with its parent accepted
+        self.prior_on = np.zeros(0)  # prior pseudo-counts of on_path given reached (fading with the counts)
         self.prior_seen = np.zeros(0)
+        self.parent = np.zeros(0, dtype=np.int64)  # node i's parent in the latest tree that held it (-1: none)
         self.asked = np.zeros(0)  # rows of drafted steps whose tree could hold node i (stored)
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
@@ -70,13 +75,14 @@ class AcceptanceModel:
         self._grow(self.width)
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        return self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen
+        return self.exists, self.on_path, self.reached, self.asked, self.prior_on, self.prior_seen
 
     def _grow(self, width: int) -> None:
         grow = width - self.exists.size
         if grow > 0:
-            self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen = (
+            self.exists, self.on_path, self.reached, self.asked, self.prior_on, self.prior_seen = (
                 np.concatenate([array, np.zeros(grow)]) for array in self._arrays())
+            self.parent = np.concatenate([self.parent, np.full(grow, -1, dtype=np.int64)])
 
     def fade(self) -> None:
         """One step passed (any step): earlier evidence counts a little less."""
@@ -129,8 +135,8 @@ class AcceptanceModel:
         return rows
 
     def _count(self) -> None:
-        """Count the pending steps: which nodes each row's tree held (every one of them verified)
-        and which were on the accepted path."""
+        """Count the pending steps: which nodes each row's tree held (every one of them verified),
+        which were on the accepted path, and which had their parent on it."""
         self._grow(self.width)
         for weight, trees, paths, lengths, capacity in self._pending:
             rows, width = trees.rows, trees.width
@@ -148,40 +154,61 @@ class AcceptanceModel:
                 self.exists[:width] += weight * np.bincount(sizes - 1, minlength=width)[::-1].cumsum()[::-1][:width]
                 row = int(sizes.argmax())
                 held, first = int(sizes[row]), int((sizes > 1).sum())
+            parents = trees.parents.numpy()
+            self.parent[1:held] = parents[row, 1:held]
             if held > 1 and self.prior_seen[held - 1] == 0:  # (a root alone has no prior)
-                self._spread_prior(trees.depths[row, :held].numpy(), weight)
+                self._spread_prior(trees.depths[row, :held].numpy(), parents[row, :held], weight)
             paths, lengths = paths.numpy(), lengths.numpy()
-            if rows == 1:
-                self.on_path[paths[0, :lengths[0]]] += weight
-            else:
-                accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
-                self.on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
+            accepted = np.zeros((rows, width), dtype=bool)  # [R, N]: node on the row's accepted path
+            accepted[np.nonzero(np.arange(paths.shape[1])[None, :] < lengths[:, None])[0],
+                     paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]] = True
+            self.on_path[:width] += weight * accepted.sum(axis=0)
+            # (padding and roots have parent -1: read as the root, then masked out by the tree's sizes)
+            reached = np.take_along_axis(accepted, np.maximum(parents, 0), axis=1)
+            if not trees.uniform:
+                reached &= np.arange(width)[None, :] < trees.sizes.numpy()[:, None]
+            self.reached[1:width] += weight * reached[:, 1:].sum(axis=0)
             if paths.shape[1] > 1:  # (node 1: the first child of the root in node order)
                 self._request[0] += float(((lengths > 1) & (paths[:, 1] == 1)).sum())
             self._request[1] += first
         self._pending.clear()
 
-    def _spread_prior(self, depths: np.ndarray, weight: float) -> None:
-        """Give the nodes of one row's tree (``depths``, one per node) seen for the first time their
-        share of their depth's prior acceptance, with the ``weight`` of the step that showed them."""
+    def _reach(self, depth: int) -> float:
+        """The prior chance that the accepted path reaches ``depth``."""
+        if depth == 0:
+            return 1.0
+        return (self.prior_by_depth[depth - 1] if depth - 1 < len(self.prior_by_depth)
+                else 0.0 if self.prior_by_depth else UNINFORMED ** depth)
+
+    def _spread_prior(self, depths: np.ndarray, parents: np.ndarray, weight: float) -> None:
+        """Give the nodes of one row's tree (``depths`` and ``parents``, one per node) seen for the
+        first time their share of their depth's prior acceptance given the depth above was reached
+        (shared evenly between siblings), with the ``weight`` of the step that showed them."""
         for index in np.flatnonzero(self.prior_seen[:depths.size] == 0).tolist():
             depth = int(depths[index])
             if depth == 0:
                 continue
-            reach = (self.prior_by_depth[depth - 1] if depth - 1 < len(self.prior_by_depth)
-                     else 0.0 if self.prior_by_depth else UNINFORMED ** depth)
+            above = self._reach(depth - 1)
+            given = min(1.0, self._reach(depth) / above) if above > 0 else 0.0
+            siblings = max(1, int((parents == parents[index]).sum()))
             # (fading with the evidence: a plain stretch widens the bound, the rate stays put)
-            self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths == depth).sum())) * weight
+            self.prior_on[index] = PRIOR_STEPS * given / siblings * weight
             self.prior_seen[index] = PRIOR_STEPS * weight
 
     def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per node index: the chance it exists in a row's tree, its acceptance given it was verified,
-        and the rows' worth of (faded) evidence with the prior's. Existence starts from a prior of 1
-        (weight :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again once that fades."""
+        """Per node index: the chance it exists in a row's tree, its acceptance given it was verified
+        (its parent's times its own given its parent was accepted, parents before children), and the
+        rows' worth of (faded) evidence with the prior's. Existence starts from a prior of 1 (weight
+        :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again once that fades."""
         if self._cache is None:
             self._count()
             seen = (self.exists + self.prior_seen) * self.scale
-            rate = (self.on_path + self.prior_on) * self.scale / np.maximum(seen, 1e-300)
+            given = np.minimum((self.on_path + self.prior_on) / np.maximum(self.reached + self.prior_seen, 1e-300), 1.0)
+            rate, parent = given.tolist(), self.parent.tolist()
+            for index in range(1, len(rate)):
+                if parent[index] > 0:  # (a child of the root: its own acceptance)
+                    rate[index] *= rate[parent[index]]
+            rate = np.array(rate)
             exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / (self.asked * self.scale + PRIOR_STEPS), 1.0)
             if rate.size:
                 rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
