@@ -1,14 +1,14 @@
 """Calibrated acceptance: how many tokens a prefix of a step's tree is expected to commit.
 
 A row commits its accepted path (at most one node per depth) plus one token, so a tree's expected
-accepted length is the sum over its nodes of the chance each is on the path. The model keeps, per
-node index (parents before children, better candidates first), how often the node existed in a
-row's tree (all are verified), how often its parent was on the accepted path, and how often the node
-was: a node's chance is its parent's times its own acceptance given its parent was accepted. So a
-tree drafted at a small size, whose shallow nodes show the request accepting more (or less) than
-earlier ones did, moves the deeper nodes' chances with them. A prefix of node order is itself a tree
-whose nodes are accepted as in the whole tree (under sampling, with the same chance), so each
-drafted step shows what every smaller nested size would have got.
+accepted length is the sum over its nodes of the chance each is on the path. Per node index (parents
+before children, better candidates first) the model counts the rows whose tree held the node (all
+are verified), those with its parent on the accepted path, and those with the node on it. Where a node
+index has had one parent in every tree (a template's), its chance is its parent's times its own given
+its parent's, so the shallow nodes of a small nested size move the deeper ones' chances with them;
+where trees vary (lookup's, dynamic trees), the share of its rows that accepted it. A prefix of node order is itself a tree whose nodes are
+accepted as in the whole tree (under sampling, with the same chance), so each drafted step shows
+what every smaller nested size would have got.
 
 Evidence fades with a half-life in steps, plain steps included, and choices use an upper confidence
 bound on a prefix's total, so no size is locked out by a few early steps. The prior (the acceptance
@@ -61,6 +61,7 @@ class AcceptanceModel:
         self.prior_on = np.zeros(0)  # prior pseudo-counts of on_path given reached (fading with the counts)
         self.prior_seen = np.zeros(0)
         self.parent = np.zeros(0, dtype=np.int64)  # node i's parent in the latest tree that held it (-1: none)
+        self.stable = np.zeros(0, dtype=bool)  # node i had the same parent in every tree (a template's)
         self.asked = np.zeros(0)  # rows of drafted steps whose tree could hold node i (stored)
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
@@ -83,6 +84,7 @@ class AcceptanceModel:
             self.exists, self.on_path, self.reached, self.asked, self.prior_on, self.prior_seen = (
                 np.concatenate([array, np.zeros(grow)]) for array in self._arrays())
             self.parent = np.concatenate([self.parent, np.full(grow, -1, dtype=np.int64)])
+            self.stable = np.concatenate([self.stable, np.ones(grow, dtype=bool)])
 
     def fade(self) -> None:
         """One step passed (any step): earlier evidence counts a little less."""
@@ -142,57 +144,39 @@ class AcceptanceModel:
             rows, width = trees.rows, trees.width
             self._grow(width)
             self.asked[:self.width if capacity is None else max(capacity, width)] += rows * weight
-            if trees.uniform:  # every row holds every node (a template's)
-                self.exists[:width] += rows * weight
-                held, row, first = width, 0, rows if width > 1 else 0
-            elif rows == 1:
-                held, row = int(trees.sizes[0]), 0
-                self.exists[:held] += weight
-                first = int(held > 1)
-            else:
-                sizes = trees.sizes.numpy()
-                self.exists[:width] += weight * np.bincount(sizes - 1, minlength=width)[::-1].cumsum()[::-1][:width]
-                row = int(sizes.argmax())
-                held, first = int(sizes[row]), int((sizes > 1).sum())
-            parents = trees.parents.numpy()
-            self.parent[1:held] = parents[row, 1:held]
-            if held > 1 and self.prior_seen[held - 1] == 0:  # (a root alone has no prior)
-                self._spread_prior(trees.depths[row, :held].numpy(), parents[row, :held], weight)
+            held = (np.ones((rows, width), dtype=bool) if trees.uniform  # [R, N]: node in the row's tree
+                    else np.arange(width)[None, :] < trees.sizes.numpy()[:, None])
+            sizes = held.sum(axis=1)
+            row = int(sizes.argmax())  # (the widest row: the parents and depths kept per node index)
+            self.exists[:width] += weight * held.sum(axis=0)
+            parents, size = trees.parents.numpy(), int(sizes[row])
+            self.stable[1:size] &= (self.parent[1:size] < 0) | (self.parent[1:size] == parents[row, 1:size])
+            self.parent[1:size] = parents[row, 1:size]
+            if size > 1 and self.prior_seen[size - 1] == 0:  # (a root alone has no prior)
+                self._spread_prior(trees.depths[row, :size].numpy(), weight)
             paths, lengths = paths.numpy(), lengths.numpy()
+            valid = np.arange(paths.shape[1])[None, :] < lengths[:, None]
             accepted = np.zeros((rows, width), dtype=bool)  # [R, N]: node on the row's accepted path
-            accepted[np.nonzero(np.arange(paths.shape[1])[None, :] < lengths[:, None])[0],
-                     paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]] = True
+            accepted[np.nonzero(valid)[0], paths[valid]] = True
             self.on_path[:width] += weight * accepted.sum(axis=0)
             # (padding and roots have parent -1: read as the root, then masked out by the tree's sizes)
-            reached = np.take_along_axis(accepted, np.maximum(parents, 0), axis=1)
-            if not trees.uniform:
-                reached &= np.arange(width)[None, :] < trees.sizes.numpy()[:, None]
+            reached = np.take_along_axis(accepted, np.maximum(parents, 0), axis=1) & held
             self.reached[1:width] += weight * reached[:, 1:].sum(axis=0)
             if paths.shape[1] > 1:  # (node 1: the first child of the root in node order)
                 self._request[0] += float(((lengths > 1) & (paths[:, 1] == 1)).sum())
-            self._request[1] += first
+            self._request[1] += int((sizes > 1).sum())
         self._pending.clear()
 
-    def _reach(self, depth: int) -> float:
-        """The prior chance that the accepted path reaches ``depth``."""
-        if depth == 0:
-            return 1.0
-        return (self.prior_by_depth[depth - 1] if depth - 1 < len(self.prior_by_depth)
-                else 0.0 if self.prior_by_depth else UNINFORMED ** depth)
-
-    def _spread_prior(self, depths: np.ndarray, parents: np.ndarray, weight: float) -> None:
-        """Give the nodes of one row's tree (``depths`` and ``parents``, one per node) seen for the
-        first time their share of their depth's prior acceptance given the depth above was reached
-        (shared evenly between siblings), with the ``weight`` of the step that showed them."""
+    def _spread_prior(self, depths: np.ndarray, weight: float) -> None:
+        """Give the nodes of one row's tree (``depths``, one per node) seen for the first time their
+        share of their depth's prior acceptance, with the ``weight`` of the step that showed them."""
         for index in np.flatnonzero(self.prior_seen[:depths.size] == 0).tolist():
-            depth = int(depths[index])
+            depth, prior = int(depths[index]), self.prior_by_depth
             if depth == 0:
                 continue
-            above = self._reach(depth - 1)
-            given = min(1.0, self._reach(depth) / above) if above > 0 else 0.0
-            siblings = max(1, int((parents == parents[index]).sum()))
+            reach = prior[depth - 1] if depth - 1 < len(prior) else 0.0 if prior else UNINFORMED ** depth
             # (fading with the evidence: a plain stretch widens the bound, the rate stays put)
-            self.prior_on[index] = PRIOR_STEPS * given / siblings * weight
+            self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths == depth).sum())) * weight
             self.prior_seen[index] = PRIOR_STEPS * weight
 
     def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -202,12 +186,15 @@ class AcceptanceModel:
         :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again once that fades."""
         if self._cache is None:
             self._count()
-            seen = (self.exists + self.prior_seen) * self.scale
-            given = np.minimum((self.on_path + self.prior_on) / np.maximum(self.reached + self.prior_seen, 1e-300), 1.0)
-            rate, parent = given.tolist(), self.parent.tolist()
-            for index in range(1, len(rate)):
-                if parent[index] > 0:  # (a child of the root: its own acceptance)
-                    rate[index] *= rate[parent[index]]
+            seen, parent = (self.exists + self.prior_seen) * self.scale, np.maximum(self.parent, 0)
+            direct = (self.on_path + self.prior_on) / np.maximum(self.exists + self.prior_seen, 1e-300)
+            prior = self.prior_on / np.maximum(self.prior_seen, 1e-300)  # (the prior given the parent's)
+            prior = np.minimum(prior / np.maximum(np.append(1.0, prior[1:])[parent], 1e-300), 1.0) * self.prior_seen
+            given = np.minimum((self.on_path + prior) / np.maximum(self.reached + self.prior_seen, 1e-300), 1.0)
+            rate, given, stable = direct.tolist(), given.tolist(), self.stable.tolist()
+            for index in range(1, len(rate)):  # (lists: scalar numpy arithmetic costs more)
+                if stable[index]:  # (else a node index names different nodes in different trees)
+                    rate[index] = given[index] * (rate[parent[index]] if parent[index] else 1.0)
             rate = np.array(rate)
             exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / (self.asked * self.scale + PRIOR_STEPS), 1.0)
             if rate.size:
@@ -238,10 +225,7 @@ class AcceptanceModel:
         return self._gains
 
     def summary(self) -> dict:
-        exists, rate, seen = self._estimates()
-        shown = min(exists.size, 16)
-        gain, bonus, _ = self.prefix_estimates(self.width, 1)
+        (exists, rate, seen), (gain, bonus, _) = self._estimates(), self.prefix_estimates(self.width, 1)
         return {"steps": self.steps, "width": self.width, "evidence_rows": round(float(seen[1]) if seen.size > 1 else 0.0, 1),
                 "expected_accepted": round(float(gain[-1] + bonus[-1]), 3),
-                "node_acceptance": [round(float(value), 3) for value in rate[1:shown]],
-                "node_presence": [round(float(value), 3) for value in exists[1:shown]]}
+                "node_acceptance": np.round(rate[1:16], 3).tolist(), "node_presence": np.round(exists[1:16], 3).tolist()}

@@ -284,6 +284,17 @@ def test_a_request_accepting_more_at_a_small_size_raises_the_deeper_nodes_chance
     assert after[4] > 1.4 * before[4]
 
 
+def test_a_node_index_whose_parent_varies_keeps_the_share_of_rows_that_accepted_it():
+    model = AcceptanceModel(width=3)
+    chain, fan = _chain_batch(3), TreeBatch.from_template(from_choices([(0,), (1,)]), torch.zeros(1, 3, dtype=torch.long))
+    for step in range(6):  # node 2: the child of node 1 in a chain, or the root's second child (lookup's tries)
+        model.observe(chain if step % 2 else fan, torch.tensor([[0, 1 if step % 2 else 2]]), torch.tensor([2]))
+    _, rate, _ = model._estimates()
+    assert not model.stable[2] and model.stable[1]
+    # node 2 was accepted in the 3 fans (as the root's child), never in the chains (node 1 accepted alone)
+    assert rate[2] == pytest.approx((3 + model.prior_on[2]) / (6 + model.prior_seen[2]))
+
+
 def test_a_smaller_size_does_not_count_as_missing_nodes_of_a_larger_one():
     model = AcceptanceModel(width=5)  # one model serves nested sizes 1..4 (greedy)
     root_and_one = (torch.arange(2)[None], torch.tensor([2]))
