@@ -4,9 +4,10 @@ A row commits its accepted path (at most one node per depth) plus one token, so 
 accepted length is the sum over its nodes of the chance each is on the path. Per node index (parents
 before children, better candidates first) the model counts the rows whose tree held the node (all
 are verified), those with its parent on the accepted path, and those with the node on it. Where a node
-index has had one parent in every tree (a template's), its chance is its parent's times its own given
-its parent's, so the shallow nodes of a small nested size move the deeper ones' chances with them;
-where trees vary (lookup's, dynamic trees), the share of its rows that accepted it. A prefix of node order is itself a tree whose nodes are
+index was in every tree asked for it, under one parent (a template's), its chance is its parent's
+times its own given its parent's, so the shallow nodes of a small nested size move the deeper ones'
+chances with them; where trees vary (lookup's, dynamic trees: a node exists where the drafter is
+sure), the share of its rows that accepted it. A prefix of node order is itself a tree whose nodes are
 accepted as in the whole tree (under sampling, with the same chance), so each drafted step shows
 what every smaller nested size would have got.
 
@@ -61,7 +62,7 @@ class AcceptanceModel:
         self.prior_on = np.zeros(0)  # prior pseudo-counts of on_path given reached (fading with the counts)
         self.prior_seen = np.zeros(0)
         self.parent = np.zeros(0, dtype=np.int64)  # node i's parent in the latest tree that held it (-1: none)
-        self.stable = np.zeros(0, dtype=bool)  # node i had the same parent in every tree (a template's)
+        self.stable = np.zeros(0, dtype=bool)  # node i in every tree asked for it, under one parent (a template's)
         self.asked = np.zeros(0)  # rows of drafted steps whose tree could hold node i (stored)
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
@@ -137,13 +138,12 @@ class AcceptanceModel:
         return rows
 
     def _count(self) -> None:
-        """Count the pending steps: which nodes each row's tree held (every one of them verified),
-        which were on the accepted path, and which had their parent on it."""
+        """Count the pending steps: nodes each row's tree held (all verified), accepted, with their parent accepted."""
         self._grow(self.width)
         for weight, trees, paths, lengths, capacity in self._pending:
             rows, width = trees.rows, trees.width
             self._grow(width)
-            self.asked[:self.width if capacity is None else max(capacity, width)] += rows * weight
+            self.asked[:(asked := self.width if capacity is None else max(capacity, width))] += rows * weight
             held = (np.ones((rows, width), dtype=bool) if trees.uniform  # [R, N]: node in the row's tree
                     else np.arange(width)[None, :] < trees.sizes.numpy()[:, None])
             sizes = held.sum(axis=1)
@@ -151,6 +151,7 @@ class AcceptanceModel:
             self.exists[:width] += weight * held.sum(axis=0)
             parents, size = trees.parents.numpy(), int(sizes[row])
             self.stable[1:size] &= (self.parent[1:size] < 0) | (self.parent[1:size] == parents[row, 1:size])
+            self.stable[:asked] &= np.append(held.all(axis=0), np.zeros(asked - width, dtype=bool))  # (all asked for: held)
             self.parent[1:size] = parents[row, 1:size]
             if size > 1 and self.prior_seen[size - 1] == 0:  # (a root alone has no prior)
                 self._spread_prior(trees.depths[row, :size].numpy(), weight)
@@ -181,9 +182,8 @@ class AcceptanceModel:
 
     def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per node index: the chance it exists in a row's tree, its acceptance given it was verified
-        (its parent's times its own given its parent was accepted, parents before children), and the
-        rows' worth of (faded) evidence with the prior's. Existence starts from a prior of 1 (weight
-        :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again once that fades."""
+        (module docstring), the rows' worth of (faded) evidence with the prior's. Existence starts from
+        a prior of 1 (weight :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again."""
         if self._cache is None:
             self._count()
             seen, parent = (self.exists + self.prior_seen) * self.scale, np.maximum(self.parent, 0)
@@ -193,7 +193,7 @@ class AcceptanceModel:
             given = np.minimum((self.on_path + prior) / np.maximum(self.reached + self.prior_seen, 1e-300), 1.0)
             rate, given, stable = direct.tolist(), given.tolist(), self.stable.tolist()
             for index in range(1, len(rate)):  # (lists: scalar numpy arithmetic costs more)
-                if stable[index]:  # (else a node index names different nodes in different trees)
+                if stable[index]:  # (else its presence depends on the text, or it names different nodes)
                     rate[index] = given[index] * (rate[parent[index]] if parent[index] else 1.0)
             rate = np.array(rate)
             exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / (self.asked * self.scale + PRIOR_STEPS), 1.0)

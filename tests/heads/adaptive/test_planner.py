@@ -266,6 +266,8 @@ def test_acceptance_counts_what_each_prefix_would_have_accepted():
     model.observe(ragged, torch.tensor([[0, 1, 2, 2], [0, 1, 1, 1]]), torch.tensor([3, 2]))
     exists, _, seen = model._estimates()
     assert list(seen[1:5]) == [10, 10, 9, 9] and exists[4] == pytest.approx((4 + 1 + 4) / (6 + 4))
+    # a node missing from a tree asked for it exists where the drafter was sure: its own share, not a product
+    assert list(model.stable[1:5]) == [True, True, False, False]
 
 
 def test_a_request_accepting_more_at_a_small_size_raises_the_deeper_nodes_chances():
