@@ -3,13 +3,12 @@
 A row commits its accepted path (at most one node per depth) plus one token, so a tree's expected
 accepted length is the sum over its nodes of the chance each is on the path. Per node index (parents
 before children, better candidates first) the model counts the rows whose tree held the node (all
-are verified), those with its parent on the accepted path, and those with the node on it. Where a node
-index was in every tree asked for it, under one parent (a template's), its chance is its parent's
-times its own given its parent's, so the shallow nodes of a small nested size move the deeper ones'
-chances with them; where trees vary (lookup's, dynamic trees: a node exists where the drafter is
-sure), the share of its rows that accepted it. A prefix of node order is itself a tree whose nodes are
-accepted as in the whole tree (under sampling, with the same chance), so each drafted step shows
-what every smaller nested size would have got.
+verified), those with its parent accepted, and those with it accepted. A node in every tree asked for
+it, under one parent (a template's), has its parent's chance times its own given its parent's: the
+shallow nodes of a small nested size move the deeper ones' chances. Where trees vary (lookup's,
+dynamic trees: a node exists where the drafter is sure) its chance is the share of its rows that
+accepted it. A prefix of node order is itself a tree whose nodes are accepted as in the whole tree
+(under sampling, with the same chance): each drafted step shows what every smaller size would get.
 
 Evidence fades with a half-life in steps, plain steps included, and choices use an upper confidence
 bound on a prefix's total, so no size is locked out by a few early steps. The prior (the acceptance
@@ -59,8 +58,7 @@ class AcceptanceModel:
         self.exists = np.zeros(0)  # rows whose tree held (and verified) node i (stored, see scale)
         self.on_path = np.zeros(0)  # rows in which node i was accepted
         self.reached = np.zeros(0)  # rows whose tree held node i with its parent accepted
-        self.prior_on = np.zeros(0)  # prior pseudo-counts of on_path given reached (fading with the counts)
-        self.prior_seen = np.zeros(0)
+        self.prior_on, self.prior_seen = np.zeros(0), np.zeros(0)  # prior pseudo-counts (fading with the counts)
         self.parent = np.zeros(0, dtype=np.int64)  # node i's parent in the latest tree that held it (-1: none)
         self.stable = np.zeros(0, dtype=bool)  # node i in every tree asked for it, under one parent (a template's)
         self.asked = np.zeros(0)  # rows of drafted steps whose tree could hold node i (stored)
@@ -71,8 +69,7 @@ class AcceptanceModel:
         self._request = [0.0, 0]  # this request's rows whose tree held node 1: accepted, held (unfaded)
         self._requests: deque[tuple[float, int]] = deque(maxlen=_REQUESTS)  # earlier ones': (rate, rows)
         self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._faded = 0  # fades since the estimates were computed
-        self._gains_key, self._gains = None, None  # prefix_estimates' last arguments, and its result
+        self._faded, self._gains_key, self._gains = 0, None, None  # fades since the estimates; prefix_estimates' key, result
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
         self._grow(self.width)
 
@@ -84,8 +81,7 @@ class AcceptanceModel:
         if grow > 0:
             self.exists, self.on_path, self.reached, self.asked, self.prior_on, self.prior_seen = (
                 np.concatenate([array, np.zeros(grow)]) for array in self._arrays())
-            self.parent = np.concatenate([self.parent, np.full(grow, -1, dtype=np.int64)])
-            self.stable = np.concatenate([self.stable, np.ones(grow, dtype=bool)])
+            self.parent, self.stable = np.append(self.parent, np.full(grow, -1)), np.append(self.stable, np.ones(grow, dtype=bool))
 
     def fade(self) -> None:
         """One step passed (any step): earlier evidence counts a little less."""
@@ -104,10 +100,8 @@ class AcceptanceModel:
         root), ``capacity``: the most nodes (root included) the drafter was asked for (a node beyond
         it counts neither as proposed nor as missing; None: the model's width). Counted when the
         estimates are next read (together, cheaper than a step at a time in the loop)."""
-        self.width = max(self.width, trees.width)
-        self.rows_seen += trees.rows
+        self.width, self.steps, self.rows_seen = max(self.width, trees.width), self.steps + 1, self.rows_seen + trees.rows
         self._pending.append((1.0 / self.scale, trees, paths, lengths, capacity))
-        self.steps += 1
         self._cache = None
 
     def new_request(self) -> float | None:
@@ -144,28 +138,36 @@ class AcceptanceModel:
             rows, width = trees.rows, trees.width
             self._grow(width)
             self.asked[:(asked := self.width if capacity is None else max(capacity, width))] += rows * weight
-            held = (np.ones((rows, width), dtype=bool) if trees.uniform  # [R, N]: node in the row's tree
-                    else np.arange(width)[None, :] < trees.sizes.numpy()[:, None])
-            sizes = held.sum(axis=1)
-            row = int(sizes.argmax())  # (the widest row: the parents and depths kept per node index)
-            self.exists[:width] += weight * held.sum(axis=0)
-            parents, size = trees.parents.numpy(), int(sizes[row])
-            self.stable[1:size] &= (self.parent[1:size] < 0) | (self.parent[1:size] == parents[row, 1:size])
-            self.stable[:asked] &= np.append(held.all(axis=0), np.zeros(asked - width, dtype=bool))  # (all asked for: held)
-            self.parent[1:size] = parents[row, 1:size]
+            parents, paths, lengths = trees.parents.numpy(), paths.numpy(), lengths.numpy()
+            if rows == 1:  # (the common case, in few array operations)
+                size = fewest = width if trees.uniform else int(trees.sizes[0])
+                path, parent = paths[0, :lengths[0]], parents[0, :size]
+                accepted = np.zeros(width, dtype=bool)
+                accepted[path] = True
+                self.exists[:size] += weight
+                self.on_path[path] += weight
+                self.reached[1:size] += weight * accepted[parent[1:]]
+                first, hit = int(size > 1), int(path.size > 1 and path[1] == 1)  # (node 1: the root's first child)
+            else:
+                sizes = np.full(rows, width) if trees.uniform else trees.sizes.numpy()  # real nodes per row
+                row = int(sizes.argmax())  # (the widest row: its parents are kept per node index)
+                size, fewest, parent, first = int(sizes[row]), int(sizes.min()), parents[row, :int(sizes[row])], int((sizes > 1).sum())
+                held = np.arange(width)[None, :] < sizes[:, None]  # [R, N]: node in the row's tree
+                valid = np.arange(paths.shape[1])[None, :] < lengths[:, None]
+                accepted = np.zeros((rows, width), dtype=bool)  # [R, N]: node on the row's accepted path
+                accepted[np.nonzero(valid)[0], paths[valid]] = True
+                self.exists[:width] += weight * held.sum(axis=0)
+                self.on_path[:width] += weight * accepted.sum(axis=0)  # (below: roots and padding have parent -1)
+                self.reached[1:width] += weight * (np.take_along_axis(accepted, np.maximum(parents, 0), axis=1) & held)[:, 1:].sum(axis=0)
+                hit = int(((lengths > 1) & (paths[:, 1] == 1)).sum()) if paths.shape[1] > 1 else 0
+            self.stable[fewest:asked] = False  # (a template's node: in every tree asked for it, under one parent)
+            if not np.array_equal(self.parent[1:size], parent[1:]):
+                self.stable[1:size] &= (self.parent[1:size] < 0) | (self.parent[1:size] == parent[1:])
+                self.parent[1:size] = parent[1:]
             if size > 1 and self.prior_seen[size - 1] == 0:  # (a root alone has no prior)
-                self._spread_prior(trees.depths[row, :size].numpy(), weight)
-            paths, lengths = paths.numpy(), lengths.numpy()
-            valid = np.arange(paths.shape[1])[None, :] < lengths[:, None]
-            accepted = np.zeros((rows, width), dtype=bool)  # [R, N]: node on the row's accepted path
-            accepted[np.nonzero(valid)[0], paths[valid]] = True
-            self.on_path[:width] += weight * accepted.sum(axis=0)
-            # (padding and roots have parent -1: read as the root, then masked out by the tree's sizes)
-            reached = np.take_along_axis(accepted, np.maximum(parents, 0), axis=1) & held
-            self.reached[1:width] += weight * reached[:, 1:].sum(axis=0)
-            if paths.shape[1] > 1:  # (node 1: the first child of the root in node order)
-                self._request[0] += float(((lengths > 1) & (paths[:, 1] == 1)).sum())
-            self._request[1] += int((sizes > 1).sum())
+                self._spread_prior(trees.depths[0 if rows == 1 else row, :size].numpy(), weight)
+            self._request[0] += hit
+            self._request[1] += first
         self._pending.clear()
 
     def _spread_prior(self, depths: np.ndarray, weight: float) -> None:
@@ -177,8 +179,7 @@ class AcceptanceModel:
                 continue
             reach = prior[depth - 1] if depth - 1 < len(prior) else 0.0 if prior else UNINFORMED ** depth
             # (fading with the evidence: a plain stretch widens the bound, the rate stays put)
-            self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths == depth).sum())) * weight
-            self.prior_seen[index] = PRIOR_STEPS * weight
+            self.prior_on[index], self.prior_seen[index] = PRIOR_STEPS * reach / max(1, int((depths == depth).sum())) * weight, PRIOR_STEPS * weight
 
     def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per node index: the chance it exists in a row's tree, its acceptance given it was verified
@@ -186,19 +187,19 @@ class AcceptanceModel:
         a prior of 1 (weight :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again."""
         if self._cache is None:
             self._count()
-            seen, parent = (self.exists + self.prior_seen) * self.scale, np.maximum(self.parent, 0)
-            direct = (self.on_path + self.prior_on) / np.maximum(self.exists + self.prior_seen, 1e-300)
-            prior = self.prior_on / np.maximum(self.prior_seen, 1e-300)  # (the prior given the parent's)
-            prior = np.minimum(prior / np.maximum(np.append(1.0, prior[1:])[parent], 1e-300), 1.0) * self.prior_seen
-            given = np.minimum((self.on_path + prior) / np.maximum(self.reached + self.prior_seen, 1e-300), 1.0)
-            rate, given, stable = direct.tolist(), given.tolist(), self.stable.tolist()
-            for index in range(1, len(rate)):  # (lists: scalar numpy arithmetic costs more)
-                if stable[index]:  # (else its presence depends on the text, or it names different nodes)
-                    rate[index] = given[index] * (rate[parent[index]] if parent[index] else 1.0)
-            rate = np.array(rate)
+            seen = (self.exists + self.prior_seen) * self.scale
+            rate = (self.on_path + self.prior_on) / np.maximum(self.exists + self.prior_seen, 1e-300)
+            if (template := np.flatnonzero(self.stable[1:]) + 1).size:  # (module docstring)
+                parent, prior = np.maximum(self.parent, 0), self.prior_on / np.maximum(self.prior_seen, 1e-300)
+                above = np.where(parent > 0, prior[parent], 1.0)  # the prior given the parent's, as pseudo-counts:
+                prior = np.minimum(np.divide(prior, above, out=np.zeros_like(prior), where=above > 0), 1.0) * self.prior_seen
+                given = np.divide(self.on_path + prior, total := self.reached + self.prior_seen, out=np.zeros_like(total), where=total > 0).tolist()
+                rate, parent = rate.tolist(), parent.tolist()
+                for index in template.tolist():  # (parents before children; lists: numpy scalars cost more)
+                    rate[index] = min(given[index], 1.0) * (rate[parent[index]] if parent[index] else 1.0)
+                rate = np.array(rate)
             exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / (self.asked * self.scale + PRIOR_STEPS), 1.0)
-            if rate.size:
-                rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
+            rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
             self._cache, self._faded = (exists, rate, seen), 0
         return self._cache
 
@@ -215,12 +216,11 @@ class AcceptanceModel:
         if count > 1:
             gain[:count] = np.cumsum(exists[:count] * rate[:count])
             padded[:count] += np.cumsum(exists[:count] if rows == 1 else 1.0 - (1.0 - exists[:count]) ** rows)
-            gain[count:], padded[count:] = gain[count - 1], padded[count - 1]
             # a prefix total's standard error: each node's rate over its evidence, weighted by its presence
             spread = exists[:count] ** 2 * np.maximum(rate[:count] * (1 - rate[:count]), 0.01) / (seen[:count] + 1)
             bonus[:count] = CONFIDENCE * np.sqrt(np.cumsum(spread))
             gain[0] = bonus[0] = 0.0
-            bonus[count:] = bonus[count - 1]
+            gain[count:], padded[count:], bonus[count:] = gain[count - 1], padded[count - 1], bonus[count - 1]
         self._gains_key, self._gains = (width, rows), (gain, bonus, padded)  # kept while the estimates stand
         return self._gains
 
