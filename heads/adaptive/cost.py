@@ -101,7 +101,7 @@ class CostCurve:
     def observe_draft(self, rows: int, seconds: float, first: bool, mode: object = None) -> None:
         """A drafting step's seconds (``first``: a ``propose`` that catches up, kept apart)."""
         table = (self.first_drafting if first else self.drafting).setdefault(mode, {})
-        table.setdefault(rows_bucket(rows), RecentTimings(varies=True)).add(seconds / self.speed, self.clock)
+        (table.get(bucket := rows_bucket(rows)) or table.setdefault(bucket, RecentTimings(varies=True))).add(seconds / self.speed, self.clock)
 
     def observe_switch(self, into_drafting: bool, extra: float) -> None:
         """The seconds a step after a switch between plain and drafting cost over a steady one."""
@@ -112,8 +112,8 @@ class CostCurve:
 
     def observe_option_verify(self, rows: int, seconds: float, option: object) -> None:
         """A drafted step's verify seconds, per drafting option as well as per width (:meth:`verify_prices`)."""
-        table = self.verify_by_option.setdefault(option, {})
-        table.setdefault(rows_bucket(rows), RecentTimings(varies=True)).add(seconds / self.speed, self.clock)
+        table = self.verify_by_option.setdefault(option, {})  # (below: the timings are made once, when first needed)
+        (table.get(bucket := rows_bucket(rows)) or table.setdefault(bucket, RecentTimings(varies=True))).add(seconds / self.speed, self.clock)
 
     def verify_prices(self, rows: int, options: list, widths: np.ndarray, aged: bool = True) -> np.ndarray:
         """Verify seconds of a step of each of ``options`` (expected padded ``widths``): the mean of its own

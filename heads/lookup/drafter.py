@@ -83,6 +83,7 @@ class LookupDrafter:
 
     def __init__(self, config: LookupConfig, memory: LookupMemory | None = None) -> None:
         self.config = self.configured = config
+        self._resized: dict[int | None, LookupConfig] = {None: config}  # resize's configs (a step's worth of time to build)
         self.memory = memory
         self.rows: list[SuffixIndex] = []
         self.expected: list[float] = []  # per row: running mean of drafts accepted per step that proposed
@@ -149,7 +150,8 @@ class LookupDrafter:
         """Propose at most ``tree`` nodes a step from the next step on (None: the configured budget);
         the rows' indices and adaptive state are kept (``tree_attention.capabilities.SizedDrafter``).
         Drafting costs about the same at any budget; what a smaller one saves is verify width."""
-        self.config = self.configured.with_tree(tree)
+        config = self._resized.get(tree)
+        self.config = config if config is not None else self._resized.setdefault(tree, self.configured.with_tree(tree))
 
     @staticmethod
     def host(batch: DraftBatch) -> tuple[list[int], list[list[int]], list[int]]:
