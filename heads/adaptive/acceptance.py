@@ -1,14 +1,11 @@
 """Calibrated acceptance: how many tokens a prefix of a step's tree is expected to commit.
 
 A row commits its accepted path (at most one node per depth) plus one token, so a tree's expected
-accepted length is the sum over its nodes of the chance each is on the path. Per node index (parents
-before children, better candidates first) the model counts the rows whose tree held the node (all
-verified), those with its parent accepted, and those with it accepted. A node in every tree asked for
-it, under one parent (a template's), has its parent's chance times its own given its parent's: the
-shallow nodes of a small nested size move the deeper ones' chances. Where trees vary (lookup's,
-dynamic trees: a node exists where the drafter is sure) its chance is the share of its rows that
-accepted it. A prefix of node order is itself a tree whose nodes are accepted as in the whole tree
-(under sampling, with the same chance): each drafted step shows what every smaller size would get.
+accepted length is the sum over its nodes of the chance each is on the path. The model keeps, per
+node index (parents before children, better candidates first), how often the node existed in a
+row's tree (all are verified) and how often it was on the accepted path. A prefix of node order is
+itself a tree whose nodes are accepted as in the whole tree (under sampling, with the same chance),
+so each drafted step shows what every smaller nested size would have got.
 
 Evidence fades with a half-life in steps, plain steps included, and choices use an upper confidence
 bound on a prefix's total, so no size is locked out by a few early steps. The prior (the acceptance
@@ -57,10 +54,8 @@ class AcceptanceModel:
         self.prior_by_depth = [float(rate) for rate in prior_by_depth]
         self.exists = np.zeros(0)  # rows whose tree held (and verified) node i (stored, see scale)
         self.on_path = np.zeros(0)  # rows in which node i was accepted
-        self.reached = np.zeros(0)  # rows whose tree held node i with its parent accepted
-        self.prior_on, self.prior_seen = np.zeros(0), np.zeros(0)  # prior pseudo-counts (fading with the counts)
-        self.parent = np.zeros(0, dtype=np.int64)  # node i's parent in the latest tree that held it (-1: none)
-        self.stable = np.zeros(0, dtype=bool)  # node i in every tree asked for it, under one parent (a template's)
+        self.prior_on = np.zeros(0)  # prior pseudo-counts (stored as the counts, fading with them), per depth
+        self.prior_seen = np.zeros(0)
         self.asked = np.zeros(0)  # rows of drafted steps whose tree could hold node i (stored)
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
@@ -69,19 +64,19 @@ class AcceptanceModel:
         self._request = [0.0, 0]  # this request's rows whose tree held node 1: accepted, held (unfaded)
         self._requests: deque[tuple[float, int]] = deque(maxlen=_REQUESTS)  # earlier ones': (rate, rows)
         self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._faded, self._gains_key, self._gains = 0, None, None  # fades since the estimates; prefix_estimates' key, result
+        self._faded = 0  # fades since the estimates were computed
+        self._gains_key, self._gains = None, None  # prefix_estimates' last arguments, and its result
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
         self._grow(self.width)
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        return self.exists, self.on_path, self.reached, self.asked, self.prior_on, self.prior_seen
+        return self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen
 
     def _grow(self, width: int) -> None:
         grow = width - self.exists.size
         if grow > 0:
-            self.exists, self.on_path, self.reached, self.asked, self.prior_on, self.prior_seen = (
+            self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen = (
                 np.concatenate([array, np.zeros(grow)]) for array in self._arrays())
-            self.parent, self.stable = np.append(self.parent, np.full(grow, -1)), np.append(self.stable, np.ones(grow, dtype=bool))
 
     def fade(self) -> None:
         """One step passed (any step): earlier evidence counts a little less."""
@@ -100,8 +95,10 @@ class AcceptanceModel:
         root), ``capacity``: the most nodes (root included) the drafter was asked for (a node beyond
         it counts neither as proposed nor as missing; None: the model's width). Counted when the
         estimates are next read (together, cheaper than a step at a time in the loop)."""
-        self.width, self.steps, self.rows_seen = max(self.width, trees.width), self.steps + 1, self.rows_seen + trees.rows
+        self.width = max(self.width, trees.width)
+        self.rows_seen += trees.rows
         self._pending.append((1.0 / self.scale, trees, paths, lengths, capacity))
+        self.steps += 1
         self._cache = None
 
     def new_request(self) -> float | None:
@@ -132,41 +129,35 @@ class AcceptanceModel:
         return rows
 
     def _count(self) -> None:
-        """Count the pending steps: nodes each row's tree held (all verified), accepted, with their parent accepted."""
+        """Count the pending steps: which nodes each row's tree held (every one of them verified)
+        and which were on the accepted path."""
         self._grow(self.width)
         for weight, trees, paths, lengths, capacity in self._pending:
             rows, width = trees.rows, trees.width
             self._grow(width)
-            self.asked[:(asked := self.width if capacity is None else max(capacity, width))] += rows * weight
-            parents, paths, lengths = trees.parents.numpy(), paths.numpy(), lengths.numpy()
-            if rows == 1:  # (the common case, in few array operations)
-                size = fewest = width if trees.uniform else int(trees.sizes[0])
-                path, parent = paths[0, :lengths[0]], parents[0, :size]
-                accepted = np.zeros(width, dtype=bool)
-                accepted[path] = True
-                self.exists[:size] += weight
-                self.on_path[path] += weight
-                self.reached[1:size] += weight * accepted[parent[1:]]
-                first, hit = int(size > 1), int(path.size > 1 and path[1] == 1)  # (node 1: the root's first child)
+            self.asked[:self.width if capacity is None else max(capacity, width)] += rows * weight
+            if trees.uniform:  # every row holds every node (a template's)
+                self.exists[:width] += rows * weight
+                held, row, first = width, 0, rows if width > 1 else 0
+            elif rows == 1:
+                held, row = int(trees.sizes[0]), 0
+                self.exists[:held] += weight
+                first = int(held > 1)
             else:
-                sizes = np.full(rows, width) if trees.uniform else trees.sizes.numpy()  # real nodes per row
-                row = int(sizes.argmax())  # (the widest row: its parents are kept per node index)
-                size, fewest, parent, first = int(sizes[row]), int(sizes.min()), parents[row, :int(sizes[row])], int((sizes > 1).sum())
-                held = np.arange(width)[None, :] < sizes[:, None]  # [R, N]: node in the row's tree
-                valid = np.arange(paths.shape[1])[None, :] < lengths[:, None]
-                accepted = np.zeros((rows, width), dtype=bool)  # [R, N]: node on the row's accepted path
-                accepted[np.nonzero(valid)[0], paths[valid]] = True
-                self.exists[:width] += weight * held.sum(axis=0)
-                self.on_path[:width] += weight * accepted.sum(axis=0)  # (below: roots and padding have parent -1)
-                self.reached[1:width] += weight * (np.take_along_axis(accepted, np.maximum(parents, 0), axis=1) & held)[:, 1:].sum(axis=0)
-                hit = int(((lengths > 1) & (paths[:, 1] == 1)).sum()) if paths.shape[1] > 1 else 0
-            self.stable[fewest:asked] = False  # (a template's node: in every tree asked for it, under one parent)
-            if not np.array_equal(self.parent[1:size], parent[1:]):
-                self.stable[1:size] &= (self.parent[1:size] < 0) | (self.parent[1:size] == parent[1:])
-                self.parent[1:size] = parent[1:]
-            if size > 1 and self.prior_seen[size - 1] == 0:  # (a root alone has no prior)
-                self._spread_prior(trees.depths[0 if rows == 1 else row, :size].numpy(), weight)
-            self._request[0] += hit
+                sizes = trees.sizes.numpy()
+                self.exists[:width] += weight * np.bincount(sizes - 1, minlength=width)[::-1].cumsum()[::-1][:width]
+                row = int(sizes.argmax())
+                held, first = int(sizes[row]), int((sizes > 1).sum())
+            if held > 1 and self.prior_seen[held - 1] == 0:  # (a root alone has no prior)
+                self._spread_prior(trees.depths[row, :held].numpy(), weight)
+            paths, lengths = paths.numpy(), lengths.numpy()
+            if rows == 1:
+                self.on_path[paths[0, :lengths[0]]] += weight
+            else:
+                accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
+                self.on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
+            if paths.shape[1] > 1:  # (node 1: the first child of the root in node order)
+                self._request[0] += float(((lengths > 1) & (paths[:, 1] == 1)).sum())
             self._request[1] += first
         self._pending.clear()
 
@@ -174,32 +165,26 @@ class AcceptanceModel:
         """Give the nodes of one row's tree (``depths``, one per node) seen for the first time their
         share of their depth's prior acceptance, with the ``weight`` of the step that showed them."""
         for index in np.flatnonzero(self.prior_seen[:depths.size] == 0).tolist():
-            depth, prior = int(depths[index]), self.prior_by_depth
+            depth = int(depths[index])
             if depth == 0:
                 continue
-            reach = prior[depth - 1] if depth - 1 < len(prior) else 0.0 if prior else UNINFORMED ** depth
+            reach = (self.prior_by_depth[depth - 1] if depth - 1 < len(self.prior_by_depth)
+                     else 0.0 if self.prior_by_depth else UNINFORMED ** depth)
             # (fading with the evidence: a plain stretch widens the bound, the rate stays put)
-            self.prior_on[index], self.prior_seen[index] = PRIOR_STEPS * reach / max(1, int((depths == depth).sum())) * weight, PRIOR_STEPS * weight
+            self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths == depth).sum())) * weight
+            self.prior_seen[index] = PRIOR_STEPS * weight
 
     def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per node index: the chance it exists in a row's tree, its acceptance given it was verified
-        (module docstring), the rows' worth of (faded) evidence with the prior's. Existence starts from
-        a prior of 1 (weight :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again."""
+        """Per node index: the chance it exists in a row's tree, its acceptance given it was verified,
+        and the rows' worth of (faded) evidence with the prior's. Existence starts from a prior of 1
+        (weight :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again once that fades."""
         if self._cache is None:
             self._count()
             seen = (self.exists + self.prior_seen) * self.scale
-            rate = (self.on_path + self.prior_on) / np.maximum(self.exists + self.prior_seen, 1e-300)
-            if (template := np.flatnonzero(self.stable[1:]) + 1).size:  # (module docstring)
-                parent, prior = np.maximum(self.parent, 0), self.prior_on / np.maximum(self.prior_seen, 1e-300)
-                above = np.where(parent > 0, prior[parent], 1.0)  # the prior given the parent's, as pseudo-counts:
-                prior = np.minimum(np.divide(prior, above, out=np.zeros_like(prior), where=above > 0), 1.0) * self.prior_seen
-                given = np.divide(self.on_path + prior, total := self.reached + self.prior_seen, out=np.zeros_like(total), where=total > 0).tolist()
-                rate, parent = rate.tolist(), parent.tolist()
-                for index in template.tolist():  # (parents before children; lists: numpy scalars cost more)
-                    rate[index] = min(given[index], 1.0) * (rate[parent[index]] if parent[index] else 1.0)
-                rate = np.array(rate)
+            rate = (self.on_path + self.prior_on) * self.scale / np.maximum(seen, 1e-300)
             exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / (self.asked * self.scale + PRIOR_STEPS), 1.0)
-            rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
+            if rate.size:
+                rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
             self._cache, self._faded = (exists, rate, seen), 0
         return self._cache
 
@@ -216,16 +201,20 @@ class AcceptanceModel:
         if count > 1:
             gain[:count] = np.cumsum(exists[:count] * rate[:count])
             padded[:count] += np.cumsum(exists[:count] if rows == 1 else 1.0 - (1.0 - exists[:count]) ** rows)
+            gain[count:], padded[count:] = gain[count - 1], padded[count - 1]
             # a prefix total's standard error: each node's rate over its evidence, weighted by its presence
             spread = exists[:count] ** 2 * np.maximum(rate[:count] * (1 - rate[:count]), 0.01) / (seen[:count] + 1)
             bonus[:count] = CONFIDENCE * np.sqrt(np.cumsum(spread))
             gain[0] = bonus[0] = 0.0
-            gain[count:], padded[count:], bonus[count:] = gain[count - 1], padded[count - 1], bonus[count - 1]
+            bonus[count:] = bonus[count - 1]
         self._gains_key, self._gains = (width, rows), (gain, bonus, padded)  # kept while the estimates stand
         return self._gains
 
     def summary(self) -> dict:
-        (exists, rate, seen), (gain, bonus, _) = self._estimates(), self.prefix_estimates(self.width, 1)
+        exists, rate, seen = self._estimates()
+        shown = min(exists.size, 16)
+        gain, bonus, _ = self.prefix_estimates(self.width, 1)
         return {"steps": self.steps, "width": self.width, "evidence_rows": round(float(seen[1]) if seen.size > 1 else 0.0, 1),
                 "expected_accepted": round(float(gain[-1] + bonus[-1]), 3),
-                "node_acceptance": np.round(rate[1:16], 3).tolist(), "node_presence": np.round(exists[1:16], 3).tolist()}
+                "node_acceptance": [round(float(value), 3) for value in rate[1:shown]],
+                "node_presence": [round(float(value), 3) for value in exists[1:shown]]}
