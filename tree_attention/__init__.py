@@ -2,7 +2,8 @@
 decode loop. Pure tensor logic on top of ``transformers`` ``Cache``; it knows nothing about how
 drafts are made."""
 
-from .decode import DecodeStats, DraftBatch, Drafter, PerRowDrafter, RowDrafter, Target, speculative_generate
+from .decode import DecodeStats, Drafter, PerRowDrafter, RowDrafter, Target, speculative_generate
+from .draft_batch import DraftBatch
 from .tree import InvalidTreeError, Tree, TreeBatch, TreeTemplate, chain, default_tree, from_choices
 
 __all__ = [

@@ -8,7 +8,7 @@ import time
 import torch
 
 from tree_attention import cache as cache_ops
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 from tree_attention.dynamic import advance_growth, grow_dynamic_tree
 from tree_attention.mask import causal_visibility
 from tree_attention.tree import Tree, TreeBatch, chain_batch, chain_with_siblings

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 from tree_attention.sampled import depleted, draw_without_replacement
 from tree_attention.tree import (
     TreeBatch, TreeTemplate, best_first_choices, from_choices, prior_accuracy, truncate_batch,

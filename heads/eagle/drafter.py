@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tree_attention import cache as cache_ops
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 from tree_attention.mask import causal_extension_mask, causal_visibility
 from tree_attention.dynamic import advance_growth, grow_dynamic_tree
 from tree_attention.gumbel import COUPLED_POOL

@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from tree_attention import cache as cache_ops
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 from tree_attention.mask import causal_visibility
 from tree_attention.tree import (
     TreeBatch, TreeTemplate, best_first_choices, from_choices, prior_accuracy, truncate_batch,

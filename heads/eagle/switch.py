@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 from tree_attention.tree import PRIOR_RANKS, TreeBatch
 
 from ..backbone import Backbone

@@ -15,7 +15,7 @@ import numpy
 import torch
 from torch import nn
 
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 from tree_attention.tree import TreeBatch
 
 from .config import LookupConfig, corpus_ids

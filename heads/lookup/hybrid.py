@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from tree_attention.capabilities import SizedDrafter, StatelessDrafter
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 from tree_attention.tree import Tree, TreeBatch
 from tree_attention.verify import GreedyRule
 

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 from tree_attention.gumbel import COUPLED_POOL
 from tree_attention.sampled import depleted, draw_without_replacement
 from tree_attention.tree import (

@@ -25,7 +25,7 @@ from tests.conftest import greedy_reference, left_pad, progression_batch, train_
 from tests.heads.test_sampling import PROMPT, VOCAB, exact_joint
 from tests.stats import FALSE_ALARM, chi_square_pvalue
 from training.trainer import TrainConfig, make_trainer
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 from tree_attention.verify import SamplingRule
 
 RUNS, ROWS = 1000, 8

@@ -162,7 +162,7 @@ def test_medusa_couples_its_candidates_to_the_seeded_noise(model):
     logits plus the target's noise at position root + d (among the head's 32 best), not its top-k;
     under unseeded sampling and greedy decoding they are not coupled."""
     from heads.generation import acceptance_rule
-    from tree_attention.decode import DraftBatch
+    from tree_attention.draft_batch import DraftBatch
 
     spec = heads.attach_heads(model, kind="medusa", num_heads=3, tree=8)
     prompts = torch.stack([repeating(4, seed=1), repeating(4, seed=2)])

@@ -39,7 +39,7 @@ def test_phases_in_a_batch_and_as_dict():
 def test_draft_batches_chain_row_by_row_even_when_padded_wider():
     import torch
 
-    from tree_attention.decode import DraftBatch
+    from tree_attention.draft_batch import DraftBatch
 
     # the first batch is padded wider than its longest row (its longest row left the batch)
     first = DraftBatch(torch.arange(2 * 5 * 2, dtype=torch.float32).view(2, 5, 2),

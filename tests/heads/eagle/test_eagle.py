@@ -12,7 +12,7 @@ import torch
 
 import heads
 from heads.eagle import EagleConfig, unrolled_attention_mask
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 from tests.conftest import (
     ARCHITECTURES, VOCAB, build_model, greedy_reference, left_pad, progression_batch, random_prompt,
     record_drafted_tokens,

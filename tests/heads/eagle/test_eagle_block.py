@@ -20,7 +20,7 @@ from tests.conftest import (
     build_model, greedy_reference, left_pad, progression_batch, random_prompt, train_toy_target,
 )
 from training.trainer import TrainConfig, make_trainer
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 
 FAMILIES = ["llama", "llama-tied", "mistral", "gpt2", "gpt_neox", "gemma2", "qwen2", "phi3"]
 

@@ -16,7 +16,7 @@ from heads.eagle import parallel as parallel_module
 from tests.conftest import build_model, greedy_reference, left_pad, progression_batch, random_prompt
 from training.trainer import TrainConfig, make_trainer
 from tree_attention import cache as cache_ops
-from tree_attention.decode import DraftBatch
+from tree_attention.draft_batch import DraftBatch
 from tree_attention.mask import layout_masks, prefill_attention_mask
 
 

@@ -127,7 +127,7 @@ def test_skipped_steps_join_as_chained_batches(rows):
     """What a stateful drafter is handed after skipped steps: the steps' entries joined at once equal
     them chained step by step (``DraftBatch.then``), in one concatenation for a batch of one row."""
     from heads.lookup.hybrid import joined
-    from tree_attention.decode import DraftBatch
+    from tree_attention.draft_batch import DraftBatch
 
     generator = torch.Generator().manual_seed(rows)
     batches = []

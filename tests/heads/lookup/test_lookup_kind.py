@@ -438,7 +438,7 @@ def test_a_row_drafts_deeper_while_whole_chains_are_accepted():
     draft twice as deep (up to ``extend x max_depth``); a shorter acceptance sets it back; with
     ``extend=1`` no tree exceeds the budget. Outputs stay identical to generate either way."""
     from heads.lookup import LookupConfig, LookupDrafter
-    from tree_attention.decode import DraftBatch
+    from tree_attention.draft_batch import DraftBatch
 
     drafter = LookupDrafter(LookupConfig(budget=4, max_depth=4, extend=4, history_tokens=0))
     drafter.reset(1)

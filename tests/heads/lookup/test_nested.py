@@ -15,7 +15,8 @@ import heads
 from heads.lookup import LookupConfig, LookupDrafter
 from heads.lookup.index import SuffixIndex, propose
 from tests.conftest import build_model, greedy_reference, random_prompt
-from tree_attention.decode import DecodeStats, DraftBatch
+from tree_attention.decode import DecodeStats
+from tree_attention.draft_batch import DraftBatch
 
 
 @settings(deadline=None, max_examples=150)
