@@ -81,7 +81,8 @@ def test_training_forward_refines_each_depth_with_the_token_above_it(name):
         for depth in range(1, parallel):
             for anchor in range(length - depth - 1):
                 expected = drafter.refine(plain[depth][:, anchor], embeddings[:, anchor + depth + 1])
-                torch.testing.assert_close(refined[depth][:, anchor], expected, rtol=1e-5, atol=1e-6)
+                # (the batched forward and one anchor's refine multiply matrices of other shapes: fp32 rounding)
+                torch.testing.assert_close(refined[depth][:, anchor], expected, rtol=1e-5, atol=1e-5)
         anchor = 8
         live = BlockDrafter(drafter, target, spec.config)
         batch = DraftBatch(features[:, :anchor + 1], ids[:, :anchor + 1], torch.tensor([anchor + 1]),
