@@ -100,8 +100,7 @@ class CostCurve:
 
     def observe_draft(self, rows: int, seconds: float, first: bool, mode: object = None) -> None:
         """A drafting step's seconds (``first``: a ``propose`` that catches up, kept apart)."""
-        table = (self.first_drafting if first else self.drafting).setdefault(mode, {})
-        (table.get(bucket := rows_bucket(rows)) or table.setdefault(bucket, RecentTimings(varies=True))).add(seconds / self.speed, self.clock)
+        self._varying(self.first_drafting if first else self.drafting, mode, rows).add(seconds / self.speed, self.clock)
 
     def observe_switch(self, into_drafting: bool, extra: float) -> None:
         """The seconds a step after a switch between plain and drafting cost over a steady one."""
@@ -112,8 +111,15 @@ class CostCurve:
 
     def observe_option_verify(self, rows: int, seconds: float, option: object) -> None:
         """A drafted step's verify seconds, per drafting option as well as per width (:meth:`verify_prices`)."""
-        table = self.verify_by_option.setdefault(option, {})  # (below: the timings are made once, when first needed)
-        (table.get(bucket := rows_bucket(rows)) or table.setdefault(bucket, RecentTimings(varies=True))).add(seconds / self.speed, self.clock)
+        self._varying(self.verify_by_option, option, rows).add(seconds / self.speed, self.clock)
+
+    @staticmethod
+    def _varying(tables: dict, key: object, rows: int) -> RecentTimings:
+        """``key``'s timings in ``rows``' bucket (a mean: the work varies), made when first needed."""
+        table, bucket = tables.setdefault(key, {}), rows_bucket(rows)
+        if bucket not in table:
+            table[bucket] = RecentTimings(varies=True)
+        return table[bucket]
 
     def verify_prices(self, rows: int, options: list, widths: np.ndarray, aged: bool = True) -> np.ndarray:
         """Verify seconds of a step of each of ``options`` (expected padded ``widths``): the mean of its own

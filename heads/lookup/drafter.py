@@ -83,7 +83,7 @@ class LookupDrafter:
 
     def __init__(self, config: LookupConfig, memory: LookupMemory | None = None) -> None:
         self.config = self.configured = config
-        self._resized: dict[int | None, LookupConfig] = {None: config}  # resize's configs (a step's worth of time to build)
+        self._resized: dict[int | None, LookupConfig] = {None: config}  # resize's config per size (built once: with_tree validates)
         self.memory = memory
         self.rows: list[SuffixIndex] = []
         self.expected: list[float] = []  # per row: running mean of drafts accepted per step that proposed
