@@ -192,22 +192,24 @@ class AcceptanceModel:
         """For ``n = 1 .. width`` (index ``n - 1``; n = 1: the root alone): the expected drafted tokens a
         row accepts from the first ``n`` nodes of its tree, the margin of an upper confidence bound above
         it (:data:`CONFIDENCE` standard errors of each prefix's total: per-node bounds would add up and
-        favour more nodes), and the expected padded width of ``rows`` such trees."""
+        favour more nodes), and the chance that ``rows`` such trees, padded to the largest, verify node
+        ``n - 1`` (the root: 1; their expected padded width is the sum up to ``n``)."""
         if self._cache is not None and self._gains_key == (width, rows):
             return self._gains
         exists, rate, seen = self._estimates()
         count = min(width, exists.size)
-        gain, bonus, padded = np.zeros(width), np.zeros(width), np.ones(width)
+        gain, bonus, reach = np.zeros(width), np.zeros(width), np.zeros(width)
+        reach[0] = 1.0
         if count > 1:
             gain[:count] = np.cumsum(exists[:count] * rate[:count])
-            padded[:count] += np.cumsum(exists[:count] if rows == 1 else 1.0 - (1.0 - exists[:count]) ** rows)
-            gain[count:], padded[count:] = gain[count - 1], padded[count - 1]
+            reach[1:count] = exists[1:count] if rows == 1 else 1.0 - (1.0 - exists[1:count]) ** rows
+            gain[count:] = gain[count - 1]
             # a prefix total's standard error: each node's rate over its evidence, weighted by its presence
             spread = exists[:count] ** 2 * np.maximum(rate[:count] * (1 - rate[:count]), 0.01) / (seen[:count] + 1)
             bonus[:count] = CONFIDENCE * np.sqrt(np.cumsum(spread))
             gain[0] = bonus[0] = 0.0
             bonus[count:] = bonus[count - 1]
-        self._gains_key, self._gains = (width, rows), (gain, bonus, padded)  # kept while the estimates stand
+        self._gains_key, self._gains = (width, rows), (gain, bonus, reach)  # kept while the estimates stand
         return self._gains
 
     def summary(self) -> dict:

@@ -121,11 +121,18 @@ class CostCurve:
             table[bucket] = RecentTimings(varies=True)
         return table[bucket]
 
-    def verify_prices(self, rows: int, options: list, widths: np.ndarray, aged: bool = True) -> np.ndarray:
-        """Verify seconds of a step of each of ``options`` (expected padded ``widths``): the mean of its own
-        steps (at least :data:`PRIOR_TIMINGS` in ``rows``' bucket, shrunk), else the width curve's, which
-        stays optimistic for trees of varying width (each width timed rarely) however often they draft."""
-        prices, bucket = self.verify_curve(rows, widths, aged), rows_bucket(rows)
+    def verify_prices(self, rows: int, options: list, reaches: list, aged: bool = True) -> np.ndarray:
+        """Verify seconds of a step of each of ``options``: the mean of its own steps (empty ones included;
+        at least :data:`PRIOR_TIMINGS` in ``rows``' bucket, shrunk), else the width curve's expectation
+        over the padded width, whose chance of reaching node ``i`` is ``reaches[option][i]`` (1 at the
+        root): the sum of each width's increment times that chance. A drafter that often proposes
+        nothing (lookup) is priced near a plain step, not at the curve's value at its mean width (the
+        curve rises most from one node to two); the curve stays optimistic for trees of varying width
+        (each width timed rarely) however often they draft."""
+        longest = max(len(reach) for reach in reaches)
+        curve = self.verify_curve(rows, np.arange(1.0, longest + 1.0), aged)
+        increments = np.diff(curve, prepend=0.0)
+        prices, bucket = np.array([float(reach @ increments[:len(reach)]) for reach in reaches]), rows_bucket(rows)
         plain = self.verify.get(bucket, {}).get(1)
         for index, option in enumerate(options):
             timed = self.verify_by_option.get(option, {}).get(bucket)

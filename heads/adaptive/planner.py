@@ -13,7 +13,8 @@ A rows bucket's first plan is a run of plain steps (the reference); then each ac
 drafts until it has seen :data:`REPLAN_EVERY` rows. A plan priced from a cost not yet timed in its
 rows' bucket, or paying against a plain step only by optimism, serves one step; one ahead of the
 others only by a cost aged toward 0 is timed in one step, the best at unaged costs serving the rest.
-Untimed: a call's first step, the first after rows finished or a switch, and empty steps."""
+Untimed: a call's first step, the first after rows finished or a switch; an empty step (nothing
+proposed) counts toward its option's mean verify seconds alone."""
 from __future__ import annotations
 
 from collections import Counter
@@ -166,13 +167,14 @@ class CallPlanner:
                 return Choice(True, mode, size, nodes=model.width, reason="measure an option never drafted", tentative=True)
         # a plan that switches between plain and drafting steps pays the switch once over its steps
         plain = self.costs.verify_seconds(rows, 1) + (0.0 if self._last_plain else self.costs.switch_seconds(False) / REPLAN_EVERY)
-        expected, bonuses, widths = (np.zeros(len(self.options)) for _ in range(3))
+        (expected, bonuses, widths), reaches = (np.zeros(len(self.options)) for _ in range(3)), []
         for index, (model, nodes) in enumerate(zip(self.models, self._nodes)):
-            gain, bonus, padded = model.prefix_estimates(model.width, rows)
+            gain, bonus, reach = model.prefix_estimates(model.width, rows)
             last = model.width - 1 if nodes is None else min(nodes, model.width) - 1
-            expected[index], bonuses[index], widths[index] = gain[last], bonus[last], padded[last]
+            reaches.append(reach[:last + 1])
+            expected[index], bonuses[index], widths[index] = gain[last], bonus[last], reaches[-1].sum()
         seconds = (np.array([self.costs.draft_seconds(rows, option) for option in self.options])
-                   + self.costs.verify_prices(rows, self.options, widths))
+                   + self.costs.verify_prices(rows, self.options, reaches))
         seconds += self.costs.switch_seconds(True) / REPLAN_EVERY if self._last_plain else 0.0
         rates = (1.0 + (gains := expected + bonuses)) / np.maximum(seconds, 1e-9)
         best = int(rates.argmax())
@@ -181,7 +183,7 @@ class CallPlanner:
         # ahead by cost optimism alone (a price aged toward 0): timed in one step, the best at unaged costs
         # the rest; paying by optimism alone (no bound either) against a plain step: one step; the bound: a plan
         steady = (np.array([self.costs.draft_seconds(rows, option, aged=False) for option in self.options])
-                  + self.costs.verify_prices(rows, self.options, widths, aged=False))
+                  + self.costs.verify_prices(rows, self.options, reaches, aged=False))
         timed = (1.0 + gains) / np.maximum(steady, 1e-9)
         top = int(timed.argmax())
         def planned(index: int, reason: str, then: Choice | None = None, exploring: bool = False) -> Choice:
@@ -226,12 +228,14 @@ class CallPlanner:
         # steady costs only: a step after a switch costs more, and would price the other side too high
         steady = self._last_plain == (record.kind == "plain")
         option = self.choice.option if self.choice is not None else (None, None)
-        timed = record.rows == self._last_rows and not record.first_draft and record.kind != "empty"
+        timed = record.rows == self._last_rows and not record.first_draft
         if timed and steady:
-            self.costs.observe_verify(record.rows, record.width, record.verify_seconds)
-            if record.kind == "drafted" and self.choice is not None and self.choice.draft:
+            if record.kind != "empty":
+                self.costs.observe_verify(record.rows, record.width, record.verify_seconds)
+            if record.kind != "plain" and self.choice is not None and self.choice.draft:
+                # an option's price is its mean step, the steps where it proposed nothing included
                 self.costs.observe_option_verify(record.rows, record.verify_seconds, option)
-        elif timed:
+        elif timed and record.kind != "empty":
             usual = (self.costs.verify_seconds(record.rows, 1) if record.kind == "plain"
                      else self.costs.draft_seconds(record.rows, option, aged=False) or None)
             if usual is not None:  # (the extra seconds of a switch: what each plan pays once)

@@ -103,11 +103,51 @@ def test_an_option_of_varying_widths_is_priced_from_its_own_steps():
     curve = costs.verify_seconds(1, 6)
     assert float(costs.verify_curve(1, np.array([6.0]), aged=False)[0]) == pytest.approx(12.5)  # half the excess
     assert 10.0 < curve <= 12.5  # (aged: a little less)
-    assert costs.verify_prices(1, [option], np.array([6.0]))[0] == pytest.approx(curve)  # too few steps of its own yet
+    assert costs.verify_prices(1, [option], [np.ones(6)])[0] == pytest.approx(curve)  # too few steps of its own yet
     costs.observe_option_verify(1, 15.0, option)
-    assert costs.verify_prices(1, [option], np.array([6.0]))[0] == pytest.approx(10.0 + 5.0 * 4 / 5)
-    assert costs.verify_prices(1, [option], np.array([6.0]), aged=False)[0] == pytest.approx(10.0 + 5.0 * 4 / 5)
-    assert costs.verify_prices(1, [(None, 4)], np.array([6.0]))[0] == pytest.approx(curve)  # another option: the curve
+    assert costs.verify_prices(1, [option], [np.ones(6)])[0] == pytest.approx(10.0 + 5.0 * 4 / 5)
+    assert costs.verify_prices(1, [option], [np.ones(6)], aged=False)[0] == pytest.approx(10.0 + 5.0 * 4 / 5)
+    assert costs.verify_prices(1, [(None, 4)], [np.ones(6)])[0] == pytest.approx(curve)  # another option: the curve
+
+
+def test_a_drafter_that_often_proposes_nothing_is_priced_at_its_mean_verify_not_at_its_mean_width():
+    """Verify seconds rise most from one node to two. A drafter proposing 9 nodes on half its steps and
+    none on the others costs, on average, half a plain and half a 9-wide verify, less than one verify
+    of its mean width (5) would; priced at that width it would lose to plain steps it beats."""
+    costs, option = CostCurve(), (None, 8)
+    for width, seconds in [(1, 1.0), (2, 1.6), (5, 1.7), (9, 1.8)]:
+        for _ in range(8):
+            costs.observe_verify(1, width, seconds)
+    half = np.array([1.0] + [0.5] * 8)  # the chance the padded tree reaches each node (root: 1)
+    price = costs.verify_prices(1, [option], [half], aged=False)[0]
+    assert price == pytest.approx(0.5 * 1.0 + 0.5 * float(costs.verify_curve(1, np.array([9.0]), aged=False)[0]))
+    assert price < float(costs.verify_curve(1, np.array([half.sum()]), aged=False)[0])
+    assert costs.verify_prices(1, [option], [np.ones(9)], aged=False)[0] == pytest.approx(
+        float(costs.verify_curve(1, np.array([9.0]), aged=False)[0]))  # always 9 wide: the curve's value
+
+
+def test_an_option_is_timed_over_its_empty_steps_too():
+    """The acceptance model counts the steps an option proposed nothing (a node's presence below 1), so
+    its verify price is the mean over all its steps, not over the ones that proposed a tree."""
+    from tree_attention.planning import StepRecord
+
+    adaptive = Adaptive([0.9] * 4, width=5)
+    planner = adaptive.planner("greedy", True)
+    roots = (TreeBatch.roots_only(torch.zeros(1, dtype=torch.long)), torch.zeros(1, 1, dtype=torch.long),
+             torch.ones(1, dtype=torch.long))
+    chain = (_chain_batch(5), torch.arange(5)[None], torch.tensor([5]))
+    for _ in range(8):
+        planner.observe(StepRecord("plain", 1, 1, 0.0, 1.0, 1), *roots)
+    planner._age = 8
+    assert planner.draft(1)
+    option = planner.choice.option
+    planner.observe(StepRecord("drafted", 1, 5, 0.1, 2.0, 5, first_draft=True), *chain)  # switched in: untimed
+    for step in range(8):
+        record = StepRecord("drafted", 1, 5, 0.1, 2.0, 5) if step % 2 else StepRecord("empty", 1, 1, 0.1, 1.0, 1)
+        planner.observe(record, *(chain if step % 2 else roots))
+    timed = adaptive.costs.verify_by_option[option][1]
+    assert timed.evidence == 8 and timed.value == pytest.approx(1.5)
+    assert adaptive.costs.plain_timings(1) == 7  # the call's first step untimed; no empty step among them
 
 
 def test_drafting_is_priced_at_its_mean_and_a_verify_width_at_its_median():
@@ -121,7 +161,7 @@ def test_drafting_is_priced_at_its_mean_and_a_verify_width_at_its_median():
         costs.observe_option_verify(1, 10.0 + seconds, option)
     assert costs.verify_seconds(1, 1) == pytest.approx(1.0)
     assert costs.draft_seconds(1, option, aged=False) == pytest.approx(3.0 * 4 / 5)  # the mean, shrunk
-    price = costs.verify_prices(1, [option], np.array([3.0]), aged=False)[0]
+    price = costs.verify_prices(1, [option], [np.ones(3)], aged=False)[0]
     assert price == pytest.approx(1.0 + (13.0 - 1.0) * 4 / 5)  # the option's own steps: their mean
     assert costs.summary()["draft_ms"][str(option)][1] == pytest.approx(3000.0)
 
