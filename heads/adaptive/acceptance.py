@@ -52,30 +52,32 @@ class AcceptanceModel:
         """``width``: the widest tree the drafter is configured to propose (root included), known
         before it proposes anything (a drafter's first trees may be empty: lookup)."""
         self.prior_by_depth = [float(rate) for rate in prior_by_depth]
-        self.exists = np.zeros(0)  # rows whose tree held (and verified) node i (stored, see scale)
+        # held_ends[j]: rows whose tree held nodes 0 .. j and no more; asked_ends[j]: rows of drafted steps
+        # whose tree could hold nodes 0 .. j (stored, see scale). A step adds to one entry; node i was held
+        # (and verified) in the tail sum from i (a prefix of node order is itself a tree)
+        self.held_ends, self.asked_ends = np.zeros(0), np.zeros(0)
         self.on_path = np.zeros(0)  # rows in which node i was accepted
         self.prior_on = np.zeros(0)  # prior pseudo-counts (stored as the counts, fading with them), per depth
         self.prior_seen = np.zeros(0)
-        self.asked = np.zeros(0)  # rows of drafted steps whose tree could hold node i (stored)
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
         self.steps, self.rows_seen = 0, 0  # drafted steps and their rows observed (unfaded)
         self._pending: list[tuple] = []  # (weight, trees, paths, lengths, capacity) of steps not yet counted
         self._request = [0.0, 0]  # this request's rows whose tree held node 1: accepted, held (unfaded)
         self._requests: deque[tuple[float, int]] = deque(maxlen=_REQUESTS)  # earlier ones': (rate, rows)
-        self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._cache: tuple[np.ndarray, ...] | None = None  # what _estimates returns, and their prefix sums
         self._faded = 0  # fades since the estimates were computed
-        self._gains_key, self._gains = None, None  # prefix_estimates' last arguments, and its result
+        self._reach: dict[int, np.ndarray] = {}  # per rows: the chance the padded trees reach node i
         self._decay = 0.5 ** (1.0 / HALF_LIFE)
         self._grow(self.width)
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        return self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen
+        return self.held_ends, self.on_path, self.asked_ends, self.prior_on, self.prior_seen
 
     def _grow(self, width: int) -> None:
-        grow = width - self.exists.size
+        grow = width - self.on_path.size
         if grow > 0:
-            self.exists, self.on_path, self.asked, self.prior_on, self.prior_seen = (
+            self.held_ends, self.on_path, self.asked_ends, self.prior_on, self.prior_seen = (
                 np.concatenate([array, np.zeros(grow)]) for array in self._arrays())
 
     def fade(self) -> None:
@@ -121,44 +123,50 @@ class AcceptanceModel:
         if between <= 0.0:
             return None
         rows = max(1.0, within / between)
-        seen = (self.exists + self.prior_seen) * self.scale
-        cut = np.minimum(1.0, rows / np.maximum(seen, 1e-300))
-        for array in self._arrays():
-            array *= cut[:array.size]
+        held = _tail_sums(self.held_ends)
+        cut = np.minimum(1.0, rows / np.maximum((held + self.prior_seen) * self.scale, 1e-300))
+        self.held_ends, self.asked_ends = _ends(held * cut), _ends(_tail_sums(self.asked_ends) * cut)
+        for array in (self.on_path, self.prior_on, self.prior_seen):
+            array *= cut
         self._cache = None
         return rows
 
     def _count(self) -> None:
         """Count the pending steps: which nodes each row's tree held (every one of them verified)
         and which were on the accepted path."""
-        self._grow(self.width)
+        if not self._pending:
+            return
+        self._grow(self.width)  # (the widest tree observed: every pending one fits)
+        held_ends, asked_ends, on_path, request = self.held_ends, self.asked_ends, self.on_path, self._request
         for weight, trees, paths, lengths, capacity in self._pending:
             rows, width = trees.rows, trees.width
-            self._grow(width)
-            self.asked[:self.width if capacity is None else max(capacity, width)] += rows * weight
+            asked_ends[min(self.width if capacity is None else max(capacity, width), asked_ends.size) - 1] += rows * weight
             if trees.uniform:  # every row holds every node (a template's)
-                self.exists[:width] += rows * weight
+                held_ends[width - 1] += rows * weight
                 held, row, first = width, 0, rows if width > 1 else 0
             elif rows == 1:
                 held, row = int(trees.sizes[0]), 0
-                self.exists[:held] += weight
+                held_ends[held - 1] += weight
                 first = int(held > 1)
             else:
                 sizes = trees.sizes.numpy()
-                self.exists[:width] += weight * np.bincount(sizes - 1, minlength=width)[::-1].cumsum()[::-1][:width]
+                held_ends[:width] += weight * np.bincount(sizes - 1, minlength=width)[:width]
                 row = int(sizes.argmax())
                 held, first = int(sizes[row]), int((sizes > 1).sum())
             if held > 1 and self.prior_seen[held - 1] == 0:  # (a root alone has no prior)
                 self._spread_prior(trees.depths[row, :held].numpy(), weight)
-            paths, lengths = paths.numpy(), lengths.numpy()
-            if rows == 1:
-                self.on_path[paths[0, :lengths[0]]] += weight
+            if rows == 1:  # (host lists: a path is a few nodes, cheaper than array indexing)
+                path = paths.tolist()[0][:int(lengths)]
+                for node in path:
+                    on_path[node] += weight
+                request[0] += float(len(path) > 1 and path[1] == 1)  # (node 1: the root's first child)
             else:
+                paths, lengths = paths.numpy(), lengths.numpy()
                 accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
-                self.on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
-            if paths.shape[1] > 1:  # (node 1: the first child of the root in node order)
-                self._request[0] += float(((lengths > 1) & (paths[:, 1] == 1)).sum())
-            self._request[1] += first
+                on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
+                if paths.shape[1] > 1:
+                    request[0] += float(((lengths > 1) & (paths[:, 1] == 1)).sum())
+            request[1] += first
         self._pending.clear()
 
     def _spread_prior(self, depths: np.ndarray, weight: float) -> None:
@@ -174,18 +182,27 @@ class AcceptanceModel:
             self.prior_on[index] = PRIOR_STEPS * reach / max(1, int((depths == depth).sum())) * weight
             self.prior_seen[index] = PRIOR_STEPS * weight
 
-    def _estimates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _estimates(self) -> tuple[np.ndarray, ...]:
         """Per node index: the chance it exists in a row's tree, its acceptance given it was verified,
-        and the rows' worth of (faded) evidence with the prior's. Existence starts from a prior of 1
-        (weight :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again once that fades."""
+        and the rows' worth of (faded) evidence with the prior's; then the prefix sums choices read
+        (:meth:`prefix_estimates`): expected accepted tokens and the bound's margin. Existence starts
+        from a prior of 1 (weight :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again
+        once that fades. Read-only arrays, kept until the estimates move."""
         if self._cache is None:
             self._count()
-            seen = (self.exists + self.prior_seen) * self.scale
+            held = _tail_sums(self.held_ends) * self.scale
+            seen = held + self.prior_seen * self.scale
             rate = (self.on_path + self.prior_on) * self.scale / np.maximum(seen, 1e-300)
-            exists = np.minimum((self.exists * self.scale + PRIOR_STEPS) / (self.asked * self.scale + PRIOR_STEPS), 1.0)
-            if rate.size:
-                rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
-            self._cache, self._faded = (exists, rate, seen), 0
+            exists = np.minimum((held + PRIOR_STEPS) / (_tail_sums(self.asked_ends) * self.scale + PRIOR_STEPS), 1.0)
+            rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
+            gain = np.cumsum(exists * rate)
+            # a prefix total's standard error: each node's rate over its evidence, weighted by its presence
+            bonus = CONFIDENCE * np.sqrt(np.cumsum(exists ** 2 * np.maximum(rate * (1 - rate), 0.01) / (seen + 1)))
+            reach = exists.copy()
+            reach[0] = 1.0
+            for array in (exists, rate, seen, gain, bonus, reach):
+                array.flags.writeable = False
+            self._cache, self._faded, self._reach = (exists, rate, seen, gain, bonus), 0, {1: reach}
         return self._cache
 
     def prefix_estimates(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -193,30 +210,33 @@ class AcceptanceModel:
         row accepts from the first ``n`` nodes of its tree, the margin of an upper confidence bound above
         it (:data:`CONFIDENCE` standard errors of each prefix's total: per-node bounds would add up and
         favour more nodes), and the chance that ``rows`` such trees, padded to the largest, verify node
-        ``n - 1`` (the root: 1; their expected padded width is the sum up to ``n``)."""
-        if self._cache is not None and self._gains_key == (width, rows):
-            return self._gains
-        exists, rate, seen = self._estimates()
-        count = min(width, exists.size)
-        gain, bonus, reach = np.zeros(width), np.zeros(width), np.zeros(width)
-        reach[0] = 1.0
-        if count > 1:
-            gain[:count] = np.cumsum(exists[:count] * rate[:count])
-            reach[1:count] = exists[1:count] if rows == 1 else 1.0 - (1.0 - exists[1:count]) ** rows
-            gain[count:] = gain[count - 1]
-            # a prefix total's standard error: each node's rate over its evidence, weighted by its presence
-            spread = exists[:count] ** 2 * np.maximum(rate[:count] * (1 - rate[:count]), 0.01) / (seen[:count] + 1)
-            bonus[:count] = CONFIDENCE * np.sqrt(np.cumsum(spread))
-            gain[0] = bonus[0] = 0.0
-            bonus[count:] = bonus[count - 1]
-        self._gains_key, self._gains = (width, rows), (gain, bonus, reach)  # kept while the estimates stand
-        return self._gains
+        ``n - 1`` (the root: 1; their expected padded width is the sum up to ``n``). Read-only."""
+        exists, _, _, gain, bonus = self._estimates()
+        reach = self._reach.get(rows)
+        if reach is None:
+            reach = self._reach[rows] = 1.0 - (1.0 - exists) ** rows
+            reach[0], reach.flags.writeable = 1.0, False
+        if width <= exists.size:
+            return gain[:width], bonus[:width], reach[:width]
+        pad = width - exists.size  # nodes never drafted: nothing more accepted, never verified
+        return (np.append(gain, np.full(pad, gain[-1])), np.append(bonus, np.full(pad, bonus[-1])),
+                np.append(reach, np.zeros(pad)))
 
     def summary(self) -> dict:
-        exists, rate, seen = self._estimates()
+        exists, rate, seen, _, _ = self._estimates()
         shown = min(exists.size, 16)
         gain, bonus, _ = self.prefix_estimates(self.width, 1)
         return {"steps": self.steps, "width": self.width, "evidence_rows": round(float(seen[1]) if seen.size > 1 else 0.0, 1),
                 "expected_accepted": round(float(gain[-1] + bonus[-1]), 3),
                 "node_acceptance": [round(float(value), 3) for value in rate[1:shown]],
                 "node_presence": [round(float(value), 3) for value in exists[1:shown]]}
+
+
+def _tail_sums(ends: np.ndarray) -> np.ndarray:
+    """``out[i] = ends[i:].sum()``: rows that held (or could hold) node ``i``."""
+    return ends[::-1].cumsum()[::-1]
+
+
+def _ends(tails: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_tail_sums`."""
+    return tails - np.append(tails[1:], 0.0)

@@ -131,7 +131,8 @@ class CostCurve:
         (each width timed rarely) however often they draft."""
         longest = max(len(reach) for reach in reaches)
         curve = self.verify_curve(rows, np.arange(1.0, longest + 1.0), aged)
-        increments = np.diff(curve, prepend=0.0)
+        increments = curve.copy()  # (each width's seconds over the next narrower one's)
+        increments[1:] -= curve[:-1]
         prices, bucket = np.array([float(reach @ increments[:len(reach)]) for reach in reaches]), rows_bucket(rows)
         plain = self.verify.get(bucket, {}).get(1)
         for index, option in enumerate(options):
@@ -177,8 +178,10 @@ class CostCurve:
     def _price(self, bucket: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         """``bucket``'s curve: (clock, widths timed, stored seconds with samples weighed by age, by count)."""
         table, larger, priced = self.verify[bucket], [other for other in self.verify if other > bucket], []
+        timings = [table[width] for width in sorted(table)]
         widths = np.array(sorted(table), dtype=float)
-        values, counts, stamps = np.array([(t.value, t.count, t.stamp) for _, t in sorted(table.items())]).T
+        values, counts, stamps = (np.fromiter((getattr(timed, name) for timed in timings), float, len(timings))
+                                  for name in ("value", "count", "stamp"))
         settled = (counts >= PRIOR_TIMINGS) | (widths == widths[0])  # (the lower envelope: none above a wider one timed often enough; one fast step must not do)
         for aged in (True, False):
             seconds, plain = values, table.get(1)

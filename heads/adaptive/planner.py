@@ -28,13 +28,17 @@ from tree_attention.capabilities import SizedDrafter
 from tree_attention.planning import ModalDrafter, StepRecord
 from tree_attention.tree import TreeBatch
 
-from .acceptance import AcceptanceModel
+from .acceptance import HALF_LIFE, AcceptanceModel
 from .cost import PRIOR_TIMINGS, CostCurve
 
 REPLAN_EVERY = 8
 """Steps a plan serves before it is made again (sooner when the rows change): the estimates it rests
 on move over :data:`~heads.adaptive.acceptance.HALF_LIFE` steps, and a plan costs a share of a
-small model's step. Also the rows an option is first drafted on before its estimates are trusted."""
+small model's step. Also the rows an option is first drafted on before its estimates are trusted.
+A plan that repeats the one before it (same option, same rows) serves twice as long as that one did,
+up to half the half-life (the estimates move less than 30% in that many steps)."""
+
+_LONGEST_PLAN = max(REPLAN_EVERY, HALF_LIFE // 2)  # steps a repeated plan serves at most
 
 Option = tuple  # (drafting mode or None, size or None): one way to draft a step
 
@@ -104,7 +108,7 @@ class Adaptive:
         self.prior_by_depth = list(prior_by_depth or ())
         self.sampled_prior = list(sampled_prior or ())  # the prior of sampling rules (recorded sampled)
         self._sampled: set[str] = set()  # rule keys of sampling rules (planner: not deterministic)
-        self.plans: dict[str, tuple[Choice, int, int]] = {}  # per rule key: the last call's (plan, rows, age)
+        self.plans: dict[str, tuple[Choice, int, int, int]] = {}  # per rule key: the last call's (plan, rows, age, steps it serves)
         self.width, self.sizes, self.extra = width, tuple(sorted(set(sizes))), extra
 
     def model(self, key: str, option: Option = (None, None)) -> AcceptanceModel:
@@ -149,7 +153,7 @@ class CallPlanner:
         # a call is a request: earlier ones' evidence is cut as they differ; else the last plan serves on
         weights = [model.new_request() for model in self._distinct]
         self.summary.request_prior_rows = min((weight for weight in weights if weight is not None), default=None)
-        self.choice, self._rows, self._age = adaptive.plans.get(key, (None, 0, 0))
+        self.choice, self._rows, self._age, self._serves = adaptive.plans.get(key, (None, 0, 0, REPLAN_EVERY))
         if self.choice is not None and (self.summary.request_prior_rows is not None
                                         or self.choice.draft and self.choice.option not in self.options):
             self.choice = None  # (replanned now; or the drafter offers other options now)
@@ -196,7 +200,7 @@ class CallPlanner:
     def release(self) -> None:
         """The call is over: the drafter drafts as configured again (``speculate=None`` calls)."""
         if self.choice is not None:
-            self.adaptive.plans[self.key] = (self.choice, self._rows, self._age)
+            self.adaptive.plans[self.key] = (self.choice, self._rows, self._age, self._serves)
         if self.modal is not None:
             self.modal.use_mode(None)
         if self.sized is not None:
@@ -207,8 +211,12 @@ class CallPlanner:
         if choice is not None and choice.then is not None and self._age >= 1 and not choice.tentative:
             choice = self.choice = choice.then  # (the plan's exploring step is done)
         if (choice is None or not choice.nodes or rows != self._rows
-                or self._age >= (1 if choice.tentative else REPLAN_EVERY)):
-            choice = self.choice = self._plan(rows)
+                or self._age >= (1 if choice.tentative else self._serves)):
+            again = self._plan(rows)
+            repeated = (choice is not None and rows == self._rows and not (choice.tentative or again.tentative)
+                        and again.then is None and (again.draft, again.option) == (choice.draft, choice.option))
+            self._serves = min(2 * self._serves, _LONGEST_PLAN) if repeated else REPLAN_EVERY
+            choice = self.choice = again
             self._rows, self._age = rows, 0
             self.summary.reasons[choice.reason] += 1
             self.summary.last = choice

@@ -291,7 +291,7 @@ def test_acceptance_counts_what_each_prefix_would_have_accepted():
     trees = _chain_batch(5)  # root + 4 drafted nodes in a chain
     for accepted in [3, 3, 1, 3]:  # accepted path lengths (drafted nodes)
         model.observe(trees, torch.arange(accepted + 1)[None], torch.tensor([accepted + 1]))
-    exists, rate, seen = model._estimates()
+    exists, rate, seen, *_ = model._estimates()
     assert list(exists[1:5]) == [1, 1, 1, 1] and list(seen[1:5]) == [8, 8, 8, 8]  # 4 rows + the prior's 4
     # the chain's prior (uninformed): depth d reached with 0.5 ** d, weighted as 4 steps
     assert rate[1] == pytest.approx((4 + 4 * 0.5) / 8) and rate[4] == pytest.approx((0 + 4 * 0.5 ** 4) / 8)
@@ -301,7 +301,7 @@ def test_acceptance_counts_what_each_prefix_would_have_accepted():
     # rows that held fewer nodes (lookup's ragged trees) count only the nodes they held
     ragged = TreeBatch.from_trees([prefix_batch(trees, 3).row(0), trees.row(0)])
     model.observe(ragged, torch.tensor([[0, 1, 2, 2], [0, 1, 1, 1]]), torch.tensor([3, 2]))
-    exists, _, seen = model._estimates()
+    exists, _, seen, *_ = model._estimates()
     assert list(seen[1:5]) == [10, 10, 9, 9] and exists[4] == pytest.approx((4 + 1 + 4) / (6 + 4))
 
 
@@ -312,7 +312,7 @@ def test_a_smaller_size_does_not_count_as_missing_nodes_of_a_larger_one():
         model.observe(_chain_batch(5), *root_and_one)  # size 4: every node proposed
     for _ in range(40):
         model.observe(_chain_batch(2), *root_and_one, capacity=2)  # size 1: nodes 2-4 never asked for
-    exists, rate, seen = model._estimates()
+    exists, rate, seen, *_ = model._estimates()
     assert exists[1] == 1 and exists[4] == 1  # not diluted to 8 / 48 by the size-1 steps
     assert seen[1] == 48 and seen[4] == 8 and rate[1] > 0.9
 
