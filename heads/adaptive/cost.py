@@ -63,6 +63,13 @@ class RecentTimings:
         steps since the latest sample."""
         return self.evidence * 0.5 ** ((now - self.stamp) / HALF_LIFE) if aged else float(self.evidence)
 
+    def shrunk(self, toward: float, now: int) -> tuple[float, float]:
+        """The value as if one more sample had cost ``toward``, its samples weighed by age and by count."""
+        evidence = self.evidence
+        aged = evidence * 0.5 ** ((now - self.stamp) / HALF_LIFE)
+        excess = self.value - toward
+        return toward + excess * aged / (aged + 1), toward + excess * evidence / (evidence + 1)
+
 
 _SPEED_HORIZON = COST_HORIZON // 4  # latest plain steps the speed is the median of (a plan's worth)
 
@@ -122,25 +129,36 @@ class CostCurve:
         return table[bucket]
 
     def verify_prices(self, rows: int, options: list, reaches: list, aged: bool = True) -> np.ndarray:
-        """Verify seconds of a step of each of ``options``: the mean of its own steps (empty ones included;
-        at least :data:`PRIOR_TIMINGS` in ``rows``' bucket, shrunk), else the width curve's expectation
-        over the padded width, whose chance of reaching node ``i`` is ``reaches[option][i]`` (1 at the
-        root): the sum of each width's increment times that chance. A drafter that often proposes
-        nothing (lookup) is priced near a plain step, not at the curve's value at its mean width (the
-        curve rises most from one node to two); the curve stays optimistic for trees of varying width
-        (each width timed rarely) however often they draft."""
-        longest = max(len(reach) for reach in reaches)
-        curve = self.verify_curve(rows, np.arange(1.0, longest + 1.0), aged)
-        increments = curve.copy()  # (each width's seconds over the next narrower one's)
-        increments[1:] -= curve[:-1]
-        prices, bucket = np.array([float(reach @ increments[:len(reach)]) for reach in reaches]), rows_bucket(rows)
+        """Verify seconds of a step of each of ``options`` (:meth:`step_prices` without drafting)."""
+        return self.step_prices(rows, options, reaches, drafting=False)[:, 0 if aged else 1]
+
+    def step_prices(self, rows: int, options: list, reaches: list, drafting: bool = True) -> np.ndarray:
+        """Seconds of a step of each of ``options`` over ``rows`` rows, ``[options, 2]``: at costs aged and
+        unaged (:meth:`RecentTimings.weight`). Drafting (:meth:`draft_seconds`) plus verify: the mean of
+        the option's own steps (empty ones included; at least :data:`PRIOR_TIMINGS` in ``rows``' bucket,
+        shrunk toward a plain step), else the width curve's expectation over the padded width, whose
+        chance of reaching node ``i`` is ``reaches[option][i]`` (1 at the root): the sum of each width's
+        increment times that chance. A drafter that often proposes nothing (lookup) is priced near a
+        plain step, not at the curve's value at its mean width (the curve rises most from one node to
+        two); the curve stays optimistic for trees of varying width (each width timed rarely) however
+        often they draft."""
+        widths = np.arange(1.0, max(len(reach) for reach in reaches) + 1.0)
+        curves = np.stack([self.verify_curve(rows, widths, aged) for aged in (True, False)])
+        curves[:, 1:] -= curves[:, :-1].copy()  # (each width's seconds over the next narrower one's)
+        bucket, speed, prices = rows_bucket(rows), self.speed, []
         plain = self.verify.get(bucket, {}).get(1)
-        for index, option in enumerate(options):
+        for option, reach in zip(options, reaches):  # (host floats: a few options, each a few operations)
             timed = self.verify_by_option.get(option, {}).get(bucket)
             if plain is not None and timed is not None and timed.evidence >= PRIOR_TIMINGS:
-                weight = timed.weight(self.clock, aged)
-                prices[index] = (plain.value + (timed.value - plain.value) * weight / (weight + 1)) * self.speed
-        return prices
+                aged, steady = timed.shrunk(plain.value, self.clock)
+                aged, steady = aged * speed, steady * speed
+            else:
+                aged, steady = (curves[:, :len(reach)] @ reach).tolist()
+            if drafting and self.drafting.get(option):
+                drafted = self._drafting(rows, option).shrunk(0.0, self.clock)
+                aged, steady = aged + drafted[0] * speed, steady + drafted[1] * speed
+            prices.append((aged, steady))
+        return np.array(prices)
 
     @staticmethod
     def _nearest(bucket: int, tables: dict) -> int:
@@ -206,13 +224,14 @@ class CostCurve:
     def draft_seconds(self, rows: int, mode: object = None, aged: bool = True) -> float:
         """Seconds of a steady drafting step of ``mode`` (an option) over ``rows`` rows, shrunk toward 0
         as if one more sample had cost nothing (0 before any is timed)."""
-        tables = self.drafting.get(mode)
-        if not tables:
+        if not self.drafting.get(mode):
             return 0.0
-        bucket = rows_bucket(rows)
-        timed = tables[bucket if bucket in tables else self._nearest(bucket, tables)]
-        weight = timed.weight(self.clock, aged)
-        return timed.value * self.speed * weight / (weight + 1)
+        return self._drafting(rows, mode).shrunk(0.0, self.clock)[0 if aged else 1] * self.speed
+
+    def _drafting(self, rows: int, mode: object) -> RecentTimings:
+        """``mode``'s drafting timings in ``rows``' bucket, else the nearest timed one's."""
+        tables, bucket = self.drafting[mode], rows_bucket(rows)
+        return tables[bucket if bucket in tables else self._nearest(bucket, tables)]
 
     def summary(self) -> dict:
         """Measured costs in milliseconds at the machine's current speed, for ``last_stats.speculation``."""

@@ -177,17 +177,15 @@ class CallPlanner:
             last = model.width - 1 if nodes is None else min(nodes, model.width) - 1
             reaches.append(reach[:last + 1])
             expected[index], bonuses[index], widths[index] = gain[last], bonus[last], reaches[-1].sum()
-        seconds = (np.array([self.costs.draft_seconds(rows, option) for option in self.options])
-                   + self.costs.verify_prices(rows, self.options, reaches))
-        seconds += self.costs.switch_seconds(True) / REPLAN_EVERY if self._last_plain else 0.0
+        prices = self.costs.step_prices(rows, self.options, reaches)
+        seconds = prices[:, 0] + (self.costs.switch_seconds(True) / REPLAN_EVERY if self._last_plain else 0.0)
         rates = (1.0 + (gains := expected + bonuses)) / np.maximum(seconds, 1e-9)
         best = int(rates.argmax())
         if rates[best] <= 1.0 / plain:
             return Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
         # ahead by cost optimism alone (a price aged toward 0): timed in one step, the best at unaged costs
         # the rest; paying by optimism alone (no bound either) against a plain step: one step; the bound: a plan
-        steady = (np.array([self.costs.draft_seconds(rows, option, aged=False) for option in self.options])
-                  + self.costs.verify_prices(rows, self.options, reaches, aged=False))
+        steady = prices[:, 1]
         timed = (1.0 + gains) / np.maximum(steady, 1e-9)
         top = int(timed.argmax())
         def planned(index: int, reason: str, then: Choice | None = None, exploring: bool = False) -> Choice:
