@@ -7,11 +7,6 @@ row's tree (all are verified) and how often it was on the accepted path. A prefi
 itself a tree whose nodes are accepted as in the whole tree (under sampling, with the same chance),
 so each drafted step shows what every smaller nested size would have got.
 
-Drafted at a small nested size, the deeper nodes' rates are what earlier requests showed. Where trees
-keep one shape (a template: each node index has one parent), the model also counts each node's
-acceptance given its parent's, and a node's rate is at least that times its parent's (so lifted) rate:
-a request that accepts its shallow nodes more than earlier ones raises the deeper nodes with them.
-
 Evidence fades with a half-life in steps, plain steps included, and choices use an upper confidence
 bound on a prefix's total, so no size is locked out by a few early steps. The prior (the acceptance
 by depth the adapter recorded at save time) fades with the evidence: the bound widens, the estimate
@@ -64,12 +59,6 @@ class AcceptanceModel:
         self.on_path = np.zeros(0)  # rows in which node i was accepted
         self.prior_on = np.zeros(0)  # prior pseudo-counts (stored as the counts, fading with them), per depth
         self.prior_seen = np.zeros(0)
-        # on template steps (trees of one shape): rows in which node i was accepted, and in which its
-        # parent was (with node i verified); parent[i]: node i's parent index (-1: not seen yet)
-        self.given_on, self.given_parent, self.parent = np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64)
-        self._template: torch.Tensor | None = None  # the parents of the last template checked (kept: its storage stays)
-        self._parents: list[int] = []  # parent, as a host list
-        self._templated = True  # False once two templates disagree on a node's parent (not a template drafter)
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
         self.steps, self.rows_seen = 0, 0  # drafted steps and their rows observed (unfaded)
@@ -83,14 +72,13 @@ class AcceptanceModel:
         self._grow(self.width)
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        return self.held_ends, self.on_path, self.asked_ends, self.prior_on, self.prior_seen, self.given_on, self.given_parent
+        return self.held_ends, self.on_path, self.asked_ends, self.prior_on, self.prior_seen
 
     def _grow(self, width: int) -> None:
         grow = width - self.on_path.size
         if grow > 0:
-            (self.held_ends, self.on_path, self.asked_ends, self.prior_on, self.prior_seen, self.given_on,
-             self.given_parent) = (np.concatenate([array, np.zeros(grow)]) for array in self._arrays())
-            self.parent = np.concatenate([self.parent, np.full(grow, -1, dtype=np.int64)])
+            self.held_ends, self.on_path, self.asked_ends, self.prior_on, self.prior_seen = (
+                np.concatenate([array, np.zeros(grow)]) for array in self._arrays())
 
     def fade(self) -> None:
         """One step passed (any step): earlier evidence counts a little less."""
@@ -138,7 +126,7 @@ class AcceptanceModel:
         held = _tail_sums(self.held_ends)
         cut = np.minimum(1.0, rows / np.maximum((held + self.prior_seen) * self.scale, 1e-300))
         self.held_ends, self.asked_ends = _ends(held * cut), _ends(_tail_sums(self.asked_ends) * cut)
-        for array in (self.on_path, self.prior_on, self.prior_seen, self.given_on, self.given_parent):
+        for array in (self.on_path, self.prior_on, self.prior_seen):
             array *= cut
         self._cache = None
         return rows
@@ -167,22 +155,12 @@ class AcceptanceModel:
                 held, first = int(sizes[row]), int((sizes > 1).sum())
             if held > 1 and self.prior_seen[held - 1] == 0:  # (a root alone has no prior)
                 self._spread_prior(trees.depths[row, :held].numpy(), weight)
-            given = trees.uniform and width > 1 and self._templated and self._same_shape(trees.parents)
             if rows == 1:  # (host lists: a path is a few nodes, cheaper than array indexing)
                 path = paths.tolist()[0][:int(lengths)]
                 for node in path:
                     on_path[node] += weight
                 request[0] += float(len(path) > 1 and path[1] == 1)  # (node 1: the root's first child)
-                if given:  # per node: accepted, and its parent accepted (on the path)
-                    for node in path[1:]:
-                        self.given_on[node] += weight
-                    parents = self._parents
-                    for node in range(1, width):
-                        if parents[node] in path:
-                            self.given_parent[node] += weight
             else:
-                if given:
-                    self._count_given(weight, paths, lengths, width)
                 paths, lengths = paths.numpy(), lengths.numpy()
                 accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
                 on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
@@ -190,32 +168,6 @@ class AcceptanceModel:
                     request[0] += float(((lengths > 1) & (paths[:, 1] == 1)).sum())
             request[1] += first
         self._pending.clear()
-
-    def _same_shape(self, parents: torch.Tensor) -> bool:
-        """Whether a template step's ``parents`` ``[R, N]`` agree with every template seen before (the
-        first ones define each node's parent); a disagreement ends the conditional counts for good."""
-        if self._template is not None and parents.data_ptr() == self._template.data_ptr() and \
-                parents.shape[1] <= self._template.shape[1]:
-            return True  # (the same storage, kept alive here: the same template or a prefix of it)
-        row = parents[0].numpy()
-        known = self.parent[:row.size]
-        if bool(((known >= 0) & (known != row)).any()):
-            self._templated = False
-            return False
-        self.parent[:row.size] = row
-        self._template, self._parents = parents, self.parent.tolist()
-        return True
-
-    def _count_given(self, weight: float, paths: torch.Tensor, lengths: torch.Tensor, width: int) -> None:
-        """A template step over several rows: per node, the rows in which it was accepted and in which
-        its parent was."""
-        paths, lengths = paths.numpy(), lengths.numpy()
-        accepted = np.zeros((paths.shape[0], width), dtype=bool)  # (R, N): node on the row's path
-        rows, columns = np.nonzero(np.arange(paths.shape[1])[None, :] < lengths[:, None])
-        accepted[rows, paths[rows, columns]] = True
-        parent = self.parent[1:width]
-        self.given_on[1:width] += weight * accepted[:, 1:].sum(axis=0)
-        self.given_parent[1:width] += weight * accepted[:, np.maximum(parent, 0)].sum(axis=0) * (parent >= 0)
 
     def _spread_prior(self, depths: np.ndarray, weight: float) -> None:
         """Give the nodes of one row's tree (``depths``, one per node) seen for the first time their
@@ -243,8 +195,6 @@ class AcceptanceModel:
             rate = (self.on_path + self.prior_on) * self.scale / np.maximum(seen, 1e-300)
             exists = np.minimum((held + PRIOR_STEPS) / (_tail_sums(self.asked_ends) * self.scale + PRIOR_STEPS), 1.0)
             rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
-            if self._templated and self._template is not None:
-                rate = self._lifted(rate)
             gain = np.cumsum(exists * rate)
             # a prefix total's standard error: each node's rate over its evidence, weighted by its presence
             bonus = CONFIDENCE * np.sqrt(np.cumsum(exists ** 2 * np.maximum(rate * (1 - rate), 0.01) / (seen + 1)))
@@ -254,24 +204,6 @@ class AcceptanceModel:
                 array.flags.writeable = False
             self._cache, self._faded, self._reach = (exists, rate, seen, gain, bonus), 0, {1: reach}
         return self._cache
-
-    def _lifted(self, rate: np.ndarray) -> np.ndarray:
-        """Each node's rate, at least its acceptance given its parent's times the parent's (lifted) rate.
-        The conditional carries the prior as the rate does (the prior's rows with the parent accepted:
-        the node's prior rows times the parent's prior rate), so where a node was verified whenever its
-        parent was, the product is its own rate; it exceeds it where the parent, drafted more often
-        (at smaller nested sizes), has lately been accepted more than when the node was verified."""
-        parent = np.maximum(self.parent, 0)
-        parent_prior = np.where(self.prior_seen[parent] > 0, self.prior_on[parent] / np.maximum(self.prior_seen[parent], 1e-300), 1.0)
-        given = self.given_parent + self.prior_seen * parent_prior
-        given = (self.given_on + self.prior_on) / np.maximum(given, 1e-300) * (given > 0)
-        lifted, parents = rate.tolist(), self.parent.tolist()
-        lifted[0] = 1.0  # (the root is on every path)
-        for node, chance in enumerate(given.tolist()):
-            if node and parents[node] >= 0:
-                lifted[node] = max(lifted[node], chance * lifted[parents[node]])
-        lifted[0] = 0.0
-        return np.array(lifted)
 
     def prefix_estimates(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For ``n = 1 .. width`` (index ``n - 1``; n = 1: the root alone): the expected drafted tokens a

@@ -14,7 +14,6 @@ import torch
 import heads
 from heads.adapter import recorded_acceptance
 from heads.adaptive import AcceptanceModel, Adaptive, CostCurve
-from heads.adaptive.acceptance import _tail_sums
 from tests.conftest import build_model, left_pad, random_prompt
 from tree_attention.decode import PerRowDrafter, SpeculativeDecoder
 from tree_attention.tree import TreeBatch, from_choices, prefix_batch
@@ -316,39 +315,6 @@ def test_a_smaller_size_does_not_count_as_missing_nodes_of_a_larger_one():
     exists, rate, seen, *_ = model._estimates()
     assert exists[1] == 1 and exists[4] == 1  # not diluted to 8 / 48 by the size-1 steps
     assert seen[1] == 48 and seen[4] == 8 and rate[1] > 0.9
-
-
-def test_a_template_s_deeper_nodes_rise_with_their_parents_acceptance():
-    """Earlier requests accepted the chain's first node half the time and, when they did, the whole
-    chain. This request drafts one node (a smaller nested size) and it is always accepted: the deeper
-    nodes, never verified now, are expected to be accepted as often as the node they hang from. Trees
-    of no fixed shape (lookup's) keep each node's own rate."""
-    def history(model, trees) -> None:
-        for step in range(40):
-            whole = step % 2 == 0
-            model.observe(trees, torch.arange(5 if whole else 1)[None], torch.tensor([5 if whole else 1]))
-        for _ in range(30):
-            model.observe(_chain_batch(2) if trees.uniform else _loose(_chain_batch(2)), torch.arange(2)[None],
-                          torch.tensor([2]), capacity=2)
-        return model._estimates()[1]
-
-    def _loose(trees: TreeBatch) -> TreeBatch:
-        return dataclasses.replace(trees, uniform=False)
-
-    template, loose = history(AcceptanceModel(width=5), _chain_batch(5)), history(AcceptanceModel(width=5), _loose(_chain_batch(5)))
-    assert loose[1] > 0.65 and 0.4 < loose[4] < 0.5  # each node's own rows (and the prior's)
-    assert template[1] == pytest.approx(loose[1]) and template[4] > 0.6  # raised with node 1
-    assert np.all(template >= loose - 1e-12)
-
-
-def test_a_template_s_rates_stand_where_every_node_was_verified_with_its_parent():
-    """Drafting the whole template every step, the conditional product is each node's own rate."""
-    model, trees = AcceptanceModel([0.8, 0.6, 0.4, 0.2], width=5), _chain_batch(5)
-    for accepted in [1, 3, 5, 2, 5, 4, 1, 5]:
-        model.observe(trees, torch.arange(accepted)[None], torch.tensor([accepted]))
-    rate = model._estimates()[1]
-    direct = (model.on_path + model.prior_on) / (_tail_sums(model.held_ends) + model.prior_seen)
-    assert np.allclose(rate[1:], direct[1:])
 
 
 def test_fading_reopens_a_question_after_plain_steps():
