@@ -1,17 +1,13 @@
 """Calibrated acceptance: how many tokens a prefix of a step's tree is expected to commit.
 
-A row commits its accepted path (at most one node per depth) plus one token, so a tree's expected
-accepted length is the sum over its nodes of the chance each is on the path. The model keeps, per
-node index (parents before children, better candidates first), how often the node existed in a
-row's tree (all are verified) and how often it was on the accepted path. A prefix of node order is
-itself a tree whose nodes are accepted as in the whole tree (under sampling, with the same chance),
-so each drafted step shows what every smaller nested size would have got.
-
-Evidence fades with a half-life in steps, plain steps included, and choices use an upper confidence
-bound on a prefix's total, so no size is locked out by a few early steps. The prior (the acceptance
-by depth the adapter recorded at save time) fades with the evidence: the bound widens, the estimate
-does not drift back to a prior measured on other text. At a request's start the evidence of earlier
-requests is weighed by how much requests differ (:meth:`AcceptanceModel.new_request`).
+A row commits its accepted path plus one token, so a tree's expected accepted length is the sum over
+its nodes of the chance each is on the path. Per node index (parents before children, better
+candidates first) the model counts how often the node existed in a row's tree (all are verified) and
+was on the accepted path. A prefix of node order is itself a tree whose nodes are accepted as in the
+whole tree, so each drafted step shows what every smaller nested size would have got. Evidence and
+the prior (the acceptance by depth recorded at save time) fade with a half-life in steps, and choices
+use an upper confidence bound on a prefix's total, so no size is locked out by a few early steps. At
+a request's start earlier requests' evidence is weighed by how much requests differ.
 """
 from __future__ import annotations
 
@@ -22,12 +18,11 @@ import numpy as np
 import torch
 
 HALF_LIFE = 64
-"""Steps after which a step's evidence counts half: a choice rests on a few replies' worth of steps,
-and a stretch of plain steps reopens the question."""
+"""Steps after which a step's evidence counts half: a few replies' worth; a plain stretch reopens choices."""
 
 CONFIDENCE = 1.0
-"""Standard errors added to an option's expected accepted tokens in choices (an upper confidence
-bound): an option seen on few rows, or long ago, is tried again before it is written off."""
+"""Standard errors added to an option's expected accepted tokens (an upper confidence bound): an option
+seen on few rows, or long ago, is tried again before it is written off."""
 
 PRIOR_STEPS = 4.0
 """Steps' worth of weight given to the prior (the recorded or the uninformed acceptance)."""
@@ -42,19 +37,14 @@ _REFRESH = max(1, HALF_LIFE // 8)  # fades between refreshes of the estimates (w
 
 
 class AcceptanceModel:
-    """Per-node acceptance under one acceptance rule and sampling setting.
-
-    Counts are numpy arrays on the host (a step touches a few dozen entries; tensor calls would cost
-    more than the arithmetic). Fading is a running weight: a step adds ``1 / scale`` and a count's
-    faded value is ``stored x scale``, so a step costs one multiplication, not one per array."""
+    """Per-node acceptance under one acceptance rule and sampling setting. Counts are host numpy arrays;
+    fading is a running weight (a step adds ``1 / scale``, a count's faded value is ``stored x scale``)."""
 
     def __init__(self, prior_by_depth: Sequence[float] = (), width: int = 1) -> None:
-        """``width``: the widest tree the drafter is configured to propose (root included), known
-        before it proposes anything (a drafter's first trees may be empty: lookup)."""
+        """``width``: the widest tree the drafter is configured to propose (root included)."""
         self.prior_by_depth = [float(rate) for rate in prior_by_depth]
-        # held_ends[j]: rows whose tree held nodes 0 .. j and no more; asked_ends[j]: rows of drafted steps
-        # whose tree could hold nodes 0 .. j (stored, see scale). A step adds to one entry; node i was held
-        # (and verified) in the tail sum from i (a prefix of node order is itself a tree)
+        # held_ends[j]: rows whose tree held nodes 0 .. j and no more, asked_ends[j]: rows of drafted steps whose
+        # tree could (stored, see scale): a step adds to one entry; node i's rows are the tail sum from i
         self.held_ends, self.asked_ends = np.zeros(0), np.zeros(0)
         self.on_path = np.zeros(0)  # rows in which node i was accepted
         self.prior_on = np.zeros(0)  # prior pseudo-counts (stored as the counts, fading with them), per depth
@@ -75,8 +65,7 @@ class AcceptanceModel:
         return self.held_ends, self.on_path, self.asked_ends, self.prior_on, self.prior_seen
 
     def _grow(self, width: int) -> None:
-        grow = width - self.on_path.size
-        if grow > 0:
+        if (grow := width - self.on_path.size) > 0:
             self.held_ends, self.on_path, self.asked_ends, self.prior_on, self.prior_seen = (
                 np.concatenate([array, np.zeros(grow)]) for array in self._arrays())
 
@@ -92,11 +81,9 @@ class AcceptanceModel:
         self._cache = None if self._faded >= _REFRESH else self._cache  # (the bounds moved enough)
 
     def observe(self, trees, paths: torch.Tensor, lengths: torch.Tensor, capacity: int | None = None) -> None:
-        """One drafted step: the trees verified whole (a ``TreeBatch``; roots alone where nothing was
-        proposed), what was accepted (``paths`` ``[R, L]`` node indices, ``lengths`` ``[R]`` with the
-        root), ``capacity``: the most nodes (root included) the drafter was asked for (a node beyond
-        it counts neither as proposed nor as missing; None: the model's width). Counted when the
-        estimates are next read (together, cheaper than a step at a time in the loop)."""
+        """One drafted step, counted when the estimates are next read: the trees verified (roots alone where
+        nothing was proposed), ``paths`` ``[R, L]`` accepted node indices, ``lengths`` ``[R]`` (root included),
+        ``capacity``: the most nodes the drafter was asked for (beyond: neither proposed nor missing)."""
         self.width = max(self.width, trees.width)
         self.rows_seen += trees.rows
         self._pending.append((1.0 / self.scale, trees, paths, lengths, capacity))
@@ -104,12 +91,10 @@ class AcceptanceModel:
         self._cache = None
 
     def new_request(self) -> float | None:
-        """A new request begins: earlier requests' evidence becomes its prior, each node's rates kept,
-        worth at most the empirical-Bayes weight of the first node's acceptance (in rows): a row's
-        variance within a request over the variance of the requests' true rates (their spread less
-        what their row counts explain). Where requests differ (repetitive code, fresh prose) its own
-        steps take over within a few; where they are alike the evidence stands. Returns the weight
-        (None: no cut, under 3 earlier requests or no spread)."""
+        """A new request begins: earlier requests' evidence becomes its prior, rates kept, worth at most the
+        empirical-Bayes weight of the first node's acceptance (rows): a row's variance within a request over
+        the variance of the requests' true rates. Where requests differ its own steps take over within a few;
+        where they are alike the evidence stands. Returns the weight (None: no cut, < 3 requests, no spread)."""
         self._count()
         accepted, held = self._request
         if held > 0:
@@ -132,8 +117,7 @@ class AcceptanceModel:
         return rows
 
     def _count(self) -> None:
-        """Count the pending steps: which nodes each row's tree held (every one of them verified)
-        and which were on the accepted path."""
+        """Count the pending steps: the nodes each row's tree held (all verified) and its accepted path."""
         if not self._pending:
             return
         self._grow(self.width)  # (the widest tree observed: every pending one fits)
@@ -170,8 +154,7 @@ class AcceptanceModel:
         self._pending.clear()
 
     def _spread_prior(self, depths: np.ndarray, weight: float) -> None:
-        """Give the nodes of one row's tree (``depths``, one per node) seen for the first time their
-        share of their depth's prior acceptance, with the ``weight`` of the step that showed them."""
+        """Nodes of a row's tree (``depths``) seen first: their depth's prior share, at the step's ``weight``."""
         for index in np.flatnonzero(self.prior_seen[:depths.size] == 0).tolist():
             depth = int(depths[index])
             if depth == 0:
@@ -183,11 +166,9 @@ class AcceptanceModel:
             self.prior_seen[index] = PRIOR_STEPS * weight
 
     def _estimates(self) -> tuple[np.ndarray, ...]:
-        """Per node index: the chance it exists in a row's tree, its acceptance given it was verified,
-        and the rows' worth of (faded) evidence with the prior's; then the prefix sums choices read
-        (:meth:`prefix_estimates`): expected accepted tokens and the bound's margin. Existence starts
-        from a prior of 1 (weight :data:`PRIOR_STEPS`): a drafter that proposed nothing is asked again
-        once that fades. Read-only arrays, kept until the estimates move."""
+        """Per node (read-only, kept until they move): its chance to exist in a row's tree (prior 1, weight
+        :data:`PRIOR_STEPS`), its acceptance given verified, the rows' worth of evidence with the prior's, and
+        prefix sums of expected accepted tokens and of the bound's margin (:meth:`prefix_estimates`)."""
         if self._cache is None:
             self._count()
             held = _tail_sums(self.held_ends) * self.scale
@@ -206,11 +187,9 @@ class AcceptanceModel:
         return self._cache
 
     def prefix_estimates(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For ``n = 1 .. width`` (index ``n - 1``; n = 1: the root alone): the expected drafted tokens a
-        row accepts from the first ``n`` nodes of its tree, the margin of an upper confidence bound above
-        it (:data:`CONFIDENCE` standard errors of each prefix's total: per-node bounds would add up and
-        favour more nodes), and the chance that ``rows`` such trees, padded to the largest, verify node
-        ``n - 1`` (the root: 1; their expected padded width is the sum up to ``n``). Read-only."""
+        """For ``n = 1 .. width`` (index ``n - 1``), read-only: the drafted tokens a row is expected to accept
+        from its tree's first ``n`` nodes, the bound's margin (:data:`CONFIDENCE` standard errors of the
+        prefix's total), and the chance that ``rows`` trees padded to the largest verify node ``n - 1``."""
         exists, _, _, gain, bonus = self._estimates()
         reach = self._reach.get(rows)
         if reach is None:
@@ -233,10 +212,8 @@ class AcceptanceModel:
 
 
 def _tail_sums(ends: np.ndarray) -> np.ndarray:
-    """``out[i] = ends[i:].sum()``: rows that held (or could hold) node ``i``."""
-    return ends[::-1].cumsum()[::-1]
+    return ends[::-1].cumsum()[::-1]  # out[i] = ends[i:].sum(): rows that held (or could hold) node i
 
 
 def _ends(tails: np.ndarray) -> np.ndarray:
-    """The inverse of :func:`_tail_sums`."""
-    return tails - np.append(tails[1:], 0.0)
+    return tails - np.append(tails[1:], 0.0)  # the inverse of _tail_sums

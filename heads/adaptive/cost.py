@@ -1,16 +1,13 @@
 """The cost curve: seconds of one verify forward by rows and tree width, and seconds of drafting.
 
-Verify cost depends on the rows and the nodes per row, not on the drafter, so every verify forward
-(plain steps included) teaches one table: per power-of-two rows bucket, each width's median of its
-latest timings, interpolated linearly in between (past the widest: its cost). At one row a width's
-excess over a plain step counts as if one more sample had cost a plain step, its samples' weight
-halving every ``HALF_LIFE`` steps (optimism: a width timed on few steps or long ago is tried again);
-over more rows a width is priced at its median. No width is priced above a wider one, nor above the
-same width over more rows. Drafting seconds and each option's own verify seconds are means (their
-work varies by step) per option and rows bucket, shrunk the same way; a request's first ``propose``
-is kept apart, and so are the extra seconds of a step after a switch between plain and drafting (a
-median per direction, paid once a plan). Timings are stored divided by the machine's speed: the
-median, over the latest steady plain steps, of their seconds over the plain step's stored cost.
+Every verify forward (plain steps included) teaches one table: per power-of-two rows bucket, each
+width's median of its latest timings, interpolated linearly (past the widest: its cost). At one row a
+width's excess over a plain step is shrunk as if one more sample had cost a plain step, its samples
+weighed by age (a width timed on few steps or long ago is tried again). No width is priced above a
+wider one, nor above the same width over more rows. Drafting seconds and each option's own verify
+seconds are means per option and rows bucket, shrunk the same way; a request's first ``propose`` and
+the extra seconds of a switch between plain and drafting are kept apart. Timings are stored divided
+by the machine's speed (the median of the latest plain steps' seconds over their stored cost).
 """
 
 from __future__ import annotations
@@ -26,14 +23,13 @@ from .acceptance import HALF_LIFE
 _REFRESH = PRIOR_TIMINGS = max(1, HALF_LIFE // 16)  # steps a priced curve serves; a width's first timings
 
 COST_HORIZON = 32
-"""Latest observations a cost summarises: enough that one step's timing noise (it only ever adds
-time, in bursts) does not move it, few enough to follow the cache growing and the machine's load."""
+"""Latest timings a cost summarises: one step's noise (bursts of added time) does not move it, and it
+follows the cache growing and the machine's load."""
 
 
 class RecentTimings:
-    """The latest :data:`COST_HORIZON` timings of one cost: their median where every step does the
-    same work (one verify width: the spread is noise), their mean where the work varies (``varies``:
-    chains cut by confidence, whose median understates the expected seconds of a skewed spread)."""
+    """The latest :data:`COST_HORIZON` timings of one cost: their median where every step does the same work
+    (one verify width), their mean where it varies (``varies``: a skewed spread's median understates it)."""
 
     __slots__ = ("samples", "count", "stamp", "varies", "_value")
 
@@ -54,17 +50,12 @@ class RecentTimings:
         return self._value
 
     @property
-    def evidence(self) -> int:
-        """Samples the value rests on (at most the horizon)."""
+    def evidence(self) -> int:  # samples the value rests on
         return min(self.count, COST_HORIZON)
 
-    def weight(self, now: int, aged: bool) -> float:
-        """:attr:`evidence`, ``aged``: halved every :data:`~heads.adaptive.acceptance.HALF_LIFE`
-        steps since the latest sample."""
-        return self.evidence * 0.5 ** ((now - self.stamp) / HALF_LIFE) if aged else float(self.evidence)
-
     def shrunk(self, toward: float, now: int) -> tuple[float, float]:
-        """The value as if one more sample had cost ``toward``, its samples weighed by age and by count."""
+        """The value as if one more sample had cost ``toward``, its samples weighed by age (halved every
+        :data:`~heads.adaptive.acceptance.HALF_LIFE` steps since the latest) and by count."""
         evidence = self.evidence
         aged = evidence * 0.5 ** ((now - self.stamp) / HALF_LIFE)
         excess = self.value - toward
@@ -117,7 +108,7 @@ class CostCurve:
         return max(0.0, self.switching[into_drafting].value) * self.speed  # (none measured: 0)
 
     def observe_option_verify(self, rows: int, seconds: float, option: object) -> None:
-        """A drafted step's verify seconds, per drafting option as well as per width (:meth:`verify_prices`)."""
+        """A drafted step's verify seconds, per drafting option as well as per width (:meth:`step_prices`)."""
         self._varying(self.verify_by_option, option, rows).add(seconds / self.speed, self.clock)
 
     @staticmethod
@@ -128,20 +119,11 @@ class CostCurve:
             table[bucket] = RecentTimings(varies=True)
         return table[bucket]
 
-    def verify_prices(self, rows: int, options: list, reaches: list, aged: bool = True) -> np.ndarray:
-        """Verify seconds of a step of each of ``options`` (:meth:`step_prices` without drafting)."""
-        return self.step_prices(rows, options, reaches, drafting=False)[:, 0 if aged else 1]
-
     def step_prices(self, rows: int, options: list, reaches: list, drafting: bool = True) -> np.ndarray:
-        """Seconds of a step of each of ``options`` over ``rows`` rows, ``[options, 2]``: at costs aged and
-        unaged (:meth:`RecentTimings.weight`). Drafting (:meth:`draft_seconds`) plus verify: the mean of
-        the option's own steps (empty ones included; at least :data:`PRIOR_TIMINGS` in ``rows``' bucket,
-        shrunk toward a plain step), else the width curve's expectation over the padded width, whose
-        chance of reaching node ``i`` is ``reaches[option][i]`` (1 at the root): the sum of each width's
-        increment times that chance. A drafter that often proposes nothing (lookup) is priced near a
-        plain step, not at the curve's value at its mean width (the curve rises most from one node to
-        two); the curve stays optimistic for trees of varying width (each width timed rarely) however
-        often they draft."""
+        """Seconds of a step of each of ``options`` over ``rows`` rows, ``[options, 2]`` (aged, unaged costs):
+        drafting plus verify, the mean of its own steps (empty ones included; from :data:`PRIOR_TIMINGS`,
+        shrunk toward plain), else the curve's expectation over the padded width (``reaches[option][i]``:
+        its chance to reach node ``i``; lookup proposing nothing is priced near plain, not at its mean width)."""
         widths = np.arange(1.0, max(len(reach) for reach in reaches) + 1.0)
         curves = np.stack([self.verify_curve(rows, widths, aged) for aged in (True, False)])
         curves[:, 1:] -= curves[:, :-1].copy()  # (each width's seconds over the next narrower one's)
@@ -176,14 +158,9 @@ class CostCurve:
         return (any(other >= width for other in self.verify.get(bucket, {}))
                 and (option is None or bucket in self.drafting.get(option, {})))
 
-    def verify_curve(self, rows: int, widths: np.ndarray, aged: bool = True) -> np.ndarray | None:
-        """Predicted seconds of a verify over ``rows`` rows of each of ``widths`` nodes (None: none timed
-        yet); at one row each width's excess shrunk, its samples weighed by age (``aged``) or count."""
-        curve = self._stored_curve(rows, widths, aged)
-        return None if curve is None else curve * self.speed
-
-    def _stored_curve(self, rows: int, widths: np.ndarray, aged: bool) -> np.ndarray | None:
-        """:meth:`verify_curve` in stored seconds (at speed 1)."""
+    def verify_curve(self, rows: int, widths: np.ndarray, aged: bool = True, stored: bool = False) -> np.ndarray | None:
+        """Predicted seconds of a verify over ``rows`` rows of each of ``widths`` nodes (None: none timed yet;
+        ``stored``: at speed 1); at one row each width's excess shrunk, samples weighed by age or count."""
         if not self.verify:
             return None
         bucket = rows_bucket(rows)
@@ -191,7 +168,7 @@ class CostCurve:
         curve = self._curves.get(bucket)
         if curve is None or curve[0] + _REFRESH <= self.clock or curve[1].size != len(self.verify[bucket]):
             curve = self._curves[bucket] = self._price(bucket)
-        return np.interp(widths, curve[1], curve[2 if aged else 3])
+        return np.interp(widths, curve[1], curve[2 if aged else 3]) * (1.0 if stored else self.speed)
 
     def _price(self, bucket: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         """``bucket``'s curve: (clock, widths timed, stored seconds with samples weighed by age, by count)."""
@@ -210,7 +187,7 @@ class CostCurve:
             seconds = np.minimum(seconds, np.minimum.accumulate(np.where(settled, seconds, np.inf)[::-1])[::-1])
             if larger:  # nor above the same width over more rows (a bucket's few timings may be noisy),
                 # where those rows timed a width at least as large (not extrapolated)
-                cap = self._stored_curve(min(larger), widths, aged)
+                cap = self.verify_curve(min(larger), widths, aged, stored=True)
                 seconds = np.where(widths <= max(self.verify[min(larger)]), np.minimum(seconds, cap), seconds)
                 seconds = np.minimum.accumulate(seconds[::-1])[::-1]
             priced.append(seconds)

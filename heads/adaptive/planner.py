@@ -1,20 +1,14 @@
-"""``speculate="auto"``: each step, the tree size (none: a plain step) and the drafting mode with
-the most expected tokens per second, from the cost curve (:mod:`.cost`) and calibrated acceptance
-(:mod:`.acceptance`).
+"""``speculate="auto"``: each step, the tree size (none: a plain step) and drafting mode with the most
+expected tokens per second, from the cost curve (:mod:`.cost`) and calibrated acceptance (:mod:`.acceptance`).
 
-Before a step, for the rows still decoding, a plain step is compared with each option the drafter
-offers (a :class:`~tree_attention.capabilities.SizedDrafter`'s sizes in each of a
-:class:`~tree_attention.planning.ModalDrafter`'s modes), priced at drafting plus verify seconds
-against the tokens it is expected to commit. Nested sizes (a smaller size's tree is the first nodes
-of a larger one's) share one acceptance model per mode. The size is chosen before drafting, so
-outputs are those of any fixed choice; drafted trees are verified whole.
-
-A rows bucket's first plan is a run of plain steps (the reference); then each acceptance model
-drafts until it has seen :data:`REPLAN_EVERY` rows. A plan priced from a cost not yet timed in its
-rows' bucket, or paying against a plain step only by optimism, serves one step; one ahead of the
-others only by a cost aged toward 0 is timed in one step, the best at unaged costs serving the rest.
-Untimed: a call's first step, the first after rows finished or a switch; an empty step (nothing
-proposed) counts toward its option's mean verify seconds alone."""
+For the rows still decoding, each option the drafter offers (a ``SizedDrafter``'s sizes in each of a
+``ModalDrafter``'s modes) is priced at drafting plus verify seconds against the tokens it is expected to
+commit, and compared with a plain step. Nested sizes share one acceptance model per mode. The size is
+chosen before drafting, so outputs are those of any fixed choice. A rows bucket's first plan is a run of
+plain steps (the reference); then each model drafts until it has seen :data:`REPLAN_EVERY` rows. A plan
+priced from an untimed cost, or paying only by optimism, serves one step; one ahead only by a cost aged
+toward 0 is timed in one step, the best at unaged costs serving the rest. Untimed: a call's first step,
+the first after rows finished or a switch; an empty step counts toward its option's verify mean alone."""
 from __future__ import annotations
 
 from collections import Counter
@@ -32,11 +26,10 @@ from .acceptance import HALF_LIFE, AcceptanceModel
 from .cost import PRIOR_TIMINGS, CostCurve
 
 REPLAN_EVERY = 8
-"""Steps a plan serves before it is made again (sooner when the rows change): the estimates it rests
-on move over :data:`~heads.adaptive.acceptance.HALF_LIFE` steps, and a plan costs a share of a
-small model's step. Also the rows an option is first drafted on before its estimates are trusted.
-A plan that repeats the one before it (same option, same rows) serves twice as long as that one did,
-up to half the half-life (the estimates move less than 30% in that many steps)."""
+"""Steps a plan serves before it is made again (sooner when the rows change): its estimates move over
+:data:`~heads.adaptive.acceptance.HALF_LIFE` steps, and a plan costs a share of a small model's step. A
+plan repeating the last one (same option and rows) serves twice as long as that one, up to half the
+half-life (estimates move < 30% in that many steps). Also the rows an option is first drafted on."""
 
 _LONGEST_PLAN = max(REPLAN_EVERY, HALF_LIFE // 2)  # steps a repeated plan serves at most
 
@@ -63,8 +56,7 @@ class Choice:
         return (self.mode, self.size)
 
     @property
-    def speedup(self) -> float | None:
-        """Predicted tokens per second over a plain step's."""
+    def speedup(self) -> float | None:  # predicted tokens per second over a plain step's
         return self.expected_tokens * self.plain_seconds / self.seconds if self.seconds and self.plain_seconds else None
 
 
@@ -96,14 +88,13 @@ class CallSummary:
 
 
 class Adaptive:
-    """What ``auto`` keeps for one spec across calls: one cost curve, one acceptance model per rule key
-    (greedy, each sampling setting) and drafting option, seeded from the adapter's recorded acceptance."""
+    """What ``auto`` keeps for one spec across calls: one cost curve, and one acceptance model per rule key
+    (greedy, each sampling setting) and drafting option, seeded with the adapter's recorded acceptance."""
 
     def __init__(self, prior_by_depth: Sequence[float] | None = None, width: int = 1,
                  sizes: Sequence[int] = (), extra: int = 0, sampled_prior: Sequence[float] | None = None) -> None:
-        """``prior_by_depth``: the acceptance by depth recorded at save time, greedy (``sampled_prior``:
-        at a temperature); ``width``: the widest configured tree (root included); ``sizes``: what a
-        SizedDrafter may be resized to; ``extra``: nodes beyond the size (a hybrid's lookup budget)."""
+        """``prior_by_depth`` (``sampled_prior``): acceptance by depth recorded greedy (at a temperature); ``width``:
+        the widest tree (root included); ``sizes``: a SizedDrafter's; ``extra``: a hybrid's lookup budget."""
         self.costs, self.models = CostCurve(), {}  # models: per (rule key, mode, size), an AcceptanceModel
         self.prior_by_depth = list(prior_by_depth or ())
         self.sampled_prior = list(sampled_prior or ())  # the prior of sampling rules (recorded sampled)
@@ -121,9 +112,8 @@ class Adaptive:
         return model
 
     def planner(self, key: str, deterministic: bool, drafter=None) -> "CallPlanner":
-        """The planner of one call under the rule ``key`` (``deterministic``: any node-order cut is
-        lossless) for ``drafter`` (a :class:`~tree_attention.planning.ModalDrafter` gets its mode,
-        a :class:`~tree_attention.capabilities.SizedDrafter` its size, chosen per step)."""
+        """The planner of one call under the rule ``key`` (``deterministic``: any node-order cut is lossless)
+        for ``drafter`` (a ModalDrafter gets its mode, a SizedDrafter its size, chosen per step)."""
         if not deterministic:
             self._sampled.add(key)
         return CallPlanner(self, key, deterministic, drafter)
@@ -197,7 +187,7 @@ class CallPlanner:
 
     def release(self) -> None:
         """The call is over: the drafter drafts as configured again (``speculate=None`` calls)."""
-        if self.choice is not None:
+        if self.choice is not None:  # (the next call starts from this plan)
             self.adaptive.plans[self.key] = (self.choice, self._rows, self._age, self._serves)
         if self.modal is not None:
             self.modal.use_mode(None)

@@ -103,11 +103,11 @@ def test_an_option_of_varying_widths_is_priced_from_its_own_steps():
     curve = costs.verify_seconds(1, 6)
     assert float(costs.verify_curve(1, np.array([6.0]), aged=False)[0]) == pytest.approx(12.5)  # half the excess
     assert 10.0 < curve <= 12.5  # (aged: a little less)
-    assert costs.verify_prices(1, [option], [np.ones(6)])[0] == pytest.approx(curve)  # too few steps of its own yet
+    assert costs.step_prices(1, [option], [np.ones(6)], drafting=False)[0, 0] == pytest.approx(curve)  # too few steps of its own yet
     costs.observe_option_verify(1, 15.0, option)
-    assert costs.verify_prices(1, [option], [np.ones(6)])[0] == pytest.approx(10.0 + 5.0 * 4 / 5)
-    assert costs.verify_prices(1, [option], [np.ones(6)], aged=False)[0] == pytest.approx(10.0 + 5.0 * 4 / 5)
-    assert costs.verify_prices(1, [(None, 4)], [np.ones(6)])[0] == pytest.approx(curve)  # another option: the curve
+    assert costs.step_prices(1, [option], [np.ones(6)], drafting=False)[0, 0] == pytest.approx(10.0 + 5.0 * 4 / 5)
+    assert costs.step_prices(1, [option], [np.ones(6)], drafting=False)[0, 1] == pytest.approx(10.0 + 5.0 * 4 / 5)
+    assert costs.step_prices(1, [(None, 4)], [np.ones(6)], drafting=False)[0, 0] == pytest.approx(curve)  # another option: the curve
 
 
 def test_a_drafter_that_often_proposes_nothing_is_priced_at_its_mean_verify_not_at_its_mean_width():
@@ -119,10 +119,10 @@ def test_a_drafter_that_often_proposes_nothing_is_priced_at_its_mean_verify_not_
         for _ in range(8):
             costs.observe_verify(1, width, seconds)
     half = np.array([1.0] + [0.5] * 8)  # the chance the padded tree reaches each node (root: 1)
-    price = costs.verify_prices(1, [option], [half], aged=False)[0]
+    price = costs.step_prices(1, [option], [half], drafting=False)[0, 1]
     assert price == pytest.approx(0.5 * 1.0 + 0.5 * float(costs.verify_curve(1, np.array([9.0]), aged=False)[0]))
     assert price < float(costs.verify_curve(1, np.array([half.sum()]), aged=False)[0])
-    assert costs.verify_prices(1, [option], [np.ones(9)], aged=False)[0] == pytest.approx(
+    assert costs.step_prices(1, [option], [np.ones(9)], drafting=False)[0, 1] == pytest.approx(
         float(costs.verify_curve(1, np.array([9.0]), aged=False)[0]))  # always 9 wide: the curve's value
 
 
@@ -161,7 +161,7 @@ def test_drafting_is_priced_at_its_mean_and_a_verify_width_at_its_median():
         costs.observe_option_verify(1, 10.0 + seconds, option)
     assert costs.verify_seconds(1, 1) == pytest.approx(1.0)
     assert costs.draft_seconds(1, option, aged=False) == pytest.approx(3.0 * 4 / 5)  # the mean, shrunk
-    price = costs.verify_prices(1, [option], [np.ones(3)], aged=False)[0]
+    price = costs.step_prices(1, [option], [np.ones(3)], drafting=False)[0, 1]
     assert price == pytest.approx(1.0 + (13.0 - 1.0) * 4 / 5)  # the option's own steps: their mean
     assert costs.summary()["draft_ms"][str(option)][1] == pytest.approx(3000.0)
 
