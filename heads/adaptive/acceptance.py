@@ -177,10 +177,10 @@ class AcceptanceModel:
             exists = np.minimum((held + PRIOR_STEPS) / (_tail_sums(self.asked_ends) * self.scale + PRIOR_STEPS), 1.0)
             rate[0] = exists[0] = 0.0  # the root is always committed, counted as the bonus token
             gain = np.cumsum(exists * rate)
-            # a prefix total's standard error: per node, its Wilson interval's (few rows: wide, however low the rate)
-            wilson = (rate * seen + CONFIDENCE ** 2 / 2) / (seen + CONFIDENCE ** 2)
-            bonus = CONFIDENCE * np.sqrt(np.cumsum(exists ** 2 * wilson * (1 - wilson) / (seen + CONFIDENCE ** 2)))
-            reach = np.concatenate(([1.0], exists[1:]))
+            # a prefix total's standard error: each node's rate over its evidence, weighted by its presence
+            bonus = CONFIDENCE * np.sqrt(np.cumsum(exists ** 2 * np.maximum(rate * (1 - rate), 0.01) / (seen + 1)))
+            reach = exists.copy()
+            reach[0] = 1.0
             for array in (exists, rate, seen, gain, bonus, reach):
                 array.flags.writeable = False
             self._cache, self._faded, self._reach = (exists, rate, seen, gain, bonus), 0, {1: reach}
