@@ -254,6 +254,28 @@ def test_a_plan_priced_from_an_untimed_width_serves_one_step():
     assert not planner._plan(1).tentative
 
 
+def test_a_plan_that_repeats_the_last_one_serves_twice_as_long():
+    """Planning costs a share of a small model's step: a plan choosing what the last one chose serves
+    8, 16, then 32 steps; a different choice, or other rows, starts again at 8."""
+    adaptive = Adaptive([0.9] * 4, width=5)
+    planner = adaptive.planner("greedy", True)
+    for _ in range(8):  # a chain of 4, accepted whole, on 8 rows: measured
+        planner.models[0].observe(_chain_batch(5), torch.arange(5)[None], torch.tensor([5]))
+    for width in (1, 5):
+        for _ in range(8):
+            adaptive.costs.observe_verify(1, width, 1.0 if width == 1 else 1.2)
+    adaptive.costs.observe_draft(1, 0.1, False, (None, None))
+    plans = []
+    for _ in range(8 + 16 + 32 + 32):
+        before = sum(planner.summary.reasons.values())
+        planner.draft(1)
+        if sum(planner.summary.reasons.values()) > before:
+            plans.append(planner._serves)
+    assert plans == [8, 16, 32, 32]
+    planner.draft(2)  # other rows: planned again, and served 8 steps
+    assert planner._serves == 8
+
+
 def test_an_option_ahead_only_by_an_aged_cost_is_timed_in_one_step_then_the_best_at_unaged_costs_serves():
     """A cost timed long ago is priced toward 0 (so that it is timed again), which may choose an
     option that at its unaged costs loses to another drafting option though it beats a plain step:
