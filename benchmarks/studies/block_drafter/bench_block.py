@@ -83,7 +83,8 @@ def main(argv=None) -> int:
         command = [sys.executable, "-m", "benchmarks.run", "kinds", "--target", target, "--mix", *TARGETS[target],
                    "--temperature", *[str(value) for value in cells["temperatures"]], "--split", args.split,
                    "--prompts", str(cells["prompts"]), "--max-new-tokens", str(cells["max_new_tokens"]),
-                   "--out", str(HERE / "runs" / target), "--method", "generate", *[str(path) for path in adapters]]
+                   "--out", str((HERE / "runs" / target).relative_to(ROOT)), "--method", "generate",
+                   *[str(path.relative_to(ROOT)) for path in adapters]]  # (relative: the run's record names them)
         subprocess.run(command, check=True, cwd=ROOT)  # -> runs/<target>/kinds.json, .png, README.md
     return 0
 
