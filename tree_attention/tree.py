@@ -171,9 +171,6 @@ class TreeBatch:
     depth: int | None = None
     """The deepest node's depth when the drafter knows it without reading the tensors (lets the
     loop skip a host synchronisation); None: read from ``depths``."""
-    scores: torch.Tensor | None = None
-    """Optional ``[R, N]`` float: the drafter's own estimate that each node's path is accepted
-    (root 1, padding 0), which ``speculate="auto"`` calibrates; None where the drafter has none."""
 
     @property
     def max_depth(self) -> int:
@@ -493,7 +490,6 @@ def prefix_batch(trees: TreeBatch, nodes: int) -> TreeBatch:
     if nodes >= trees.width:
         return trees
     probs = None if trees.draft_probs is None else trees.draft_probs[:, :nodes]
-    scores = None if trees.scores is None else trees.scores[:, :nodes]
     return TreeBatch(trees.tokens[:, :nodes], trees.parents[:, :nodes], trees.depths[:, :nodes],
                      trees.visibility[:, :nodes, :nodes], trees.sizes.clamp(max=nodes), probs,
-                     uniform=trees.uniform, depth=None, scores=scores)
+                     uniform=trees.uniform, depth=None)

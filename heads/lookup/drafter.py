@@ -185,7 +185,7 @@ class LookupDrafter:
         fields = pad_proposals(batch.roots.tolist(), proposals, batch.roots.device)
         uniform = bool((fields["sizes"] == fields["tokens"].shape[1]).all())
         return TreeBatch(fields["tokens"], fields["parents"], fields["depths"], fields["visibility"],
-                         fields["sizes"], uniform=uniform, scores=fields["scores"])
+                         fields["sizes"], uniform=uniform)
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> TreeBatch:

@@ -6,7 +6,7 @@ positions that follow its most recent occurrences. :func:`propose` matches the l
 row's committed text against one or more indexes (the row's own text, a shared history...), counts
 what followed each occurrence of that suffix and picks up to ``budget`` tree nodes best-first by
 estimated acceptance probability. :func:`pad_proposals` turns a batch of proposals into the padded
-tensors of a :class:`tree_attention.tree.TreeBatch` (plus scores).
+tensors of a :class:`tree_attention.tree.TreeBatch`.
 
 Scores. Let ``L`` be the longest suffix length that has an occurrence with a continuation in some
 source; every source matching at ``L`` contributes (merged counts). With ``c_s(node)`` the number of
@@ -381,11 +381,11 @@ def pad_proposals(roots: Sequence[int], proposals: Sequence[Proposal],
     proposal node ``i``), padded to ``N = 1 + max(len(proposal))``.
 
     Returns tensors on ``device`` (CPU when None), the fields of a
-    :class:`tree_attention.tree.TreeBatch` plus scores:
+    :class:`tree_attention.tree.TreeBatch`:
         tokens ``[R, N]`` long (padding 0); parents ``[R, N]`` long (-1 at the root and padding);
         depths ``[R, N]`` long (root and padding 0); visibility ``[R, N, N]`` bool (``[r, i, j]``:
         ``j`` is ``i`` or an ancestor of ``i``; padding sees only itself, no real node sees it);
-        sizes ``[R]`` long (``1 + len(proposal)``); scores ``[R, N]`` float32 (root 1, padding 0).
+        sizes ``[R]`` long (``1 + len(proposal)``).
 
     Per node, Python list work only (an ancestor set is a Python int bit mask: one OR per node);
     the lists become tensors through ``array`` buffers (much cheaper than ``torch.tensor`` on nested
@@ -401,23 +401,21 @@ def pad_proposals(roots: Sequence[int], proposals: Sequence[Proposal],
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
-    scores: list[float] = []
     masks: list[int] = []
     for root, proposal in zip(roots, proposals):
-        _append_row(int(root), proposal, width, tokens, parents, depths, scores, masks)
+        _append_row(int(root), proposal, width, tokens, parents, depths, masks)
     sizes = [1 + len(proposal.tokens) for proposal in proposals]
     longs = torch.frombuffer(array("q", tokens + parents + depths + sizes), dtype=torch.long)
     token_grid, parent_grid, depth_grid = longs[:3 * rows * width].view(3, rows, width).unbind(0)
     fields = {"tokens": token_grid, "parents": parent_grid, "depths": depth_grid,
-              "visibility": _unpack_masks(masks, rows, width), "sizes": longs[3 * rows * width:],
-              "scores": torch.frombuffer(array("f", scores), dtype=torch.float32).view(rows, width)}
+              "visibility": _unpack_masks(masks, rows, width), "sizes": longs[3 * rows * width:]}
     if device is not None:
         fields = {name: value.to(device) for name, value in fields.items()}
     return fields
 
 
 def _append_row(root: int, proposal: Proposal, width: int, tokens: list[int], parents: list[int],
-                depths: list[int], scores: list[float], masks: list[int]) -> None:
+                depths: list[int], masks: list[int]) -> None:
     """Append one padded row (``width`` nodes) to each flat list; bit ``j`` of node ``i``'s mask: ``i`` sees ``j``."""
     size = 1 + len(proposal.tokens)
     if len(proposal.parents) != size - 1 or len(proposal.scores) != size - 1:
@@ -437,9 +435,6 @@ def _append_row(root: int, proposal: Proposal, width: int, tokens: list[int], pa
     parents.extend([-1] * pad)
     depths.extend(row_depths)
     depths.extend([0] * pad)
-    scores.append(1.0)
-    scores.extend(proposal.scores)
-    scores.extend([0.0] * pad)
     masks.extend(row_masks)
     masks.extend([1 << node for node in range(size, width)])
 
@@ -449,7 +444,7 @@ def _empty(width: int, device: torch.device | str | None) -> dict[str, torch.Ten
     return {"tokens": torch.zeros(0, width, **long), "parents": torch.zeros(0, width, **long),
             "depths": torch.zeros(0, width, **long),
             "visibility": torch.zeros(0, width, width, dtype=torch.bool, device=device),
-            "sizes": torch.zeros(0, **long), "scores": torch.zeros(0, width, dtype=torch.float32, device=device)}
+            "sizes": torch.zeros(0, **long)}
 
 
 def _unpack_masks(masks: list[int], rows: int, width: int) -> torch.Tensor:

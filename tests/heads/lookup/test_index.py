@@ -370,8 +370,6 @@ def check_row(batch: dict, r: int, root: int, proposal: Proposal) -> None:
     expected = torch.eye(width, dtype=torch.bool)
     expected[:size, :size] = naive_ancestors(parents)
     assert torch.equal(batch["visibility"][r], expected)  # padding sees itself only, nothing sees it
-    scores = torch.tensor([1.0, *proposal.scores] + [0.0] * (width - size), dtype=torch.float32)
-    assert torch.equal(batch["scores"][r], scores)
 
 
 @SETTINGS
@@ -381,15 +379,15 @@ def test_pad_proposals_matches_naive_and_rows_are_independent(batch_proposals, d
     batch = pad_proposals(roots, batch_proposals)
     rows, width = len(roots), 1 + max(len(p) for p in batch_proposals)
     shapes = dict(tokens=(rows, width), parents=(rows, width), depths=(rows, width), sizes=(rows,),
-                  visibility=(rows, width, width), scores=(rows, width))
+                  visibility=(rows, width, width))
     assert {k: tuple(v.shape) for k, v in batch.items()} == shapes
-    assert batch["visibility"].dtype == torch.bool and batch["scores"].dtype == torch.float32
+    assert batch["visibility"].dtype == torch.bool
     assert all(batch[k].dtype == torch.long for k in ("tokens", "parents", "depths", "sizes"))
     for r, (root, proposal) in enumerate(zip(roots, batch_proposals)):
         check_row(batch, r, root, proposal)
         alone = pad_proposals([root], [proposal])
         size = 1 + len(proposal)
-        for name in ("tokens", "parents", "depths", "scores"):
+        for name in ("tokens", "parents", "depths"):
             assert torch.equal(alone[name][0], batch[name][r, :size])
         assert torch.equal(alone["visibility"][0], batch["visibility"][r, :size, :size])
 
