@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The check-split grid of bench_auto.py (one cell per run, resumable: a cell whose result exists is skipped).
-# Usage: [SPLIT=tuning OUT=DIR CORE=N TWIN=1] bash benchmarks/auto_grid.sh [PHASE...]   phases: b1 t07 b4 t10 b16 (default: all)
+# Usage: [SPLIT=tuning OUT=DIR CORE=N TWIN=1] bash benchmarks/auto_grid.sh [PHASE...]   phases: b1 t07 b4 t10 b16 t07b4 t10b4 t07b16 t10b16 (default: all)
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -33,7 +33,7 @@ cells() {  # temperature, batch, prompts for stories260K, prompts for demo-llama
     done
   done
 }
-phases=${*:-b1 t07 b4 t10 b16}
+phases=${*:-b1 t07 b4 t10 b16 t07b4 t10b4 t07b16 t10b16}
 for phase in $phases; do
   case $phase in
     b1) cells 0 1 12 8 ;;
@@ -41,6 +41,10 @@ for phase in $phases; do
     b4) cells 0 4 16 16 ;;
     t10) cells 1.0 1 12 8 ;;
     b16) cells 0 16 32 32 ;;
+    t07b4) cells 0.7 4 16 16 ;;
+    t10b4) cells 1.0 4 16 16 ;;
+    t07b16) cells 0.7 16 32 32 ;;
+    t10b16) cells 1.0 16 32 32 ;;
   esac
 done
 "$PY" benchmarks/bench_auto.py --merge "$OUT"  # -> benchmarks/results/auto.json
