@@ -1,7 +1,8 @@
 """The cost curve: seconds of one verify forward by rows and tree width, and seconds of drafting.
 
 Every verify forward (plain steps included) teaches one table: per power-of-two rows bucket, each
-width's median of its latest timings, interpolated linearly (past the widest: its cost). At one row a
+width's median of its latest timings, interpolated linearly (past the widest: its cost). A bucket is
+priced by its own table once plain steps are timed there, until then by the next larger one's. At one row a
 width's excess over a plain step is shrunk as if one more sample had cost a plain step, its samples
 weighed by age (a width timed on few steps or long ago is tried again). No width is priced above a
 wider one, nor above the same width over more rows. Drafting seconds and each option's own verify
@@ -128,7 +129,7 @@ class CostCurve:
         curves = np.stack([self.verify_curve(rows, widths, aged) for aged in (True, False)])
         curves[:, 1:] -= curves[:, :-1].copy()  # (each width's seconds over the next narrower one's)
         bucket, speed, prices = rows_bucket(rows), self.speed, []
-        plain = self.verify.get(bucket, {}).get(1)
+        plain = self.verify.get(bucket, {}).get(1) if self.reference(rows) in (None, bucket) else None
         for option, reach in zip(options, reaches):  # (host floats: a few options, each a few operations)
             timed = self.verify_by_option.get(option, {}).get(bucket)
             if plain is not None and timed is not None and timed.evidence >= PRIOR_TIMINGS:
@@ -146,10 +147,10 @@ class CostCurve:
     def _nearest(bucket: int, tables: dict) -> int:
         return min(tables, key=lambda other: (abs(math.log2(other / bucket)), other))
 
-    def plain_timings(self, rows: int) -> int:
-        """Plain steps timed in ``rows``' bucket (at most the horizon)."""
-        timed = self.verify.get(rows_bucket(rows), {}).get(1)
-        return 0 if timed is None else timed.evidence
+    def reference(self, rows: int) -> int | None:
+        """The bucket pricing ``rows`` rows: the smallest from theirs up with plain steps timed (None: none)."""
+        return min((bucket for bucket, table in self.verify.items() if bucket >= rows_bucket(rows) and 1 in table
+                    and table[1].evidence >= PRIOR_TIMINGS), default=None)  # (fewer rows cost no more)
 
     def known(self, rows: int, width: float, option: object = None) -> bool:
         """Whether a step of ``option`` over ``rows`` rows of ``width`` nodes is priced from timings in
@@ -163,7 +164,7 @@ class CostCurve:
         ``stored``: at speed 1); at one row each width's excess shrunk, samples weighed by age or count."""
         if not self.verify:
             return None
-        bucket = rows_bucket(rows)
+        bucket = self.reference(rows) or rows_bucket(rows)
         bucket = bucket if bucket in self.verify else self._nearest(bucket, self.verify)
         curve = self._curves.get(bucket)
         if curve is None or curve[0] + _REFRESH <= self.clock or curve[1].size != len(self.verify[bucket]):

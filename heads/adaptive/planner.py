@@ -4,8 +4,8 @@ expected tokens per second, from the cost curve (:mod:`.cost`) and calibrated ac
 For the rows still decoding, each option the drafter offers (a ``SizedDrafter``'s sizes in each of a
 ``ModalDrafter``'s modes) is priced at drafting plus verify seconds against the tokens it is expected to
 commit, and compared with a plain step. Nested sizes share one acceptance model per mode. The size is
-chosen before drafting, so outputs are those of any fixed choice. A rows bucket's first plan is a run of
-plain steps (the reference); then each model drafts until it has seen :data:`REPLAN_EVERY` rows. A plan
+chosen before drafting, so outputs are those of any fixed choice. Rows with no plain steps timed over as
+many rows or more first plan a run of plain steps (the reference); then each model drafts until it has seen :data:`REPLAN_EVERY` rows. A plan
 priced from an untimed cost, or paying only by optimism, serves one step; one ahead only by a cost aged
 toward 0 is timed in one step, the best at unaged costs serving the rest. Untimed: a call's first step,
 the first after rows finished or a switch; an empty step counts toward its option's verify mean alone."""
@@ -23,7 +23,7 @@ from tree_attention.planning import ModalDrafter, StepRecord
 from tree_attention.tree import TreeBatch
 
 from .acceptance import HALF_LIFE, AcceptanceModel
-from .cost import PRIOR_TIMINGS, CostCurve
+from .cost import CostCurve
 
 REPLAN_EVERY = 8
 """Steps a plan serves before it is made again (sooner when the rows change): its estimates move over
@@ -148,12 +148,11 @@ class CallPlanner:
                                         or self.choice.draft and self.choice.option not in self.options):
             self.choice = None  # (replanned now; or the drafter offers other options now)
         self.summary.last = self.choice
-        self._applied: Option | None = None  # the option the drafter is set to (None: as configured)
-        self._capacity: int | None = None  # nodes the drafter is asked for, in its model's node order
+        self._applied, self._capacity = None, None  # the drafter's option (None: as configured), nodes asked for
         self._last_rows, self._last_plain = 0, True  # this call's previous step: its rows (0: none yet), plain
 
     def _plan(self, rows: int) -> Choice:
-        if self.costs.plain_timings(rows) < PRIOR_TIMINGS:  # the reference every option is judged against
+        if self.costs.reference(rows) is None:  # plain steps: the reference every option is judged against
             return Choice(False, reason="time plain steps")
         # largest sizes first: where sizes are nested, the largest shows what every smaller one accepts
         for (mode, size), model in reversed(list(zip(self.options, self.models))):

@@ -82,11 +82,20 @@ def test_fewer_rows_are_never_priced_above_more_rows():
     for _ in range(8):
         costs.observe_verify(16, 1, 16.0)
         costs.observe_verify(16, 3, 27.0)
-    costs.observe_verify(8, 1, 26.0)  # one noisy plain step over 8 rows
-    costs.observe_verify(8, 9, 38.0)  # wider than any timed over 16 rows: not capped by them
-    assert costs.verify_seconds(8, 1) == pytest.approx(16.0)
+    costs.observe_verify(8, 9, 38.0)
+    # no plain step timed over 8 rows yet: priced as 16 rows, no run of plain steps needed first
+    assert costs.reference(8) == 16 and costs.reference(32) is None
+    assert costs.verify_seconds(8, 1) == pytest.approx(16.0) and costs.verify_seconds(8, 9) == pytest.approx(27.0)
+    costs.observe_verify(8, 1, 26.0)  # one noisy plain step over 8 rows, then steady ones
+    for _ in range(3):
+        costs.observe_verify(8, 1, 12.0)
+    assert costs.reference(8) == 8 and costs.reference(4) == 8  # its own table now (4 rows: its next larger)
+    assert costs.verify_seconds(8, 1) == pytest.approx(12.0)  # (the median of its timings)
+    for _ in range(4):  # noisy plain steps over 4 rows: no higher than over 8
+        costs.observe_verify(4, 1, 30.0)
+    assert costs.reference(4) == 4 and costs.verify_seconds(4, 1) == pytest.approx(costs.verify_seconds(8, 1))
     assert costs.verify_seconds(16, 9) == pytest.approx(costs.verify_seconds(16, 3))  # (past the widest: its cost)
-    assert costs.verify_seconds(8, 9) > costs.verify_seconds(16, 9)
+    assert costs.verify_seconds(8, 9) > costs.verify_seconds(16, 9)  # wider than any timed over 16 rows: not capped
 
 
 def test_an_option_of_varying_widths_is_priced_from_its_own_steps():
@@ -147,7 +156,7 @@ def test_an_option_is_timed_over_its_empty_steps_too():
         planner.observe(record, *(chain if step % 2 else roots))
     timed = adaptive.costs.verify_by_option[option][1]
     assert timed.evidence == 8 and timed.value == pytest.approx(1.5)
-    assert adaptive.costs.plain_timings(1) == 7  # the call's first step untimed; no empty step among them
+    assert adaptive.costs.verify[1][1].evidence == 7  # the call's first step untimed; no empty step among them
 
 
 def test_drafting_is_priced_at_its_mean_and_a_verify_width_at_its_median():
@@ -214,6 +223,21 @@ def test_steps_that_also_compact_the_cache_are_not_timed_and_untimed_prices_plan
     assert adaptive.costs.known(4, 1, (None, None)) and not adaptive.costs.known(2, 1, (None, None))
 
 
+def test_rows_that_finish_keep_drafting_priced_from_more_rows_instead_of_timing_plain_steps_again():
+    from tree_attention.planning import StepRecord
+
+    adaptive = Adaptive([0.9] * 4, width=5)
+    planner = adaptive.planner("greedy", True)
+    roots = (TreeBatch.roots_only(torch.zeros(4, dtype=torch.long)), torch.zeros(4, 1, dtype=torch.long),
+             torch.ones(4, dtype=torch.long))
+    for _ in range(6):
+        assert not planner.draft(4) and planner.choice.reason == "time plain steps"
+        planner.observe(StepRecord("plain", 4, 1, 0.0, 1.0, 4), *roots)
+    assert adaptive.costs.reference(2) == 4 and adaptive.costs.reference(8) is None
+    assert planner.draft(2) and planner.choice.reason == "measure an option never drafted"  # (as over 4 rows)
+    assert adaptive.planner("greedy", True)._plan(8).reason == "time plain steps"  # more rows: timed first
+
+
 def test_the_plain_reference_is_timed_in_a_plan_of_plain_steps_and_not_from_empty_steps():
     """Nor from the first plain step after drafting ones (a switch costs more on a CPU)."""
     from tree_attention.planning import StepRecord
@@ -225,14 +249,14 @@ def test_the_plain_reference_is_timed_in_a_plan_of_plain_steps_and_not_from_empt
     assert not planner.draft(1) and planner.choice.reason == "time plain steps"
     for _ in range(6):  # a width-1 forward amid drafted ones (the drafter proposed nothing): not timed
         planner.observe(StepRecord("empty", 1, 1, 0.001, 3.0, 1), *roots)
-    assert adaptive.costs.plain_timings(1) == 0
+    assert 1 not in adaptive.costs.verify.get(1, {})
     assert not planner.draft(1)  # the first plain step after drafting ones (a switch): not timed
     planner.observe(StepRecord("plain", 1, 1, 0.0, 2.0, 1), *roots)
-    assert adaptive.costs.plain_timings(1) == 0
+    assert 1 not in adaptive.costs.verify.get(1, {})
     for step in range(5):  # the plan serves plain steps until the reference rests on a few of them
         assert not planner.draft(1)
         planner.observe(StepRecord("plain", 1, 1, 0.0, 1.0, 1), *roots)
-    assert adaptive.costs.plain_timings(1) == 5 and adaptive.costs.verify_seconds(1, 1) == pytest.approx(1.0)
+    assert adaptive.costs.verify[1][1].evidence == 5 and adaptive.costs.verify_seconds(1, 1) == pytest.approx(1.0)
     planner._age = 8  # the plain plan is over: the next one measures the drafter
     assert planner.draft(1) and planner.choice.reason == "measure an option never drafted"
 
