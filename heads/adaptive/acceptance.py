@@ -45,10 +45,9 @@ class AcceptanceModel:
         self.prior_by_depth = [float(rate) for rate in prior_by_depth]
         # held_ends[j]: rows whose tree held nodes 0 .. j and no more, asked_ends[j]: rows of drafted steps whose
         # tree could (stored, see scale): a step adds to one entry; node i's rows are the tail sum from i
-        self.held_ends, self.asked_ends = np.zeros(0), np.zeros(0)
-        self.on_path = np.zeros(0)  # rows in which node i was accepted
-        self.prior_on = np.zeros(0)  # prior pseudo-counts (stored as the counts, fading with them), per depth
-        self.prior_seen = np.zeros(0)
+        self.held_ends, self.asked_ends, self.on_path = np.zeros(0), np.zeros(0), np.zeros(0)  # on_path: rows accepting i
+        self.by_rows: dict[int, np.ndarray] = {}  # per rows bucket (a power of two): [2, width] its steps' held_ends, on_path
+        self.prior_on, self.prior_seen = np.zeros(0), np.zeros(0)  # prior pseudo-counts (stored, fading as the counts)
         self.scale = 1.0  # faded value = stored x scale
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
         self.steps, self.rows_seen = 0, 0  # drafted steps and their rows observed (unfaded)
@@ -68,13 +67,14 @@ class AcceptanceModel:
         if (grow := width - self.on_path.size) > 0:
             self.held_ends, self.on_path, self.asked_ends, self.prior_on, self.prior_seen = (
                 np.concatenate([array, np.zeros(grow)]) for array in self._arrays())
+            self.by_rows = {bucket: np.pad(own, ((0, 0), (0, grow))) for bucket, own in self.by_rows.items()}
 
     def fade(self) -> None:
         """One step passed (any step): earlier evidence counts a little less."""
         self.scale *= self._decay
         if self.scale < _RESCALE:
             self._count()  # (pending steps carry weights of the current scale)
-            for array in self._arrays():
+            for array in (*self._arrays(), *self.by_rows.values()):
                 array *= self.scale
             self.scale, self._cache = 1.0, None
         self._faded += 1
@@ -113,6 +113,8 @@ class AcceptanceModel:
         self.held_ends, self.asked_ends = _ends(held * cut), _ends(_tail_sums(self.asked_ends) * cut)
         for array in (self.on_path, self.prior_on, self.prior_seen):
             array *= cut
+        for own in self.by_rows.values():
+            own[0], own[1] = _ends(_tail_sums(own[0]) * cut), own[1] * cut
         self._cache = None
         return rows
 
@@ -123,7 +125,7 @@ class AcceptanceModel:
         self._grow(self.width)  # (the widest tree observed: every pending one fits)
         held_ends, asked_ends, on_path, request = self.held_ends, self.asked_ends, self.on_path, self._request
         for weight, trees, paths, lengths, capacity in self._pending:
-            rows, width = trees.rows, trees.width
+            rows, width, before = trees.rows, trees.width, np.stack([held_ends, on_path])
             asked_ends[min(self.width if capacity is None else max(capacity, width), asked_ends.size) - 1] += rows * weight
             if trees.uniform:  # every row holds every node (a template's)
                 held_ends[width - 1] += rows * weight
@@ -151,14 +153,13 @@ class AcceptanceModel:
                 if paths.shape[1] > 1:
                     request[0] += float(((lengths > 1) & (paths[:, 1] == 1)).sum())
             request[1] += first
+            self.by_rows.setdefault(1 << (rows.bit_length() - 1), np.zeros_like(before))[:] += np.stack([held_ends, on_path]) - before
         self._pending.clear()
 
     def _spread_prior(self, depths: np.ndarray, weight: float) -> None:
         """Nodes of a row's tree (``depths``) seen first: their depth's prior share, at the step's ``weight``."""
-        for index in np.flatnonzero(self.prior_seen[:depths.size] == 0).tolist():
+        for index in np.flatnonzero((self.prior_seen[:depths.size] == 0) & (depths > 0)).tolist():
             depth = int(depths[index])
-            if depth == 0:
-                continue
             reach = (self.prior_by_depth[depth - 1] if depth - 1 < len(self.prior_by_depth)
                      else 0.0 if self.prior_by_depth else UNINFORMED ** depth)
             # (fading with the evidence: a plain stretch widens the bound, the rate stays put)
@@ -179,22 +180,29 @@ class AcceptanceModel:
             gain = np.cumsum(exists * rate)
             # a prefix total's standard error: each node's rate over its evidence, weighted by its presence
             bonus = CONFIDENCE * np.sqrt(np.cumsum(exists ** 2 * np.maximum(rate * (1 - rate), 0.01) / (seen + 1)))
-            reach = exists.copy()
-            reach[0] = 1.0
-            for array in (exists, rate, seen, gain, bonus, reach):
+            for array in (exists, rate, seen, gain, bonus):
                 array.flags.writeable = False
-            self._cache, self._faded, self._reach = (exists, rate, seen, gain, bonus), 0, {1: reach}
+            self._cache, self._faded, self._reach = (exists, rate, seen, gain, bonus), 0, {}
         return self._cache
 
     def prefix_estimates(self, width: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For ``n = 1 .. width`` (index ``n - 1``), read-only: the drafted tokens a row is expected to accept
         from its tree's first ``n`` nodes, the bound's margin (:data:`CONFIDENCE` standard errors of the
-        prefix's total), and the chance that ``rows`` trees padded to the largest verify node ``n - 1``."""
-        exists, _, _, gain, bonus = self._estimates()
-        reach = self._reach.get(rows)
-        if reach is None:
-            reach = self._reach[rows] = 1.0 - (1.0 - exists) ** rows
-            reach[0], reach.flags.writeable = 1.0, False
+        prefix's total), and the chance that ``rows`` trees padded to the largest verify node ``n - 1``.
+        Over fewer rows than steps were seen with, the rows left (where rows finish at their token budget:
+        those that accepted least) weigh their rows bucket's own steps against the pooled rates, these worth
+        :data:`PRIOR_STEPS` steps of as many rows; the bound's margin stays the pooled one's."""
+        exists, rate, _, gain, bonus = self._estimates()
+        if rows not in self._reach:
+            reach, bucket = 1.0 - (1.0 - exists) ** rows, 1 << (rows.bit_length() - 1)
+            reach[0], own = 1.0, self.by_rows.get(bucket) if bucket < max(self.by_rows, default=0) else None
+            if own is not None:
+                pooled = PRIOR_STEPS * bucket
+                shifted = (own[1] * self.scale + pooled * rate) / (_tail_sums(own[0]) * self.scale + pooled)
+                shifted[0], gain = 0.0, np.cumsum(exists * shifted)  # (the root: the bonus token)
+            reach.flags.writeable = gain.flags.writeable = False
+            self._reach[rows] = (gain, reach)
+        gain, reach = self._reach[rows]
         if width <= exists.size:
             return gain[:width], bonus[:width], reach[:width]
         pad = width - exists.size  # nodes never drafted: nothing more accepted, never verified

@@ -202,9 +202,7 @@ class CostCurve:
     def draft_seconds(self, rows: int, mode: object = None, aged: bool = True) -> float:
         """Seconds of a steady drafting step of ``mode`` (an option) over ``rows`` rows, shrunk toward 0
         as if one more sample had cost nothing (0 before any is timed)."""
-        if not self.drafting.get(mode):
-            return 0.0
-        return self._drafting(rows, mode).shrunk(0.0, self.clock)[0 if aged else 1] * self.speed
+        return self._drafting(rows, mode).shrunk(0.0, self.clock)[not aged] * self.speed if self.drafting.get(mode) else 0.0
 
     def _drafting(self, rows: int, mode: object) -> RecentTimings:
         """``mode``'s drafting timings in ``rows``' bucket, else the nearest timed one's."""

@@ -55,10 +55,6 @@ class Choice:
     def option(self) -> Option:
         return (self.mode, self.size)
 
-    @property
-    def speedup(self) -> float | None:  # predicted tokens per second over a plain step's
-        return self.expected_tokens * self.plain_seconds / self.seconds if self.seconds and self.plain_seconds else None
-
 
 def _label(option: Option) -> str:
     return "/".join(str(part) for part in option if part is not None) or "configured"
@@ -82,7 +78,8 @@ class CallSummary:
                 "request_prior_rows": None if self.request_prior_rows is None else round(self.request_prior_rows, 1),
                 "last_choice": None if last is None else {
                     "draft": last.draft, "mode": last.mode, "size": last.size, "nodes": last.nodes, "reason": last.reason,
-                    "expected_tokens": round(last.expected_tokens, 3), "predicted_speedup": last.speedup and round(last.speedup, 3)},
+                    "expected_tokens": round(last.expected_tokens, 3), "predicted_speedup":  # tokens per second over a plain step's
+                        last.seconds and last.plain_seconds and round(last.expected_tokens * last.plain_seconds / last.seconds, 3)},
                 "acceptance": {label: model.summary() for label, model in models.items()},
                 "costs": adaptive.costs.summary()}
 
@@ -96,8 +93,8 @@ class Adaptive:
         """``prior_by_depth`` (``sampled_prior``): acceptance by depth recorded greedy (at a temperature); ``width``:
         the widest tree (root included); ``sizes``: a SizedDrafter's; ``extra``: a hybrid's lookup budget."""
         self.costs, self.models = CostCurve(), {}  # models: per (rule key, mode, size), an AcceptanceModel
-        self.prior_by_depth = list(prior_by_depth or ())
-        self.sampled_prior = list(sampled_prior or ())  # the prior of sampling rules (recorded sampled)
+        # the priors of greedy and of sampling rules (recorded sampled)
+        self.prior_by_depth, self.sampled_prior = list(prior_by_depth or ()), list(sampled_prior or ())
         self._sampled: set[str] = set()  # rule keys of sampling rules (planner: not deterministic)
         self.plans: dict[str, tuple[Choice, int, int, int]] = {}  # per rule key: the last call's (plan, rows, age, steps it serves)
         self.width, self.sizes, self.extra = width, tuple(sorted(set(sizes))), extra
@@ -123,15 +120,13 @@ class CallPlanner:
     """The :class:`tree_attention.planning.Planner` of one ``generate`` call."""
 
     def __init__(self, adaptive: Adaptive, key: str, deterministic: bool, drafter=None) -> None:
-        self.adaptive, self.key, self.deterministic = adaptive, key, deterministic
-        self.costs = adaptive.costs
+        self.adaptive, self.key, self.deterministic, self.costs = adaptive, key, deterministic, adaptive.costs
         self.modal = drafter if isinstance(drafter, ModalDrafter) else None
         self.sized = drafter if isinstance(drafter, SizedDrafter) and adaptive.sizes else None
         modes = (None,) if self.modal is None else tuple(self.modal.modes)
         fixed = () if self.modal is None else tuple(self.modal.fixed_modes)
         sizes = (None,) if self.sized is None else adaptive.sizes
-        self.options: list[Option] = [(mode, size) for mode in modes
-                                      for size in ((None,) if mode in fixed else sizes)]
+        self.options: list[Option] = [(mode, size) for mode in modes for size in ((None,) if mode in fixed else sizes)]
         # nested sizes share one model per mode: a step shows what every smaller size would accept
         nested = self.sized is not None and self.sized.nested
         self.models = [adaptive.model(key, (mode, None if nested else size)) for mode, size in self.options]
@@ -209,8 +204,7 @@ class CallPlanner:
             self.summary.last = choice
         self._age += 1
         if choice.draft and choice.option != self._applied:
-            self._applied = choice.option
-            index = self.options.index(choice.option)
+            self._applied, index = choice.option, self.options.index(choice.option)
             self.acceptance, self._capacity = self.models[index], self._nodes[index]
             if self.modal is not None:
                 self.modal.use_mode(choice.mode)

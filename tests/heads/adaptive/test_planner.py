@@ -351,6 +351,28 @@ def test_acceptance_counts_what_each_prefix_would_have_accepted():
     assert list(seen[1:5]) == [10, 10, 9, 9] and exists[4] == pytest.approx((4 + 1 + 4) / (6 + 4))
 
 
+def test_the_rows_left_after_rows_finish_are_predicted_from_their_own_steps():
+    """Rows finish at their token budget, those that accept most first: the rows left accept less. Over
+    fewer rows than the model has seen, a rows bucket's own steps move the prediction; over as many rows as
+    ever seen (batch-1 traffic alone included), the pooled estimate stands."""
+    model, single = AcceptanceModel(width=5), AcceptanceModel(width=5)
+    chain = _chain_batch(5)
+    four = TreeBatch.from_trees([chain.row(0)] * 4)
+    for _ in range(8):  # four rows accepting every node
+        model.observe(four, torch.arange(5)[None].expand(4, 5), torch.full((4,), 5))
+        single.observe(chain, torch.arange(5)[None], torch.tensor([5]))
+    pooled = model.prefix_estimates(5, 4)[0].copy()
+    assert model.prefix_estimates(5, 2)[0] == pytest.approx(pooled)  # no step over 2 rows yet
+    assert single.prefix_estimates(5, 1)[0] == pytest.approx(single._estimates()[3])  # batch-1 traffic: pooled
+    two = TreeBatch.from_trees([chain.row(0)] * 2)
+    for _ in range(4):  # the two rows left accept the first node alone
+        model.observe(two, torch.tensor([[0, 1, 1, 1, 1]] * 2), torch.full((2,), 2))
+    left, all_rows = model.prefix_estimates(5, 2)[0], model.prefix_estimates(5, 4)[0]
+    assert left[1] == pytest.approx(all_rows[1], abs=0.05)  # the first node: as before
+    assert left[-1] < all_rows[-1] - 1.0  # deeper ones: their own steps pull them down
+    assert all_rows[-1] == pytest.approx(model.prefix_estimates(5, 7)[0][-1])  # (4..7 rows: one bucket)
+
+
 def test_a_smaller_size_does_not_count_as_missing_nodes_of_a_larger_one():
     model = AcceptanceModel(width=5)  # one model serves nested sizes 1..4 (greedy)
     root_and_one = (torch.arange(2)[None], torch.tensor([2]))
