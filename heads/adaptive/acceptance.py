@@ -7,8 +7,8 @@ was on the accepted path. A prefix of node order is itself a tree whose nodes ar
 whole tree, so each drafted step shows what every smaller nested size would have got. Evidence and
 the prior (the acceptance by depth recorded at save time) fade with a half-life in steps, and choices
 use an upper confidence bound on a prefix's total, so no size is locked out by a few early steps. At
-a request's start earlier requests' evidence is weighed by how much requests differ.
-"""
+a request's start earlier requests' evidence is weighed by how much requests differ; the rows left
+when others finish (those that accepted least) are priced by their rows bucket's own steps as well."""
 from __future__ import annotations
 
 from collections import deque
@@ -25,7 +25,7 @@ CONFIDENCE = 1.0
 seen on few rows, or long ago, is tried again before it is written off."""
 
 PRIOR_STEPS = 4.0
-"""Steps' worth of weight given to the prior (the recorded or the uninformed acceptance)."""
+"""Steps' worth of weight of a prior: the recorded (or uninformed) acceptance; pooled rates over fewer rows."""
 
 UNINFORMED = 0.5
 """Prior chance that a drafted token is accepted, given its parent was, when the adapter recorded no
