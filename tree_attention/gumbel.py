@@ -174,22 +174,59 @@ def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tens
     return _gumbel_of_words(_shift(words, 11).double())
 
 
+NOISE_BLOCK = 1 << 13
+"""Noise entries one host call computes for a small vocabulary: a row's next ``NOISE_BLOCK // V``
+positions at once, kept for the steps that draw them (:class:`NoiseBlocks`). Numpy's cost per call, not
+its arithmetic, is most of a draw over a few hundred tokens; the noise of a position is the same however
+many are computed together."""
+
+
+class NoiseBlocks:
+    """Full-vocabulary host noise of a run of positions per row key, computed a block at a time
+    (vocabularies of at most ``NOISE_BLOCK // 2`` tokens: others compute each draw's noise alone)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.span = vocab, NOISE_BLOCK // vocab
+        self.blocks: dict[int, tuple[int, np.ndarray]] = {}  # key -> (first position, noise [span, V])
+
+    def noise(self, keys: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
+        """:func:`gumbel_noise` over the whole vocabulary, bit for bit: a new float64 ``[n, V]`` array for
+        ``keys`` and ``positions`` (host int64, ``n`` entries in all, flattened in order). A key's block
+        starts at the first position asked of it that it does not hold (a row's positions only grow)."""
+        flat_keys, flat_positions = keys.reshape(-1).tolist(), positions.reshape(-1).tolist()
+        noise = np.empty((len(flat_keys), self.vocab))
+        for index, (key, position) in enumerate(zip(flat_keys, flat_positions)):
+            first, block = self.blocks.get(key, (0, None))
+            if block is None or not first <= position < first + self.span:
+                first, block = self.blocks[key] = (position, _host_noise_rows(key, position, self.span, self.vocab))
+            noise[index] = block[position - first]
+        return noise
+
+
+def _host_noise_rows(key: int, first: int, count: int, vocab: int) -> np.ndarray:
+    """Host noise ``[count, V]`` of row key ``key`` at positions ``first, ..., first + count - 1``."""
+    return gumbel_noise(torch.full((count,), key, dtype=torch.long), torch.arange(first, first + count),
+                        vocabulary_tokens(vocab)).numpy()
+
+
 SUPPORT_SHARE = 4
 """Warped rows whose widest support (finite entries) is under 1/``SUPPORT_SHARE`` of the vocabulary
 (top-k, top-p) get noise only on their support, found by one ``topk``; others on every entry."""
 
 
-def perturbed_argmax(warped: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def perturbed_argmax(warped: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                     blocks: NoiseBlocks | None = None) -> torch.Tensor:
     """``argmax_v(warped[..., v] + G(keys, positions, v))``: the Gumbel-max draw of each row of
     ``warped`` ``[..., V]`` (warped logits, ``-inf`` outside the support), ``keys`` and
     ``positions`` ``[...]`` int64 (the position of the drawn token). Returns ``[...]`` long.
 
     The noise is evaluated in float64 and only where it can win (the support), so the result does
     not depend on how many rows are computed together."""
-    return perturbed_top_k(warped, keys, positions, 1)[..., 0]
+    return perturbed_top_k(warped, keys, positions, 1, blocks)[..., 0]
 
 
-def perturbed_top_k(warped: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
+def perturbed_top_k(warped: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, count: int,
+                    blocks: NoiseBlocks | None = None) -> torch.Tensor:
     """The ``count`` tokens with the largest ``warped + G(keys, positions, .)`` per row, best first
     (``[..., count]`` long; shapes as :func:`perturbed_argmax`). The first is the Gumbel-max draw of
     ``softmax(warped)``; all ``count`` are a draw without replacement from it (Gumbel-top-k).
@@ -198,9 +235,17 @@ def perturbed_top_k(warped: torch.Tensor, keys: torch.Tensor, positions: torch.T
     with the noise the target draws that token with, contain the target's draw with probability
     ``P(argmax(w_p + G) in top_count(w_q + G))``, which tends to 1 as the draft's distribution ``q``
     nears the target's ``p`` (independent draws from ``q`` reach only about ``sum_v p(v) q(v)``).
+    ``blocks``: where the whole vocabulary's noise is read on the host, it comes from there.
     Past a row's support (fewer finite entries than ``count``) the remaining tokens are arbitrary
     tokens outside it, which no draw ever picks."""
     vocab = warped.shape[-1]
+    if blocks is not None and blocks.vocab == vocab and warped.device.type == "cpu":
+        # every entry's noise read from the blocks; -inf entries (outside the support) are never drawn
+        noisy = blocks.noise(keys, positions)
+        noisy += warped.detach().reshape(-1, vocab).numpy()  # (float32 widened: torch's float64 sum exactly)
+        if count == 1:  # (numpy's argmax, as torch's, returns the first of equal maxima)
+            return torch.from_numpy(noisy.argmax(axis=1)).view(*warped.shape[:-1], 1)
+        return torch.topk(torch.from_numpy(noisy), count, dim=-1).indices.view(*warped.shape[:-1], count)
     scores = warped.double()
     if not scores.numel():
         support = 0
@@ -241,13 +286,22 @@ class GumbelRule(GreedyRule):
         self.seeds = seeds
         self.keys: torch.Tensor | None = None  # (B,) int64 row keys, once bound
         self._rows: tuple | None = None  # ((batch rows, device), their keys) of the latest draw
+        self._blocks: NoiseBlocks | None = None  # a small vocabulary's host noise, a block of positions at a time
 
     def for_prompts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> "GumbelRule":
         rows = int(input_ids.shape[0])
         seeds = [self.seeds] * rows if isinstance(self.seeds, int) else list(self.seeds)
         bound = copy.copy(self)
-        bound.keys, bound._rows = row_keys(seeds, input_ids, attention_mask), None
+        bound.keys, bound._rows, bound._blocks = row_keys(seeds, input_ids, attention_mask), None, None
         return bound
+
+    def _noise_blocks(self, vocab: int) -> NoiseBlocks | None:
+        """This call's blocks of host noise for a vocabulary of ``vocab`` tokens (None: not small)."""
+        if NOISE_BLOCK // vocab < 2:
+            return None
+        if self._blocks is None or self._blocks.vocab != vocab:
+            self._blocks = NoiseBlocks(vocab)
+        return self._blocks
 
     def choices(self, logits: torch.Tensor, batch_rows: list[int] | None, positions: torch.Tensor | None
                 ) -> torch.Tensor:
@@ -257,7 +311,7 @@ class GumbelRule(GreedyRule):
             raise ValueError("GumbelRule draws by row and position: bind it with for_prompts() and pass "
                              "batch_rows and positions with every call")
         keys, warped = self._keyed(logits, batch_rows, positions)
-        return perturbed_argmax(warped, keys, positions.to(logits.device) + 1)
+        return perturbed_argmax(warped, keys, positions.to(logits.device) + 1, blocks=self._noise_blocks(logits.shape[-1]))
 
     def _keyed(self, logits: torch.Tensor, batch_rows: Sequence[int], positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,7 +332,8 @@ class GumbelRule(GreedyRule):
         draft's logits equal to the target's, the first candidate is the target's draw. Returns
         ``[R, ..., count]`` long. The output never depends on it; only acceptance does."""
         keys, warped = self._keyed(draft_logits, batch_rows, positions)
-        return perturbed_top_k(warped, keys, positions.to(draft_logits.device), count)
+        return perturbed_top_k(warped, keys, positions.to(draft_logits.device), count,
+                               self._noise_blocks(draft_logits.shape[-1]))
 
     def coupled_pool(self, draft_logits: torch.Tensor, batch_rows: Sequence[int], positions: torch.Tensor,
                      count: int, pool: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -372,8 +372,8 @@ def test_a_wrong_seeded_rule_is_caught(model, spec, monkeypatch, wrong):
                             original(keys, torch.zeros_like(positions), tokens))
     else:
         original = gumbel.perturbed_argmax
-        monkeypatch.setattr(gumbel, "perturbed_argmax", lambda warped, keys, positions:
-                            original(warped * settings["temperature"], keys, positions))
+        monkeypatch.setattr(gumbel, "perturbed_argmax", lambda warped, keys, positions, **blocks:
+                            original(warped * settings["temperature"], keys, positions, **blocks))
     spec.set_tree(16)
     pvalue = chi_square_pvalue(seeded_runs(spec, first_seed=1000, **settings), exact_joint(model, **settings))
     assert pvalue < FALSE_ALARM, pvalue

@@ -256,3 +256,40 @@ def test_coupled_pool_reads_the_noise_of_a_few_tokens_and_keeps_the_targets_draw
     draft[..., torch.argsort(ids)] = logits  # draft column c holds the target logit of token ids[c]
     mapped = rule.coupled_pool(draft, [1, 0], positions + 1, 3, pool=32, token_ids=ids)  # draft columns
     assert torch.equal(ids[mapped], candidates)
+
+
+def test_noise_blocks_give_each_draws_own_noise_bit_for_bit():
+    """A small vocabulary's noise is computed a block of positions at a time and kept: whatever order
+    keys and positions are asked in (rows interleaved, positions repeated, going back, past a block),
+    each entry is :func:`gumbel_noise`'s own."""
+    blocks = gumbel.NoiseBlocks(40)
+    generator = torch.Generator().manual_seed(2)
+    keys = torch.tensor([11, -(2**62), 5])
+    asked = [(torch.tensor([0]), torch.tensor([7])), (torch.tensor([0, 0, 0]), torch.tensor([8, 8, 9])),
+             (torch.tensor([[0, 1], [2, 0]]), torch.tensor([[3, 900], [1, 7 + blocks.span]]))]
+    asked += [(torch.randint(0, 3, (4, 5), generator=generator), torch.randint(0, 3 * blocks.span, (4, 5), generator=generator))
+              for _ in range(20)]
+    for rows, positions in asked:
+        expected = gumbel_noise(keys[rows], positions, torch.arange(40)).reshape(-1, 40)
+        assert torch.equal(torch.from_numpy(blocks.noise(keys[rows], positions)), expected)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_rule_reading_noise_blocks_draws_what_one_draw_at_a_time_draws(count, monkeypatch):
+    """The rule over a small vocabulary reads blocks; with blocks off (each draw's noise alone) every
+    draw and coupled candidate is the same, -inf entries (top-k) never drawn."""
+    logits = 3 * torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(4))
+    logits[1, :, 10:] = -math.inf  # a truncated row
+    positions = torch.tensor([[4], [11], [2]]) + torch.arange(4)[None, :]
+
+    def draws():
+        rule = GumbelRule(lambda logits: logits / 0.9, seeds=[3, 4, 5]).for_prompts(torch.tensor([[5, 6], [7, 8], [1, 2]]), None)
+        return [rule.choices(logits, [2, 0, 1], positions + shift) for shift in (0, 1, 5, 1)] + [
+            rule.coupled_candidates(logits, [2, 0, 1], positions + 1, count)]
+
+    with_blocks = draws()
+    assert gumbel.NOISE_BLOCK // 50 >= 2
+    monkeypatch.setattr(gumbel, "NOISE_BLOCK", 1)
+    without = draws()
+    assert all(torch.equal(a, b) for a, b in zip(with_blocks, without))
+    assert (with_blocks[0][1] < 10).all()
