@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The check-split grid of bench_auto.py (one cell per run, resumable: a cell whose result exists is skipped).
-# Usage: [SPLIT=tuning OUT=DIR CORE=N TWIN=1] bash benchmarks/auto_grid.sh [PHASE...]   phases: b1 t07 b4 t10 b16 t07b4 t10b4 t07b16 t10b16 (default: all)
+# Usage: [SPLIT=tuning OUT=DIR CORE=N TWIN=1 ONLY=GLOB] bash benchmarks/auto_grid.sh [PHASE...]   phases: b1 t07 b4 t10 b16 t07b4 t10b4 t07b16 t10b16 (default: all)
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -9,6 +9,7 @@ OUT=${OUT:-benchmarks/results/cache/auto-grid}  # one JSON per cell (ignored by 
 run() {  # name, then bench_auto arguments
   local name=$1; shift
   [ -f "$OUT/$name.json" ] && return 0
+  [[ "$name" == ${ONLY:-*} ]] || return 0  # (ONLY: the cells whose name matches, e.g. 'stories260K_*')
   echo "== $name: $*"
   OMP_NUM_THREADS=1 taskset -c "${CORE:-1}" "$PY" benchmarks/bench_auto.py "$@" ${TWIN:+--twin} --name "$name" --split "$SPLIT" \
     --results "$OUT" 2>&1 | grep -v "Loading\|^batch" | tail -3
