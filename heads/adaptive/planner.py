@@ -176,7 +176,7 @@ class CallPlanner:
             return Choice(True, *self.options[index], int(round(widths[index])), 1.0 + float(gains[index]), float(seconds[index]),
                           plain, reason, exploring or not self.costs.known(rows, widths[index], self.options[index]), then)
         if (1.0 + expected[best]) / max(steady[best], 1e-9) <= 1.0 / plain:  # one exploring step: its switches in full
-            extra = self.costs.switch_seconds(True) * (1 - 1 / REPLAN_EVERY) + self.costs.switch_seconds(False) if self._last_plain else 0.0
+            extra = self.costs.switch_seconds(True) * (1 - 1 / REPLAN_EVERY) + self.costs.switch_seconds(False) if self._last_plain and self._last_rows else 0.0
             return planned(best, "it may pay", exploring=True) if rates[best] * seconds[best] / (seconds[best] + extra) > 1.0 / plain else \
                 Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
         return planned(best, "drafting pays") if top == best else planned(best, "timed again", planned(top, "drafting pays"))

@@ -630,6 +630,34 @@ def test_a_switch_between_plain_and_drafting_is_timed_apart_and_paid_once_a_plan
     assert choice.plain_seconds == pytest.approx(1.0 + 0.8 / REPLAN_EVERY)
 
 
+def test_an_exploring_step_out_of_plain_steps_pays_both_switches_in_full():
+    """A step that drafts only because the bound says it may pay serves one step: out of a plain
+    stretch it pays the switch into drafting and back in full, not a plan's share of them (here the
+    bound pays at a share and not in full); once drafting, it pays no switch and is explored."""
+    from heads.adaptive import Choice
+    from tree_attention.planning import StepRecord
+
+    def plan(switch_in: float, last_plain: bool) -> str:
+        adaptive = Adaptive([0.5] * 4, width=3)
+        planner = adaptive.planner("greedy", True)
+        roots = (TreeBatch.roots_only(torch.zeros(1, dtype=torch.long)), torch.zeros(1, 1, dtype=torch.long),
+                 torch.ones(1, dtype=torch.long))
+        planner.draft(1)
+        for _ in range(6):
+            planner.observe(StepRecord("plain", 1, 1, 0.0, 1.0, 1), *roots)
+        planner.choice = Choice(True, None, None, nodes=3, reason="test")
+        for step in range(8):  # node 1 accepted on every other step: half a token against 1.8 s
+            planner.observe(StepRecord("drafted", 1, 3, 0.5, 1.3, 2), _chain_batch(3), torch.arange(3)[None],
+                            torch.tensor([1 + step % 2]))
+        adaptive.costs.observe_switch(True, switch_in)
+        planner._last_plain = last_plain
+        return planner._plan(1).reason
+
+    assert plan(0.0, True) == "it may pay"
+    assert plan(0.4, True) == "plain is fastest"  # (a plan's share, 0.05 s, would still explore)
+    assert plan(0.4, False) == "it may pay"
+
+
 class _Sized:
     """A SizedDrafter stub: records the sizes it is set to."""
 
