@@ -6,9 +6,9 @@ For the rows still decoding, each option the drafter offers (a ``SizedDrafter``'
 commit, and compared with a plain step. Nested sizes share one acceptance model per mode. The size is
 chosen before drafting, so outputs are those of any fixed choice. Rows with no plain steps timed over as
 many rows or more first plan a run of plain steps (the reference); then each model drafts until it has seen :data:`REPLAN_EVERY` rows. A plan
-priced from an untimed cost, or paying only by optimism, serves one step; one ahead only by a cost aged
-toward 0 is timed in one step, the best at unaged costs serving the rest. Untimed: a call's first step,
-the first after rows finished or a switch; an empty step counts toward its option's verify mean alone."""
+priced from an untimed cost, or paying only by optimism, serves one step (out of plain steps it pays both switches
+in full); one ahead only by a cost aged toward 0 is timed in one step, the best at unaged costs the rest. Untimed: a
+call's first step, the first after rows finished or a switch; an empty step counts toward its option's verify mean alone."""
 from __future__ import annotations
 
 from collections import Counter
@@ -164,21 +164,19 @@ class CallPlanner:
         prices = self.costs.step_prices(rows, self.options, reaches)
         seconds = prices[:, 0] + (self.costs.switch_seconds(True) / REPLAN_EVERY if self._last_plain else 0.0)
         rates = (1.0 + (gains := expected + bonuses)) / np.maximum(seconds, 1e-9)
-        best = int(rates.argmax())
-        if rates[best] <= 1.0 / plain:
+        best, steady = int(rates.argmax()), prices[:, 1]
+        # paying by the bound alone: one exploring step, which out of plain steps pays both switches in full
+        explores = (1.0 + expected[best]) / max(steady[best], 1e-9) <= 1.0 / plain
+        extra = (self.costs.switch_seconds(True) * (1 - 1 / REPLAN_EVERY) + self.costs.switch_seconds(False)
+                 if explores and self._last_plain and self._last_rows else 0.0)  # (a call's first step: no switch)
+        if rates[best] * seconds[best] / (seconds[best] + extra) <= 1.0 / plain:
             return Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
-        # ahead by cost optimism alone (a price aged toward 0): timed in one step, the best at unaged costs
-        # the rest; paying by optimism alone (no bound either) against a plain step: one step; the bound: a plan
-        steady = prices[:, 1]
-        timed = (1.0 + gains) / np.maximum(steady, 1e-9)
-        top = int(timed.argmax())
+        top = int(((1.0 + gains) / np.maximum(steady, 1e-9)).argmax())  # ahead by an aged cost alone: timed in one step
         def planned(index: int, reason: str, then: Choice | None = None, exploring: bool = False) -> Choice:
             return Choice(True, *self.options[index], int(round(widths[index])), 1.0 + float(gains[index]), float(seconds[index]),
                           plain, reason, exploring or not self.costs.known(rows, widths[index], self.options[index]), then)
-        if (1.0 + expected[best]) / max(steady[best], 1e-9) <= 1.0 / plain:  # one exploring step: its switches in full
-            extra = self.costs.switch_seconds(True) * (1 - 1 / REPLAN_EVERY) + self.costs.switch_seconds(False) if self._last_plain and self._last_rows else 0.0
-            return planned(best, "it may pay", exploring=True) if rates[best] * seconds[best] / (seconds[best] + extra) > 1.0 / plain else \
-                Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
+        if explores:
+            return planned(best, "it may pay", exploring=True)
         return planned(best, "drafting pays") if top == best else planned(best, "timed again", planned(top, "drafting pays"))
 
     def release(self) -> None:
