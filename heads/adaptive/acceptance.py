@@ -52,8 +52,8 @@ class AcceptanceModel:
         self.width = max(1, width)  # the widest tree proposed (root included), at least the configured one
         self.steps, self.rows_seen = 0, 0  # drafted steps and their rows observed (unfaded)
         self._pending: list[tuple] = []  # (weight, trees, paths, lengths, capacity) of steps not yet counted
-        self._request = np.zeros((2, 0))  # this request's held_ends, on_path (unfaded)
-        self._requests: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=_REQUESTS)  # earlier ones': per node rate, rows
+        self._request = [0.0, 0]  # this request's rows whose tree held node 1: accepted, held (unfaded)
+        self._requests: deque[tuple[float, int]] = deque(maxlen=_REQUESTS)  # earlier ones': (rate, rows)
         self._cache: tuple[np.ndarray, ...] | None = None  # what _estimates returns, and their prefix sums
         self._faded = 0  # fades since the estimates were computed
         self._reach: dict[int, np.ndarray] = {}  # per rows: the chance the padded trees reach node i
@@ -68,7 +68,6 @@ class AcceptanceModel:
             self.held_ends, self.on_path, self.asked_ends, self.prior_on, self.prior_seen = (
                 np.concatenate([array, np.zeros(grow)]) for array in self._arrays())
             self.by_rows = {bucket: np.pad(own, ((0, 0), (0, grow))) for bucket, own in self.by_rows.items()}
-            self._request = np.pad(self._request, ((0, 0), (0, grow)))
 
     def fade(self) -> None:
         """One step passed (any step): earlier evidence counts a little less."""
@@ -92,68 +91,69 @@ class AcceptanceModel:
         self._cache = None
 
     def new_request(self) -> float | None:
-        """A new request begins: earlier requests' evidence becomes its prior, rates kept, each node's worth at most the
-        empirical-Bayes weight of its acceptance (rows; a row's variance within a request over the variance of the requests'
-        true rates: deep nodes of repetitive text differ most) and its parent's share. Where requests differ its own steps
-        take over within a few; where alike the evidence stands. Returns node 1's weight (None: no cut, < 3 requests)."""
+        """A new request begins: earlier requests' evidence becomes its prior, rates kept, worth at most the
+        empirical-Bayes weight of the first node's acceptance (rows): a row's variance within a request over
+        the variance of the requests' true rates. Where requests differ its own steps take over within a few;
+        where they are alike the evidence stands. Returns the weight (None: no cut, < 3 requests, no spread)."""
         self._count()
-        held = _tail_sums(self._request[0])
-        if held.size > 1 and held[1] > 0:
-            self._requests.append((self._request[1] / np.maximum(held, 1e-300), held))
-        self._request = np.zeros_like(self._request)
+        accepted, held = self._request
+        if held > 0:
+            self._requests.append((accepted / held, held))
+        self._request = [0.0, 0]
         if len(self._requests) < 3:
             return None
-        rates, counts = (np.array([np.pad(entry[part], (0, self.on_path.size - entry[part].size)) for entry in self._requests]) for part in (0, 1))
-        seen = (counts > 0).sum(axis=0)  # requests that held each node
-        mean = np.where(counts > 0, rates, 0.0).sum(axis=0) / np.maximum(seen, 1)
-        within = np.maximum(mean * (1.0 - mean), 1e-6)
-        between = (np.where(counts > 0, (rates - mean) ** 2, 0.0).sum(axis=0) / np.maximum(seen - 1, 1)
-                   - within * np.where(counts > 0, 1.0 / np.maximum(counts, 1e-300), 0.0).sum(axis=0) / np.maximum(seen, 1))
-        rows = np.where((seen >= 3) & (between > 0.0), np.maximum(1.0, within / np.maximum(between, 1e-300)), np.inf)
-        if np.isinf(rows[1:]).all():
+        rates, counts = np.array(self._requests).T
+        within = max(float(rates.mean() * (1.0 - rates.mean())), 1e-6)
+        between = float(rates.var(ddof=1)) - within * float((1.0 / counts).mean())
+        if between <= 0.0:
             return None
+        rows = max(1.0, within / between)
         held = _tail_sums(self.held_ends)
-        cut = np.minimum.accumulate(np.minimum(1.0, rows / np.maximum((held + self.prior_seen) * self.scale, 1e-300)))
+        cut = np.minimum(1.0, rows / np.maximum((held + self.prior_seen) * self.scale, 1e-300))
         self.held_ends, self.asked_ends = _ends(held * cut), _ends(_tail_sums(self.asked_ends) * cut)
-        self.on_path, self.prior_on, self.prior_seen = self.on_path * cut, self.prior_on * cut, self.prior_seen * cut
+        for array in (self.on_path, self.prior_on, self.prior_seen):
+            array *= cut
         for own in self.by_rows.values():
             own[0], own[1] = _ends(_tail_sums(own[0]) * cut), own[1] * cut
         self._cache = None
-        return float(rows[1]) if np.isfinite(rows[1]) else float(rows[np.isfinite(rows)].min())
+        return rows
 
     def _count(self) -> None:
         """Count the pending steps: the nodes each row's tree held (all verified) and its accepted path."""
         if not self._pending:
             return
         self._grow(self.width)  # (the widest tree observed: every pending one fits)
-        held_ends, asked_ends, on_path = self.held_ends, self.asked_ends, self.on_path
+        held_ends, asked_ends, on_path, request = self.held_ends, self.asked_ends, self.on_path, self._request
         for weight, trees, paths, lengths, capacity in self._pending:
             rows, width, before = trees.rows, trees.width, np.stack([held_ends, on_path])
             asked_ends[min(self.width if capacity is None else max(capacity, width), asked_ends.size) - 1] += rows * weight
             if trees.uniform:  # every row holds every node (a template's)
                 held_ends[width - 1] += rows * weight
-                held, row = width, 0
+                held, row, first = width, 0, rows if width > 1 else 0
             elif rows == 1:
                 held, row = int(trees.sizes[0]), 0
                 held_ends[held - 1] += weight
+                first = int(held > 1)
             else:
                 sizes = trees.sizes.numpy()
                 held_ends[:width] += weight * np.bincount(sizes - 1, minlength=width)[:width]
                 row = int(sizes.argmax())
-                held = int(sizes[row])
+                held, first = int(sizes[row]), int((sizes > 1).sum())
             if held > 1 and self.prior_seen[held - 1] == 0:  # (a root alone has no prior)
                 self._spread_prior(trees.depths[row, :held].numpy(), weight)
             if rows == 1:  # (host lists: a path is a few nodes, cheaper than array indexing)
                 path = paths.tolist()[0][:int(lengths)]
                 for node in path:
                     on_path[node] += weight
+                request[0] += float(len(path) > 1 and path[1] == 1)  # (node 1: the root's first child)
             else:
                 paths, lengths = paths.numpy(), lengths.numpy()
                 accepted = paths[np.arange(paths.shape[1])[None, :] < lengths[:, None]]
                 on_path[:width] += weight * np.bincount(accepted, minlength=width)[:width]
-            step = np.stack([held_ends, on_path]) - before
-            self.by_rows.setdefault(1 << (rows.bit_length() - 1), np.zeros_like(before))[:] += step
-            self._request += step / weight
+                if paths.shape[1] > 1:
+                    request[0] += float(((lengths > 1) & (paths[:, 1] == 1)).sum())
+            request[1] += first
+            self.by_rows.setdefault(1 << (rows.bit_length() - 1), np.zeros_like(before))[:] += np.stack([held_ends, on_path]) - before
         self._pending.clear()
 
     def _spread_prior(self, depths: np.ndarray, weight: float) -> None:

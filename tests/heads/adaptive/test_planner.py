@@ -206,24 +206,6 @@ def test_a_new_request_weighs_earlier_ones_by_how_much_requests_differ():
     assert AcceptanceModel(width=5).new_request() is None  # no earlier requests: nothing to cut
 
 
-def test_deep_nodes_that_differ_between_requests_are_cut_where_the_first_node_is_alike():
-    """Repetitive and fresh requests accept their first drafted token alike and differ deeper: each
-    node's evidence is cut by its own spread between requests, so the first node's stands while the
-    deep nodes' shrinks to a few rows and a new request's own steps take over there."""
-    model = AcceptanceModel(width=5)
-    for request in range(6):
-        model.new_request()
-        _request(model, [4 if request % 2 else 1] * 40)  # node 1 always accepted, nodes 2-4 every other request
-    before = model._estimates()[2].copy()  # each node's evidence (rows)
-    weight = model.new_request()
-    after = model._estimates()[2]
-    assert weight is not None and 1.0 <= weight < 8.0
-    assert after[1] == pytest.approx(before[1])  # alike: its evidence stands
-    assert after[3] <= weight + 1e-9 and after[3] < before[3] / 4
-    _request(model, [4] * 8)  # this request repeats itself: its own steps decide the deep nodes
-    assert model.prefix_estimates(5, 1)[0][-1] > 3.0
-
-
 def test_steps_that_also_compact_the_cache_are_not_timed_and_untimed_prices_plan_one_step():
     from tree_attention.planning import StepRecord
 
