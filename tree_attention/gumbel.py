@@ -297,7 +297,7 @@ class GumbelRule(GreedyRule):
 
     def _noise_blocks(self, vocab: int) -> NoiseBlocks | None:
         """This call's blocks of host noise for a vocabulary of ``vocab`` tokens (None: not small)."""
-        if NOISE_BLOCK // vocab < 2:
+        if not 0 < vocab <= NOISE_BLOCK // 2:
             return None
         if self._blocks is None or self._blocks.vocab != vocab:
             self._blocks = NoiseBlocks(vocab)

@@ -169,7 +169,7 @@ class CallPlanner:
         explores = (1.0 + expected[best]) / max(steady[best], 1e-9) <= 1.0 / plain
         extra = (self.costs.switch_seconds(True) * (1 - 1 / REPLAN_EVERY) + self.costs.switch_seconds(False)
                  if explores and self._last_plain and self._last_rows else 0.0)  # (a call's first step: no switch)
-        if rates[best] * seconds[best] / (seconds[best] + extra) <= 1.0 / plain:
+        if (1.0 + gains[best]) / max(seconds[best] + extra, 1e-9) <= 1.0 / plain:
             return Choice(False, seconds=plain, plain_seconds=plain, reason="plain is fastest")
         top = int(((1.0 + gains) / np.maximum(steady, 1e-9)).argmax())  # ahead by an aged cost alone: timed in one step
         def planned(index: int, reason: str, then: Choice | None = None, exploring: bool = False) -> Choice:
